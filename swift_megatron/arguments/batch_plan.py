@@ -1,0 +1,241 @@
+"""The completion-level batch arithmetic of a GRPO run, and every rule it must satisfy.
+
+Pure functions, no torch. `make_batch_plan` turns the flags and the world size into a BatchPlan
+or raises BatchPlanError naming the flags involved and the nearest values that pass every rule.
+The accepted set is ms-swift's Megatron GRPO (so its example scripts port unchanged):
+
+  dp_size               = world_size / (TP x PP x CP)                         (a)
+  global_batch_size     = micro_batch_size x dp_size x grad_accum_steps       (b)
+  generation_batch_size = global_batch_size x steps_per_generation            (c)
+  generation_batch_size % num_generations == 0                                (d)
+  rollout prompts per DP group = generation_batch_size / num_generations / dp_size,
+      an integer >= 1 and a multiple of micro_batch_size                      (e)
+  generation_batch_size % world_size == 0 (equal generation share per rank)   (f)
+  colocate: world_size % vllm_tensor_parallel_size == 0                       (g)
+  num_experts % expert_model_parallel_size == 0 (once the model is read)     (h)
+
+Rule (e) is stated on global_batch_size in the seed docs; ms-swift's code and example scripts
+apply it to the rollout batch, and so do we (docs/rlhf.md explains).
+"""
+from dataclasses import dataclass, replace
+from typing import Callable, List, Optional
+
+from swift_megatron.errors import UserError
+
+
+class BatchPlanError(UserError):
+    """A batch flag combination that cannot be scheduled; the message says what to use."""
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The flags the plan depends on (None = not given)."""
+
+    world_size: int
+    micro_batch_size: int
+    global_batch_size: int
+    num_generations: int
+    generation_batch_size: Optional[int] = None
+    steps_per_generation: Optional[int] = None
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    colocate_vllm: bool = False
+    vllm_tensor_parallel_size: int = 1
+    num_experts: Optional[int] = None
+    expert_model_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Everything the trainer needs to schedule one rollout batch and its optimizer steps."""
+
+    world_size: int
+    dp_size: int
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum_steps: int          # micro-batches per optimizer step on one DP rank
+    num_generations: int
+    steps_per_generation: int
+    generation_batch_size: int
+    rollout_prompts: int           # prompts per rollout batch, all ranks
+    train_prompts: float           # prompts per optimizer step (may be fractional)
+    rollout_prompts_per_dp: int    # prompts per rollout batch on one DP group
+    completions_per_dp: int        # completions per rollout batch on one DP group
+    completions_per_rank: int      # completions each rank generates per rollout batch
+
+    def table(self) -> str:
+        rows = [
+            ("world_size", self.world_size, "NPROC_PER_NODE x NNODES"),
+            ("dp_size", self.dp_size, "world_size / (TP x PP x CP)"),
+            ("micro_batch_size", self.micro_batch_size, "completions per forward/backward"),
+            ("global_batch_size", self.global_batch_size, "completions per optimizer step"),
+            ("grad_accum_steps", self.grad_accum_steps, "global / (micro x dp)"),
+            ("num_generations", self.num_generations, "completions per prompt"),
+            ("steps_per_generation", self.steps_per_generation, "optimizer steps per rollout"),
+            ("generation_batch_size", self.generation_batch_size, "completions per rollout"),
+            ("rollout_prompts", self.rollout_prompts, "generation / num_generations"),
+            ("train_prompts", _fmt(self.train_prompts), "global / num_generations"),
+            ("rollout_prompts_per_dp", self.rollout_prompts_per_dp, "rollout prompts / dp_size"),
+            ("completions_per_dp", self.completions_per_dp, "generation / dp_size"),
+            ("completions_per_rank", self.completions_per_rank, "generation / world_size"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {value:>8}  {note}" for name, value, note in rows)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.2f}"
+
+
+def make_batch_plan(inputs: BatchInputs) -> BatchPlan:
+    """Check every rule in order; the first violation raises BatchPlanError."""
+    for rule in _RULES:
+        message = rule(inputs)
+        if message:
+            raise BatchPlanError(message)
+    return _plan(inputs)
+
+
+def is_valid(inputs: BatchInputs) -> bool:
+    return all(rule(inputs) is None for rule in _RULES)
+
+
+def _model_parallel(i: BatchInputs) -> int:
+    return i.tensor_model_parallel_size * i.pipeline_model_parallel_size * i.context_parallel_size
+
+
+def _dp(i: BatchInputs) -> int:
+    return i.world_size // _model_parallel(i)
+
+
+def generation_size(i: BatchInputs) -> int:
+    """generation_batch_size after defaulting (rule c must hold for it to mean anything)."""
+    if i.generation_batch_size is not None:
+        return i.generation_batch_size
+    return i.global_batch_size * (i.steps_per_generation or 1)
+
+
+def _plan(i: BatchInputs) -> BatchPlan:
+    dp, gen = _dp(i), generation_size(i)
+    return BatchPlan(
+        world_size=i.world_size, dp_size=dp, micro_batch_size=i.micro_batch_size,
+        global_batch_size=i.global_batch_size,
+        grad_accum_steps=i.global_batch_size // (i.micro_batch_size * dp),
+        num_generations=i.num_generations, steps_per_generation=gen // i.global_batch_size,
+        generation_batch_size=gen, rollout_prompts=gen // i.num_generations,
+        train_prompts=i.global_batch_size / i.num_generations,
+        rollout_prompts_per_dp=gen // i.num_generations // dp, completions_per_dp=gen // dp,
+        completions_per_rank=gen // i.world_size)
+
+
+# ---- suggestions -------------------------------------------------------------------------
+
+def _nearest(inputs: BatchInputs, flag: str, ok: Callable[[BatchInputs], bool]) -> List[int]:
+    """Nearest values of `flag` (one below, one above) for which ok(inputs) holds."""
+    value = getattr(inputs, flag) or 1
+    limit = max(4 * value, 64) * max(inputs.world_size, inputs.num_generations, 1)
+    below = next((v for v in range(value - 1, 0, -1) if ok(replace(inputs, **{flag: v}))), None)
+    above = next((v for v in range(value + 1, limit + 1) if ok(replace(inputs, **{flag: v}))), None)
+    return [v for v in (below, above) if v is not None]
+
+
+def _use(inputs: BatchInputs, flag: str, rule=None) -> str:
+    """'use X or Y' for the values of flag that pass every rule (or at least `rule`)."""
+    values = _nearest(inputs, flag, is_valid)
+    if not values and rule is not None:
+        values = _nearest(inputs, flag, lambda i: rule(i) is None)
+    if not values:
+        return f"no nearby {flag} passes every batch rule; change the other flags"
+    return f"use {flag}={' or '.join(str(v) for v in values)}"
+
+
+def _primary(i: BatchInputs) -> str:
+    """The flag that sets the rollout batch: the one the user is most likely to adjust."""
+    return "generation_batch_size" if i.generation_batch_size is not None else "global_batch_size"
+
+
+# ---- the rules, in the order they are checked --------------------------------------------
+
+def _rule_a_world(i: BatchInputs) -> Optional[str]:
+    mp = _model_parallel(i)
+    if i.world_size % mp == 0:
+        return None
+    tps = [t for t in range(1, i.world_size + 1)
+           if i.world_size % (t * i.pipeline_model_parallel_size * i.context_parallel_size) == 0]
+    hint = (f"use tensor_model_parallel_size={' or '.join(map(str, tps))}" if tps
+            else "lower pipeline_model_parallel_size or context_parallel_size")
+    return (f"world_size={i.world_size} (NPROC_PER_NODE x NNODES) is not divisible by "
+            f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
+            f"= {i.tensor_model_parallel_size} x {i.pipeline_model_parallel_size} x "
+            f"{i.context_parallel_size} = {mp}: {hint}, or launch a multiple of {mp} processes")
+
+
+def _rule_b_global(i: BatchInputs) -> Optional[str]:
+    step = i.micro_batch_size * _dp(i)
+    if i.global_batch_size % step == 0:
+        return None
+    return (f"global_batch_size={i.global_batch_size} is not a multiple of micro_batch_size x "
+            f"dp_size = {i.micro_batch_size} x {_dp(i)} = {step}: "
+            f"{_use(i, 'global_batch_size', _rule_b_global)}")
+
+
+def _rule_c_generation(i: BatchInputs) -> Optional[str]:
+    gen, spg, gbs = i.generation_batch_size, i.steps_per_generation, i.global_batch_size
+    if gen is not None and spg is not None and gen != gbs * spg:
+        return (f"generation_batch_size={gen} and steps_per_generation={spg} disagree: "
+                f"generation_batch_size must equal global_batch_size x steps_per_generation = "
+                f"{gbs} x {spg} = {gbs * spg}; pass only one of them")
+    if gen is not None and spg is None and gen % gbs != 0:
+        return (f"generation_batch_size={gen} is not a multiple of global_batch_size={gbs}: "
+                f"{_use(i, 'generation_batch_size', _rule_c_generation)}")
+    return None
+
+
+def _rule_d_groups(i: BatchInputs) -> Optional[str]:
+    gen = generation_size(i)
+    if gen % i.num_generations == 0:
+        return None
+    return (f"generation_batch_size={gen} is not a multiple of num_generations="
+            f"{i.num_generations} (every prompt needs all its completions in one rollout batch): "
+            f"{_use(i, _primary(i), _rule_d_groups)}")
+
+
+def _rule_e_prompts_per_dp(i: BatchInputs) -> Optional[str]:
+    prompts, dp = generation_size(i) // i.num_generations, _dp(i)
+    if prompts % dp == 0 and prompts // dp >= 1 and (prompts // dp) % i.micro_batch_size == 0:
+        return None
+    return (f"rollout prompts per DP group = generation_batch_size / num_generations / dp_size "
+            f"= {generation_size(i)} / {i.num_generations} / {dp} must be a whole multiple of "
+            f"micro_batch_size={i.micro_batch_size} (all completions of a prompt stay on one DP "
+            f"rank): {_use(i, _primary(i), _rule_e_prompts_per_dp)}")
+
+
+def _rule_f_world_share(i: BatchInputs) -> Optional[str]:
+    gen = generation_size(i)
+    if gen % i.world_size == 0:
+        return None
+    return (f"generation_batch_size={gen} is not divisible by world_size={i.world_size} "
+            f"(each rank generates an equal share): {_use(i, _primary(i), _rule_f_world_share)}")
+
+
+def _rule_g_vllm_tp(i: BatchInputs) -> Optional[str]:
+    if not i.colocate_vllm or i.world_size % i.vllm_tensor_parallel_size == 0:
+        return None
+    sizes = [t for t in range(1, i.world_size + 1) if i.world_size % t == 0]
+    return (f"colocate mode: world_size={i.world_size} is not divisible by "
+            f"vllm_tensor_parallel_size={i.vllm_tensor_parallel_size}: use "
+            f"vllm_tensor_parallel_size={' or '.join(map(str, sizes))}")
+
+
+def _rule_h_experts(i: BatchInputs) -> Optional[str]:
+    if i.num_experts is None or i.num_experts % i.expert_model_parallel_size == 0:
+        return None
+    sizes = [e for e in range(1, i.num_experts + 1) if i.num_experts % e == 0]
+    return (f"the model has num_experts={i.num_experts}, not divisible by "
+            f"expert_model_parallel_size={i.expert_model_parallel_size}: use "
+            f"expert_model_parallel_size={' or '.join(map(str, sizes))}")
+
+
+_RULES = (_rule_a_world, _rule_b_global, _rule_c_generation, _rule_d_groups,
+          _rule_e_prompts_per_dp, _rule_f_world_share, _rule_g_vllm_tp, _rule_h_experts)

@@ -1,0 +1,92 @@
+"""One dataclass per command, composed of the argument groups it accepts.
+
+`megatron rlhf` -> RlhfArguments, `megatron export` -> ExportCommandArguments,
+`megatron rollout` -> RolloutCommandArguments. Cross-group checks that need no model live here;
+the batch plan is built by `batch_inputs()` + arguments/batch_plan.py.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+from swift_megatron.arguments.batch_plan import BatchInputs
+from swift_megatron.arguments.data import DataArguments
+from swift_megatron.arguments.export import ExportArguments
+from swift_megatron.arguments.grpo import GRPOArguments
+from swift_megatron.arguments.lora import LoraArguments
+from swift_megatron.arguments.model import ModelArguments
+from swift_megatron.arguments.parallel import ParallelArguments
+from swift_megatron.arguments.rollout import RolloutArguments, ServeArguments, VllmEngineArguments
+from swift_megatron.arguments.training import BatchArguments, TrainingArguments
+from swift_megatron.errors import UserError
+
+
+@dataclass
+class RlhfArguments:
+    """Flags of `megatron rlhf`."""
+
+    model: ModelArguments
+    data: DataArguments
+    training: TrainingArguments
+    batch: BatchArguments
+    parallel: ParallelArguments
+    grpo: GRPOArguments
+    rollout: RolloutArguments
+    vllm: VllmEngineArguments
+    lora: LoraArguments
+
+    def __post_init__(self):
+        if self.model.model is None and not self.training.dry_run:
+            raise UserError("--model is required (a local HF directory or a hub id)")
+        if not self.data.dataset and not self.training.dry_run:
+            raise UserError("--dataset is required (a local file, HF datasets name or ModelScope id)")
+
+
+@dataclass
+class ExportCommandArguments:
+    """Flags of `megatron export`."""
+
+    model: ModelArguments
+    parallel: ParallelArguments
+    export: ExportArguments
+    lora: LoraArguments
+
+    def __post_init__(self):
+        e = self.export
+        if e.to_hf and e.to_mcore:
+            raise UserError("choose one of --to_hf true and --to_mcore true")
+        if e.to_mcore and self.model.model is None:
+            raise UserError("--to_mcore true needs --model (an HF directory or hub id)")
+        if e.to_hf and not (e.mcore_model or e.mcore_adapter):
+            raise UserError("--to_hf true needs --mcore_model (or --mcore_adapter)")
+        if not (e.to_hf or e.to_mcore or e.merge_lora or e.test_convert_precision):
+            raise UserError("nothing to do: pass --to_mcore true, --to_hf true, --merge_lora true "
+                            "or --test_convert_precision true")
+        if (e.to_hf or e.to_mcore or e.merge_lora) and not e.output_dir:
+            raise UserError("--output_dir is required for a conversion")
+
+
+@dataclass
+class RolloutCommandArguments:
+    """Flags of `megatron rollout`."""
+
+    model: ModelArguments
+    vllm: VllmEngineArguments
+    serve: ServeArguments
+
+    def __post_init__(self):
+        if self.model.model is None:
+            raise UserError("--model is required")
+
+
+def batch_inputs(args: RlhfArguments, world_size: int, num_experts: Optional[int] = None,
+                 colocate_vllm: bool = False) -> BatchInputs:
+    """The batch-plan inputs of an rlhf command for a given world size."""
+    p, g = args.parallel, args.grpo
+    return BatchInputs(
+        world_size=world_size, micro_batch_size=args.batch.micro_batch_size,
+        global_batch_size=args.batch.global_batch_size, num_generations=g.num_generations,
+        generation_batch_size=g.generation_batch_size, steps_per_generation=g.steps_per_generation,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size, colocate_vllm=colocate_vllm,
+        vllm_tensor_parallel_size=args.vllm.vllm_tensor_parallel_size, num_experts=num_experts,
+        expert_model_parallel_size=p.expert_model_parallel_size)

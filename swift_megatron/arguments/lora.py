@@ -1,0 +1,29 @@
+"""LoRA flags: adapter shape, targets, and adapters to load."""
+from dataclasses import dataclass
+from typing import List
+
+from swift_megatron.arguments.fields import arg
+from swift_megatron.errors import UserError
+
+_LORA_LATER = "LoRA lands with the LoRA issue"
+
+
+@dataclass
+class LoraArguments:
+    """LoRA"""
+
+    lora_rank: int = arg(8, "Adapter rank r.")
+    lora_alpha: int = arg(32, "Adapter scale numerator: scale = lora_alpha / r "
+                          "(or / sqrt(r) with --use_rslora).")
+    lora_dropout: float = arg(0.05, "Dropout on the adapter input.")
+    target_modules: List[str] = arg(["all-linear"], "HF module names to adapt (q_proj, k_proj, "
+                                    "v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
+    use_rslora: bool = arg(False, "Rank-stabilised LoRA scaling.")
+    adapters: List[str] = arg([], "PEFT adapter directories to load (continue training, or merge "
+                              "with `megatron export`).", not_yet=_LORA_LATER)
+
+    def __post_init__(self):
+        if self.lora_rank < 1:
+            raise UserError(f"--lora_rank must be >= 1, got {self.lora_rank}")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")

@@ -1,0 +1,55 @@
+"""Parallelism flags (Megatron naming): TP, PP, VPP, CP, EP, ETP, SP, optimizer sharding, recompute."""
+from dataclasses import dataclass
+from typing import Optional
+
+from swift_megatron.arguments.fields import arg
+from swift_megatron.errors import UserError
+
+
+@dataclass
+class ParallelArguments:
+    """Parallelism"""
+
+    tensor_model_parallel_size: int = arg(1, "Tensor-parallel degree (TP): each layer's weights "
+                                          "are split across this many GPUs.")
+    pipeline_model_parallel_size: int = arg(1, "Pipeline-parallel degree (PP): the layers are "
+                                            "split into this many stages.")
+    virtual_pipeline_model_parallel_size: Optional[int] = arg(
+        None, "Interleaved pipeline: model chunks per pipeline stage.",
+        not_yet="the interleaved (virtual) pipeline schedule is not implemented")
+    context_parallel_size: int = arg(1, "Context-parallel degree (CP): each sequence is split "
+                                     "across this many GPUs.",
+                                     not_yet="context parallelism needs a CP-aware attention")
+    expert_model_parallel_size: int = arg(1, "Expert-parallel degree (EP) for MoE models.")
+    expert_tensor_parallel_size: int = arg(1, "Tensor-parallel degree inside each expert (ETP).")
+    sequence_parallel: bool = arg(False, "Megatron sequence parallelism (needs TP > 1): norms "
+                                  "and dropout run on sequence shards.")
+    use_distributed_optimizer: bool = arg(True, "Shard optimizer state across data-parallel "
+                                          "ranks (Megatron's distributed optimizer).")
+    recompute_granularity: Optional[str] = arg(None, "Activation recomputation: full (whole "
+                                               "layers) or selective (attention core only).",
+                                               choices=["full", "selective"])
+    recompute_method: Optional[str] = arg(None, "With --recompute_granularity full: uniform or "
+                                          "block.", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = arg(None, "With --recompute_granularity full: layers "
+                                              "per recompute group (uniform) or recomputed "
+                                              "layers per stage (block).")
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise UserError("--sequence_parallel true needs --tensor_model_parallel_size > 1")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            self.recompute_method, self.recompute_num_layers = "uniform", self.recompute_num_layers or 1
+        if self.recompute_method and self.recompute_granularity != "full":
+            raise UserError("--recompute_method needs --recompute_granularity full")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model: TP x PP x CP."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)

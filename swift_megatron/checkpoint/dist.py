@@ -1,0 +1,63 @@
+"""Model weights as megatron distributed checkpoints (torch_dist format).
+
+A checkpoint written by any TP/PP/EP layout loads into any other: every rank saves and loads
+only its shards, described by megatron's sharded_state_dict. Writes go to `<dir>.tmp-<pid>`
+and are renamed into place when every rank has finished, so a crash never leaves a half
+written checkpoint under the final name.
+"""
+import os
+import shutil
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from swift_megatron.errors import UserError
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16 wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
+    if len(chunks) != 1:
+        raise ValueError("virtual pipeline chunks are not supported")
+    return unwrap(chunks[0]).sharded_state_dict()
+
+
+def _broadcast_str(value: str) -> str:
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def save_model(chunks: Sequence[torch.nn.Module], directory: str, exist_ok: bool = False) -> None:
+    """Write this model's weights as a distributed checkpoint at `directory` (atomic)."""
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory) and not exist_ok:
+        raise UserError(f"{directory} exists; pass --exist_ok true to overwrite it")
+    tmp = _broadcast_str(f"{directory}.tmp-{os.getpid()}")
+    if dist.get_rank() == 0:
+        os.makedirs(tmp, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks), tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(directory):
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    dist.barrier()
+
+
+def load_model(chunks: Sequence[torch.nn.Module], directory: str) -> None:
+    """Load weights saved by save_model (with any parallel layout) into this model."""
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):
+        raise UserError(f"{directory} is not a megatron distributed checkpoint "
+                        "(no metadata.json)")
+    model = unwrap(chunks[0])
+    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(state, strict=True)

@@ -1,0 +1,12 @@
+"""Errors a user can cause and fix (a bad flag, file, dataset row or request).
+
+The command-line layer prints a UserError's message without a traceback and exits with
+`exit_code` (2, argparse's code for usage errors). Everything else is a bug and keeps its
+traceback.
+"""
+
+
+class UserError(Exception):
+    """A mistake in the user's input; the message says what to change."""
+
+    exit_code = 2

@@ -1,0 +1,6 @@
+"""Logging for every module: `get_logger(__name__)` prints on global rank 0 only (warnings and
+errors from every rank), so a multi-process run reads like a single one. Metric sinks (console,
+jsonl, tensorboard, wandb) live in logging/metrics.py."""
+from swift_megatron.logging.logger import get_logger
+
+__all__ = ["get_logger"]

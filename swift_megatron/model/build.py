@@ -1,0 +1,58 @@
+"""Build the GPTModel of one pipeline stage from an HF config (random init; the bridge loads
+weights). `build_model` is what the trainer, the exporter and the tests call."""
+from typing import Mapping, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from swift_megatron.model.config import ModelShape, model_shape, transformer_config
+from swift_megatron.model.spec import block_spec
+
+
+def _apply_llama3_rope_scaling(model: GPTModel, rope: Mapping) -> None:
+    """Scale RoPE frequencies with the checkpoint's own llama3 parameters (GPTModel's
+    `rope_scaling` flag hard-codes low/high freq factors 1/4 and an 8192 original context)."""
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=rope["factor"], low_freq_factor=rope.get("low_freq_factor", 1.0),
+        high_freq_factor=rope.get("high_freq_factor", 4.0),
+        original_max_position_embeddings=rope.get("original_max_position_embeddings", 8192))
+
+
+def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
+              post_process: Optional[bool] = None) -> GPTModel:
+    """The GPTModel for this rank's pipeline stage (its layers, plus embedding / head when first /
+    last). Parameters are on the CPU when config.use_cpu_initialization, else on the GPU."""
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    layers = config.num_layers // config.pipeline_model_parallel_size
+    model = GPTModel(
+        config, transformer_layer_spec=block_spec(layers, shape.qk_layernorm, shape.num_experts),
+        vocab_size=shape.padded_vocab_size, max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=shape.rope_theta, parallel_output=True)
+    if shape.rope_scaling:
+        _apply_llama3_rope_scaling(model, shape.rope_scaling)
+    if not config.use_cpu_initialization:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_model(hf_config: Mapping, dtype: torch.dtype, device: torch.device, *,
+                sequence_parallel: bool = False,
+                model_type: Optional[str] = None, perform_initialization: bool = True,
+                **config_overrides):
+    """(GPTModel of this stage, TransformerConfig, ModelShape) for the current parallel state."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cfg = transformer_config(
+        hf_config, dtype=dtype, tp=tp, pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=sequence_parallel, use_cpu_initialization=device.type == "cpu",
+        perform_initialization=perform_initialization, model_type=model_type, **config_overrides)
+    shape = model_shape(hf_config, tp=tp, model_type=model_type)
+    return build_gpt(cfg, shape), cfg, shape

@@ -1,0 +1,152 @@
+"""Hugging Face config -> megatron-core TransformerConfig and GPTModel arguments.
+
+Read from the model directory alone: no hand-written model config. Supported families and what
+distinguishes them (everything else is shared: RMSNorm, SwiGLU, RoPE, GQA, tied or untied
+embeddings):
+
+  llama / mistral  optional attention bias; llama3 rope scaling (factor, low/high freq)
+  qwen2            q/k/v bias
+  qwen3            q/k RMSNorm per head
+  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob)
+
+Both transformers 4.x config styles (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`)
+are read. Unsupported model types or features fail with a message listing what is supported.
+"""
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from swift_megatron.errors import UserError
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the model builder needs besides TransformerConfig (one per HF checkpoint)."""
+
+    model_type: str
+    vocab_size: int              # the tokenizer's logits, before TP padding
+    padded_vocab_size: int       # divisible by TP; padded rows are masked out of every softmax
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]  # llama3 parameters, or None
+    qk_layernorm: bool
+    num_experts: Optional[int]
+    torch_dtype: str             # the checkpoint's dtype name
+
+
+def load_hf_config(model_dir: str) -> Dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def rope_parameters(hf: Mapping) -> Dict[str, Any]:
+    """Normalise 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`) rope configs to
+    one dict with `rope_type` and `rope_theta` (plus the llama3 scaling keys when present)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params["rope_type"] = rope_type
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return params
+
+
+def _check_supported(hf: Mapping, model_type: str) -> None:
+    if model_type not in SUPPORTED:
+        raise UserError(f"model_type '{model_type}' is not supported; supported: "
+                        f"{', '.join(SUPPORTED)}")
+    rope = rope_parameters(hf)
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise UserError(f"rope type '{rope['rope_type']}' is not supported (default, llama3)")
+    if hf.get("sliding_window") and hf.get("use_sliding_window", model_type == "mistral"):
+        raise UserError("sliding-window attention is not supported; use a checkpoint without "
+                        "sliding_window")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"hidden_act '{hf.get('hidden_act')}' is not supported (silu)")
+    if model_type == "qwen3_moe" and hf.get("mlp_only_layers"):
+        raise UserError("qwen3_moe with dense mlp_only_layers is not supported")
+    if model_type == "qwen3_moe" and hf.get("decoder_sparse_step", 1) != 1:
+        raise UserError("qwen3_moe with decoder_sparse_step != 1 is not supported")
+
+
+def model_shape(hf: Mapping, tp: int = 1, model_type: Optional[str] = None) -> ModelShape:
+    model_type = model_type or hf.get("model_type")
+    _check_supported(hf, model_type)
+    rope = rope_parameters(hf)
+    vocab = hf["vocab_size"]
+    experts = hf.get("num_experts") if model_type == "qwen3_moe" else None
+    return ModelShape(
+        model_type=model_type, vocab_size=vocab, padded_vocab_size=-(-vocab // tp) * tp,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=float(rope["rope_theta"]),
+        rope_scaling=rope if rope["rope_type"] == "llama3" else None,
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"), num_experts=experts,
+        torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
+
+
+def _qkv_bias(hf: Mapping, model_type: str) -> bool:
+    if model_type == "qwen2":
+        return True
+    return bool(hf.get("attention_bias", False))
+
+
+def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
+    return dict(
+        num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        # HF softmaxes over all experts, takes the top-k and renormalises when norm_topk_prob:
+        # the same as mcore's softmax over the top-k logits (pre_softmax=False).
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
+        moe_router_score_function="softmax", moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        moe_permute_fusion=False, moe_router_fusion=False,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+
+
+def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int = 1,
+                       ep: int = 1, etp: int = 1, sequence_parallel: bool = False,
+                       use_cpu_initialization: bool = False, perform_initialization: bool = True,
+                       model_type: Optional[str] = None, **overrides) -> TransformerConfig:
+    """The TransformerConfig of an HF checkpoint for a given parallel layout and dtype."""
+    model_type = model_type or hf.get("model_type")
+    _check_supported(hf, model_type)
+    heads = hf["num_attention_heads"]
+    kwargs = dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=_qkv_bias(hf, model_type),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_method_std=hf.get("initializer_range", 0.02),
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel, variable_seq_lengths=True,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=perform_initialization,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
+        deallocate_pipeline_outputs=True,
+        # mcore rejects variable_seq_lengths with its default allgather dispatcher, dense or not.
+        moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
+    if model_type == "qwen3_moe":
+        kwargs.update(_moe_kwargs(hf, ep, etp))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,96 @@
+"""The transformer layer spec: megatron-core's parallel linears, attention and MoE modules, with
+two modules of our own where the local (non-Transformer-Engine) spec falls short:
+
+- `RMSNorm`: supports sequence parallelism (mcore's torch-norm wrapper rejects it). Its weight is
+  marked `sequence_parallel` so finalize_model_grads all-reduces it across TP.
+- `SDPAttention`: causal attention through torch's scaled_dot_product_attention (flash / memory-
+  efficient kernels on GPU) instead of the local spec's unfused softmax(QK^T) that materialises
+  S x S scores. Batches are right-padded, so causal masking alone is exact for every real token.
+
+Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
+GPU machine, so a TE path could not be tested here.
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class SDPAttention(MegatronModule):
+    """Core attention: [s, b, heads, dim] q/k/v -> [s, b, heads * dim], causal, GQA-aware."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not implement context parallelism")
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        mask = None if attention_mask is None else ~attention_mask  # mcore: True = masked
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def _dense_mlp() -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                          linear_fc2=RowParallelLinear))
+
+
+def layer_spec(qk_layernorm: bool, num_experts: Optional[int]) -> ModuleSpec:
+    """One decoder layer: pre-norm attention and MLP (or MoE) with residuals."""
+    mlp = (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
+                                           moe_grouped_gemm=False) if num_experts else _dense_mlp())
+    qk_norm = RMSNorm if qk_layernorm else IdentityOp
+    attention = ModuleSpec(
+        module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear, core_attention=SDPAttention,
+            linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+
+
+def block_spec(num_layers_in_stage: int, qk_layernorm: bool,
+               num_experts: Optional[int]) -> TransformerBlockSubmodules:
+    """The decoder block of one pipeline stage (its layers plus the final norm)."""
+    layer = layer_spec(qk_layernorm, num_experts)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers_in_stage, layer_norm=RMSNorm)

@@ -1,0 +1,41 @@
+"""Checks of a parallel layout against a model's shape (pure; reads an HF config dict).
+
+Megatron splits attention heads and KV groups over TP, layers over PP and experts over EP; a
+layout that does not divide the model fails deep inside model construction, so it is checked
+up front with a message that names the flag and the values that work.
+"""
+from typing import Mapping, Optional
+
+from swift_megatron.errors import UserError
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def num_experts(hf_config: Mapping) -> Optional[int]:
+    return hf_config.get("num_experts") or hf_config.get("num_local_experts") or None
+
+
+def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
+    """Raise UserError when TP/PP/EP/ETP do not divide the model's heads, layers or experts."""
+    heads = hf_config.get("num_attention_heads")
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    layers = hf_config.get("num_hidden_layers")
+    if heads and heads % tp:
+        raise UserError(f"tensor_model_parallel_size={tp} does not divide num_attention_heads="
+                        f"{heads}: use one of {_divisors(heads)}")
+    if kv_heads and kv_heads % tp:
+        raise UserError(f"tensor_model_parallel_size={tp} does not divide num_key_value_heads="
+                        f"{kv_heads}: use one of {_divisors(kv_heads)}")
+    if layers and layers % pp:
+        raise UserError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
+                        f"{layers}: use one of {_divisors(layers)}")
+    experts = num_experts(hf_config)
+    if experts is None and (ep > 1 or etp > 1):
+        raise UserError("expert_model_parallel_size / expert_tensor_parallel_size > 1 need a MoE "
+                        "model; this model has no experts")
+    moe_ffn = hf_config.get("moe_intermediate_size")
+    if moe_ffn and moe_ffn % etp:
+        raise UserError(f"expert_tensor_parallel_size={etp} does not divide "
+                        f"moe_intermediate_size={moe_ffn}: use one of {_divisors(moe_ffn)}")

@@ -1,0 +1,26 @@
+"""Device selection: CUDA when available (or asked for), otherwise the CPU through platform/cpu.py.
+
+`setup_device(requested)` is called once per process before any megatron-core object is built;
+it returns the torch.device and the torch.distributed backend to use.
+"""
+from typing import Tuple
+
+
+def setup_device(requested: str = "auto", local_rank: int = 0) -> Tuple["torch.device", str]:
+    """Pick the device for this process: (device, distributed backend)."""
+    import torch
+
+    from swift_megatron.errors import UserError
+
+    if requested not in ("auto", "cuda", "cpu"):
+        raise UserError(f"--device must be auto, cuda or cpu, got {requested!r}")
+    use_cuda = torch.cuda.is_available() and requested != "cpu"
+    if requested == "cuda" and not use_cuda:
+        raise UserError("--device cuda: no CUDA device is visible (use --device cpu or auto)")
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device()), "nccl"
+    from swift_megatron.platform import cpu
+
+    cpu.activate()
+    return torch.device("cpu"), "gloo"

@@ -1,0 +1,58 @@
+"""One pass over a list of micro-batches through megatron's forward_backward_func (pipelined
+when PP > 1), and one optimizer step.
+
+A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
+function needs. `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
+`(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP
+averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
+contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
+"""
+from functools import partial
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+LossFn = Callable[[dict, torch.Tensor], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
+
+
+def _forward_step(loss_fn: LossFn, data_iterator, model):
+    micro_batch = next(data_iterator)
+    output = model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
+    return output, partial(_loss_adapter, loss_fn, micro_batch)
+
+
+def _loss_adapter(loss_fn: LossFn, micro_batch: dict, logits: torch.Tensor):
+    loss, metrics = loss_fn(micro_batch, logits)
+    # megatron rescales the returned tensor in place: hand it a tensor nobody else reads.
+    return loss.clone(), metrics
+
+
+def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: List[dict],
+                     loss_fn: LossFn, forward_only: bool = False) -> List[Dict[str, torch.Tensor]]:
+    """Run every micro-batch forward (and backward unless forward_only); returns the metrics
+    dict of each micro-batch on the last pipeline stage (an empty list elsewhere)."""
+    seq_length = max(mb["tokens"].shape[1] for mb in micro_batches)
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(micro_batches),
+        model=list(chunks), num_microbatches=len(micro_batches), seq_length=seq_length,
+        micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=forward_only)
+
+
+def zero_grads(chunks: Sequence[torch.nn.Module], optimizer) -> None:
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def optimizer_step(optimizer, scheduler) -> Tuple[bool, float]:
+    """Clip, step and advance the schedule; returns (update applied, global grad norm)."""
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    return bool(ok), float(grad_norm) if grad_norm is not None else 0.0
+
+
+def contribution_scale(num_micro_batches: int, dp_size: int) -> float:
+    """Undo megatron's 1/num_micro_batches loss scaling and DDP's 1/dp gradient averaging."""
+    return float(num_micro_batches * dp_size)
