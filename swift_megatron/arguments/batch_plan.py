@@ -91,14 +91,14 @@ def _fmt(x: float) -> str:
 def make_batch_plan(inputs: BatchInputs) -> BatchPlan:
     """Check every rule in order; the first violation raises BatchPlanError."""
     for rule in _RULES:
-        message = rule(inputs)
-        if message:
-            raise BatchPlanError(message)
+        if not rule.holds(inputs):
+            raise BatchPlanError(rule.explain(inputs))
     return _plan(inputs)
 
 
 def is_valid(inputs: BatchInputs) -> bool:
-    return all(rule(inputs) is None for rule in _RULES)
+    """Whether every rule holds (each rule may assume the earlier ones hold)."""
+    return all(rule.holds(inputs) for rule in _RULES)
 
 
 def _model_parallel(i: BatchInputs) -> int:
@@ -140,11 +140,9 @@ def _nearest(inputs: BatchInputs, flag: str, ok: Callable[[BatchInputs], bool]) 
     return [v for v in (below, above) if v is not None]
 
 
-def _use(inputs: BatchInputs, flag: str, rule=None) -> str:
-    """'use X or Y' for the values of flag that pass every rule (or at least `rule`)."""
-    values = _nearest(inputs, flag, is_valid)
-    if not values and rule is not None:
-        values = _nearest(inputs, flag, lambda i: rule(i) is None)
+def _use(inputs: BatchInputs, flag: str, rule: "Rule") -> str:
+    """'use flag=X or Y': the nearest values that pass every rule (else at least this one)."""
+    values = _nearest(inputs, flag, is_valid) or _nearest(inputs, flag, rule.holds)
     if not values:
         return f"no nearby {flag} passes every batch rule; change the other flags"
     return f"use {flag}={' or '.join(str(v) for v in values)}"
@@ -155,15 +153,25 @@ def _primary(i: BatchInputs) -> str:
     return "generation_batch_size" if i.generation_batch_size is not None else "global_batch_size"
 
 
+def _or(values) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A batch rule: `holds(inputs)` and, when it does not, `explain(inputs)`."""
+
+    holds: Callable[[BatchInputs], bool]
+    explain: Callable[[BatchInputs], str]
+
+
 # ---- the rules, in the order they are checked --------------------------------------------
 
-def _rule_a_world(i: BatchInputs) -> Optional[str]:
+def _explain_a(i: BatchInputs) -> str:
     mp = _model_parallel(i)
-    if i.world_size % mp == 0:
-        return None
     tps = [t for t in range(1, i.world_size + 1)
            if i.world_size % (t * i.pipeline_model_parallel_size * i.context_parallel_size) == 0]
-    hint = (f"use tensor_model_parallel_size={' or '.join(map(str, tps))}" if tps
+    hint = (f"use tensor_model_parallel_size={_or(tps)}" if tps
             else "lower pipeline_model_parallel_size or context_parallel_size")
     return (f"world_size={i.world_size} (NPROC_PER_NODE x NNODES) is not divisible by "
             f"tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
@@ -171,71 +179,71 @@ def _rule_a_world(i: BatchInputs) -> Optional[str]:
             f"{i.context_parallel_size} = {mp}: {hint}, or launch a multiple of {mp} processes")
 
 
-def _rule_b_global(i: BatchInputs) -> Optional[str]:
-    step = i.micro_batch_size * _dp(i)
-    if i.global_batch_size % step == 0:
-        return None
-    return (f"global_batch_size={i.global_batch_size} is not a multiple of micro_batch_size x "
-            f"dp_size = {i.micro_batch_size} x {_dp(i)} = {step}: "
-            f"{_use(i, 'global_batch_size', _rule_b_global)}")
+RULE_A = Rule(lambda i: i.world_size % _model_parallel(i) == 0, _explain_a)
+
+RULE_B = Rule(
+    lambda i: i.global_batch_size % (i.micro_batch_size * _dp(i)) == 0,
+    lambda i: (f"global_batch_size={i.global_batch_size} is not a multiple of micro_batch_size x "
+               f"dp_size = {i.micro_batch_size} x {_dp(i)} = {i.micro_batch_size * _dp(i)}: "
+               f"{_use(i, 'global_batch_size', RULE_B)}"))
 
 
-def _rule_c_generation(i: BatchInputs) -> Optional[str]:
+def _holds_c(i: BatchInputs) -> bool:
     gen, spg, gbs = i.generation_batch_size, i.steps_per_generation, i.global_batch_size
-    if gen is not None and spg is not None and gen != gbs * spg:
+    if gen is not None and spg is not None:
+        return gen == gbs * spg
+    return gen is None or gen % gbs == 0
+
+
+def _explain_c(i: BatchInputs) -> str:
+    gen, spg, gbs = i.generation_batch_size, i.steps_per_generation, i.global_batch_size
+    if spg is not None:
         return (f"generation_batch_size={gen} and steps_per_generation={spg} disagree: "
                 f"generation_batch_size must equal global_batch_size x steps_per_generation = "
                 f"{gbs} x {spg} = {gbs * spg}; pass only one of them")
-    if gen is not None and spg is None and gen % gbs != 0:
-        return (f"generation_batch_size={gen} is not a multiple of global_batch_size={gbs}: "
-                f"{_use(i, 'generation_batch_size', _rule_c_generation)}")
-    return None
+    return (f"generation_batch_size={gen} is not a multiple of global_batch_size={gbs}: "
+            f"{_use(i, 'generation_batch_size', RULE_C)}")
 
 
-def _rule_d_groups(i: BatchInputs) -> Optional[str]:
-    gen = generation_size(i)
-    if gen % i.num_generations == 0:
-        return None
-    return (f"generation_batch_size={gen} is not a multiple of num_generations="
-            f"{i.num_generations} (every prompt needs all its completions in one rollout batch): "
-            f"{_use(i, _primary(i), _rule_d_groups)}")
+RULE_C = Rule(_holds_c, _explain_c)
+
+RULE_D = Rule(
+    lambda i: generation_size(i) % i.num_generations == 0,
+    lambda i: (f"generation_batch_size={generation_size(i)} is not a multiple of num_generations="
+               f"{i.num_generations} (every prompt needs all its completions in one rollout "
+               f"batch): {_use(i, _primary(i), RULE_D)}"))
 
 
-def _rule_e_prompts_per_dp(i: BatchInputs) -> Optional[str]:
+def _holds_e(i: BatchInputs) -> bool:
     prompts, dp = generation_size(i) // i.num_generations, _dp(i)
-    if prompts % dp == 0 and prompts // dp >= 1 and (prompts // dp) % i.micro_batch_size == 0:
-        return None
-    return (f"rollout prompts per DP group = generation_batch_size / num_generations / dp_size "
-            f"= {generation_size(i)} / {i.num_generations} / {dp} must be a whole multiple of "
-            f"micro_batch_size={i.micro_batch_size} (all completions of a prompt stay on one DP "
-            f"rank): {_use(i, _primary(i), _rule_e_prompts_per_dp)}")
+    return prompts % dp == 0 and prompts // dp >= 1 and (prompts // dp) % i.micro_batch_size == 0
 
 
-def _rule_f_world_share(i: BatchInputs) -> Optional[str]:
-    gen = generation_size(i)
-    if gen % i.world_size == 0:
-        return None
-    return (f"generation_batch_size={gen} is not divisible by world_size={i.world_size} "
-            f"(each rank generates an equal share): {_use(i, _primary(i), _rule_f_world_share)}")
+RULE_E = Rule(
+    _holds_e,
+    lambda i: (f"rollout prompts per DP group = generation_batch_size / num_generations / dp_size "
+               f"= {generation_size(i)} / {i.num_generations} / {_dp(i)} must be a whole multiple "
+               f"of micro_batch_size={i.micro_batch_size} (all completions of a prompt stay on "
+               f"one DP rank): {_use(i, _primary(i), RULE_E)}"))
 
+RULE_F = Rule(
+    lambda i: generation_size(i) % i.world_size == 0,
+    lambda i: (f"generation_batch_size={generation_size(i)} is not divisible by world_size="
+               f"{i.world_size} (each rank generates an equal share): "
+               f"{_use(i, _primary(i), RULE_F)}"))
 
-def _rule_g_vllm_tp(i: BatchInputs) -> Optional[str]:
-    if not i.colocate_vllm or i.world_size % i.vllm_tensor_parallel_size == 0:
-        return None
-    sizes = [t for t in range(1, i.world_size + 1) if i.world_size % t == 0]
-    return (f"colocate mode: world_size={i.world_size} is not divisible by "
-            f"vllm_tensor_parallel_size={i.vllm_tensor_parallel_size}: use "
-            f"vllm_tensor_parallel_size={' or '.join(map(str, sizes))}")
+RULE_G = Rule(
+    lambda i: not i.colocate_vllm or i.world_size % i.vllm_tensor_parallel_size == 0,
+    lambda i: (f"colocate mode: world_size={i.world_size} is not divisible by "
+               f"vllm_tensor_parallel_size={i.vllm_tensor_parallel_size}: use "
+               f"vllm_tensor_parallel_size="
+               f"{_or(t for t in range(1, i.world_size + 1) if i.world_size % t == 0)}"))
 
+RULE_H = Rule(
+    lambda i: i.num_experts is None or i.num_experts % i.expert_model_parallel_size == 0,
+    lambda i: (f"the model has num_experts={i.num_experts}, not divisible by "
+               f"expert_model_parallel_size={i.expert_model_parallel_size}: use "
+               f"expert_model_parallel_size="
+               f"{_or(e for e in range(1, i.num_experts + 1) if i.num_experts % e == 0)}"))
 
-def _rule_h_experts(i: BatchInputs) -> Optional[str]:
-    if i.num_experts is None or i.num_experts % i.expert_model_parallel_size == 0:
-        return None
-    sizes = [e for e in range(1, i.num_experts + 1) if i.num_experts % e == 0]
-    return (f"the model has num_experts={i.num_experts}, not divisible by "
-            f"expert_model_parallel_size={i.expert_model_parallel_size}: use "
-            f"expert_model_parallel_size={' or '.join(map(str, sizes))}")
-
-
-_RULES = (_rule_a_world, _rule_b_global, _rule_c_generation, _rule_d_groups,
-          _rule_e_prompts_per_dp, _rule_f_world_share, _rule_g_vllm_tp, _rule_h_experts)
+_RULES = (RULE_A, RULE_B, RULE_C, RULE_D, RULE_E, RULE_F, RULE_G, RULE_H)

@@ -1,0 +1,1 @@
+"""RLHF algorithms; grpo/ holds GRPO."""

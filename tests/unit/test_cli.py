@@ -1,0 +1,236 @@
+"""The `megatron` command line: router, help, flag parsing, config files, errors, launching."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from swift_megatron.arguments import commands
+from swift_megatron.arguments.commands import RlhfArguments
+from swift_megatron.arguments.parser import command_groups, group_specs, parse_command
+from swift_megatron.cli.main import run
+from swift_megatron.errors import UserError
+from swift_megatron.launch import planned_world_size, torchrun_argv
+
+
+def rlhf(*argv):
+    return parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *argv], "megatron rlhf")
+
+
+def cli(*argv, env=None, timeout=60):
+    """Run the installed console script's entry point as a subprocess."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", *argv],
+                          capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+# ---- router and help ------------------------------------------------------------------------
+
+def test_router_lists_commands(capsys):
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("rlhf", "export", "rollout", "demo"):
+        assert name in out
+
+
+def test_unknown_command_suggests():
+    with pytest.raises(UserError, match="did you mean 'rlhf'"):
+        run(["rlfh"])
+
+
+@pytest.mark.parametrize("command", ["rlhf", "export", "rollout"])
+def test_help_exits_zero(command):
+    proc = cli(command, "--help")
+    assert proc.returncode == 0
+    assert "--model" in proc.stdout
+
+
+def test_rlhf_help_lists_every_flag_with_type_and_default():
+    out = cli("rlhf", "--help").stdout
+    for _, group in command_groups(RlhfArguments):
+        for spec in group_specs(group):
+            assert f"--{spec.name}" in out, spec.name
+    # every flag's help carries "[type: ...; default: ...]"
+    assert out.count("[type:") == sum(len(group_specs(g)) for _, g in command_groups(RlhfArguments))
+    assert "--tuner_type" in out  # the alias is shown too
+
+
+def test_help_imports_no_torch():
+    code = ("import sys, contextlib, io\n"
+            "from swift_megatron.cli.main import run\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try: run(['rlhf', '--help'])\n"
+            "    except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported at parse time'\n")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_rlhf_help_is_fast():
+    best = min(_timed(cli, "rlhf", "--help") for _ in range(3))
+    assert best < 1.0, f"megatron rlhf --help took {best:.2f} s"
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+
+def test_flat_flags_land_in_groups():
+    args = rlhf("--micro_batch_size", "2", "--global_batch_size", "32", "--tensor_model_parallel_size",
+                "2", "--num_generations", "4", "--beta", "0", "--reward_funcs", "accuracy", "format",
+                "--reward_weights", "1", "0.5", "--loss_type", "dapo")
+    assert args.batch.micro_batch_size == 2 and args.batch.global_batch_size == 32
+    assert args.parallel.tensor_model_parallel_size == 2
+    assert args.grpo.num_generations == 4 and args.grpo.beta == 0.0
+    assert args.grpo.reward_funcs == ["accuracy", "format"]
+    assert args.grpo.reward_weights == [1.0, 0.5]
+    assert args.grpo.loss_type == "dapo"
+    assert args.grpo.epsilon_high == args.grpo.epsilon  # defaulted from epsilon
+
+
+@pytest.mark.parametrize("argv,value", [([], False), (["--sequence_parallel"], True),
+                                        (["--sequence_parallel", "true"], True),
+                                        (["--sequence_parallel", "false"], False)])
+def test_bool_flags(argv, value):
+    args = rlhf("--tensor_model_parallel_size", "2", *argv)
+    assert args.parallel.sequence_parallel is value
+
+
+def test_tuner_type_alias_and_lr_default():
+    assert rlhf("--tuner_type", "full").training.train_type == "full"
+    assert rlhf().training.lr == 1e-5
+
+
+def test_unknown_flag_suggests_closest():
+    with pytest.raises(UserError, match="did you mean --micro_batch_size"):
+        rlhf("--micro_batch_sise", "2")
+
+
+def test_bad_value_names_flag():
+    with pytest.raises(UserError, match="--micro_batch_size: invalid value 'two'"):
+        rlhf("--micro_batch_size", "two")
+    with pytest.raises(UserError, match="--loss_type: invalid choice 'ppo'"):
+        rlhf("--loss_type", "ppo")
+
+
+def test_columns_json():
+    assert rlhf("--columns", '{"question": "query"}').data.columns == {"question": "query"}
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--virtual_pipeline_model_parallel_size", "2"], "not supported yet"),
+    (["--train_type", "lora"], "--train_type lora is not supported yet"),
+    (["--sleep_level", "1"], "not supported yet"),
+])
+def test_flags_of_missing_features_fail(argv, match):
+    with pytest.raises(UserError, match=match):
+        rlhf(*argv)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--sequence_parallel", "true"], "needs --tensor_model_parallel_size > 1"),
+    (["--num_generations", "1"], "num_generations must be >= 2"),
+    (["--reward_funcs", "accuracy", "--reward_weights", "1", "2"], "2 values"),
+    (["--delta", "1.1"], "--delta must exceed"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+])
+def test_group_validation(argv, match):
+    with pytest.raises(UserError, match=match):
+        rlhf(*argv)
+
+
+def test_model_and_dataset_required():
+    with pytest.raises(UserError, match="--model is required"):
+        parse_command(RlhfArguments, ["--dataset", "d"], "megatron rlhf")
+
+
+# ---- config files -------------------------------------------------------------------------------
+
+def test_config_file_and_override(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: m\ndataset: [a.jsonl, b.jsonl]\nmicro_batch_size: 2\n"
+                    "global_batch_size: 32\nreward_funcs: accuracy\nsequence_parallel: false\n")
+    args = parse_command(RlhfArguments, ["--config", str(path), "--micro_batch_size", "4"], "x")
+    assert args.batch.micro_batch_size == 4          # the flag wins
+    assert args.batch.global_batch_size == 32        # from the file
+    assert args.data.dataset == ["a.jsonl", "b.jsonl"]
+    assert args.grpo.reward_funcs == ["accuracy"]    # a scalar becomes a one-item list
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("micro_batch_sise: 2\n")
+    with pytest.raises(UserError, match="unknown key 'micro_batch_sise'; did you mean"):
+        parse_command(RlhfArguments, ["--config", str(bad)], "x")
+    with pytest.raises(UserError, match="file not found"):
+        parse_command(RlhfArguments, ["--config", str(tmp_path / "nope.yaml")], "x")
+
+
+# ---- dry run and exit codes --------------------------------------------------------------------
+
+def test_dry_run_prints_plan_for_launch_world():
+    proc = cli("rlhf", "--dry_run", "true", "--micro_batch_size", "4", "--global_batch_size", "128",
+               "--num_generations", "8", "--steps_per_generation", "4", env={"NPROC_PER_NODE": "8"})
+    assert proc.returncode == 0, proc.stderr
+    assert "dp_size" in proc.stdout and " 512 " in proc.stdout
+
+
+def test_invalid_batch_exits_2_without_traceback():
+    proc = cli("rlhf", "--dry_run", "true", "--micro_batch_size", "1", "--global_batch_size", "12",
+               "--num_generations", "4", env={"NPROC_PER_NODE": "8"})
+    assert proc.returncode == 2
+    assert "global_batch_size=12" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dry_run_checks_the_model(tmp_path):
+    config = dict(model_type="qwen3_moe", num_experts=6, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=4, moe_intermediate_size=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    base = ["rlhf", "--dry_run", "true", "--model", str(tmp_path), "--global_batch_size", "32"]
+    bad = cli(*base, "--expert_model_parallel_size", "4", env={"NPROC_PER_NODE": "4"})
+    assert bad.returncode == 2 and "num_experts=6" in bad.stderr
+    bad_tp = cli(*base, "--tensor_model_parallel_size", "4", env={"NPROC_PER_NODE": "4"})
+    assert bad_tp.returncode == 2 and "num_key_value_heads=2" in bad_tp.stderr
+    ok = cli(*base, "--expert_model_parallel_size", "2", env={"NPROC_PER_NODE": "4"})
+    assert ok.returncode == 0, ok.stderr
+
+
+# ---- launching ---------------------------------------------------------------------------------
+
+def test_torchrun_argv():
+    env = {"NPROC_PER_NODE": "4", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29555"}
+    cmd = torchrun_argv("rlhf", ["--model", "m"], env)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[3:8] == ["--nproc_per_node=4", "--nnodes=2", "--node_rank=1",
+                        "--master_addr=10.0.0.1", "--master_port=29555"]
+    assert cmd[8:] == ["-m", "swift_megatron.cli.main", "rlhf", "--model", "m"]
+    assert planned_world_size(env) == 8
+
+
+def test_no_relaunch_without_nproc_or_inside_launcher():
+    assert torchrun_argv("rlhf", [], {}) is None
+    assert torchrun_argv("rlhf", [], {"NPROC_PER_NODE": "2", "LOCAL_RANK": "0",
+                                      "WORLD_SIZE": "2"}) is None
+    assert planned_world_size({"LOCAL_RANK": "0", "WORLD_SIZE": "6"}) == 6
+
+
+@pytest.mark.parametrize("env,match", [({"NPROC_PER_NODE": "x"}, "must be an integer"),
+                                       ({"NPROC_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "2"},
+                                        "NODE_RANK=2 must be smaller")])
+def test_bad_launch_variables(env, match):
+    with pytest.raises(UserError, match=match):
+        torchrun_argv("rlhf", [], env)
+
+
+def test_batch_inputs_reads_every_flag():
+    args = rlhf("--tensor_model_parallel_size", "2", "--generation_batch_size", "64",
+                "--vllm_tensor_parallel_size", "2")
+    inputs = commands.batch_inputs(args, world_size=8, num_experts=None, colocate_vllm=True)
+    assert (inputs.world_size, inputs.tensor_model_parallel_size, inputs.generation_batch_size,
+            inputs.vllm_tensor_parallel_size, inputs.colocate_vllm) == (8, 2, 64, 2, True)

@@ -1,0 +1,118 @@
+"""group_advantages and weighted_rewards against hand-computed values."""
+import math
+
+import pytest
+import torch
+
+from swift_megatron.rlhf.grpo.advantages import group_advantages, weighted_rewards
+
+EPS = 1e-4
+
+
+def test_group_scaling_by_hand():
+    # Group 0: rewards [1, 0] -> mean 0.5, deviations [+0.5, -0.5],
+    #   unbiased var = (0.25 + 0.25) / (2 - 1) = 0.5, std = sqrt(0.5).
+    # Group 1: rewards [1, 1] -> mean 1, std 0 -> advantages 0 / (0 + eps) = 0.
+    adv, metrics = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]),
+                                    torch.tensor([0, 0, 1, 1]), "group", EPS)
+    s = math.sqrt(0.5)
+    expected = torch.tensor([0.5 / (s + EPS), -0.5 / (s + EPS), 0.0, 0.0])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    # Batch: mean 0.75, deviations [0.25, -0.75, 0.25, 0.25], sum of squares
+    #   3 * 0.0625 + 0.5625 = 0.75, unbiased var 0.75 / 3 = 0.25, std 0.5.
+    assert metrics == pytest.approx({"reward_mean": 0.75, "reward_std": 0.5,
+                                     "frac_reward_zero_std": 0.5}, abs=1e-7)
+
+
+def test_batch_and_none_scaling_by_hand():
+    rewards, ids = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    centered = torch.tensor([0.5, -0.5, 0.0, 0.0])  # reward - group mean
+    adv, _ = group_advantages(rewards, ids, "batch", EPS)
+    torch.testing.assert_close(adv, centered / (0.5 + EPS), atol=1e-6, rtol=0)
+    adv, _ = group_advantages(rewards, ids, "none", EPS)
+    torch.testing.assert_close(adv, centered, atol=1e-6, rtol=0)
+
+
+def test_three_groups_of_three_by_hand():
+    # Group 7: [2, 4, 9] mean 5, deviations [-3, -1, 4], var (9 + 1 + 16) / 2 = 13.
+    # Group 2: [0, 3, 0] mean 1, deviations [-1, 2, -1], var (1 + 4 + 1) / 2 = 3.
+    # Group 5: [6, 6, 6] std 0.
+    rewards = torch.tensor([2.0, 0.0, 6.0, 4.0, 3.0, 6.0, 9.0, 0.0, 6.0])
+    ids = torch.tensor([7, 2, 5, 7, 2, 5, 7, 2, 5])
+    adv, metrics = group_advantages(rewards, ids, "group", EPS)
+    s7, s2 = math.sqrt(13.0), math.sqrt(3.0)
+    expected = torch.tensor([-3 / (s7 + EPS), -1 / (s2 + EPS), 0.0,
+                             -1 / (s7 + EPS), 2 / (s2 + EPS), 0.0,
+                             4 / (s7 + EPS), -1 / (s2 + EPS), 0.0])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    # Batch mean 36 / 9 = 4; squares of deviations 4+16+4+0+1+4+25+16+4 = 74; var 74 / 8.
+    assert metrics["reward_mean"] == pytest.approx(4.0, abs=1e-6)
+    assert metrics["reward_std"] == pytest.approx(math.sqrt(74 / 8), abs=1e-6)
+    assert metrics["frac_reward_zero_std"] == pytest.approx(1 / 3, abs=1e-7)
+
+
+def test_matches_torch_std_per_group_reference():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(48, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 6, (48,), generator=g) * 11
+    adv, _ = group_advantages(rewards, ids, "group", EPS)
+    for pid in ids.unique():
+        sel = ids == pid
+        r = rewards[sel]
+        ref = (r - r.mean()) / (r.std() + EPS) if r.numel() > 1 else torch.zeros_like(r)
+        torch.testing.assert_close(adv[sel], ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_permutation_invariance_is_exact(scale):
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.randn(64, generator=g)
+    ids = torch.arange(8).repeat_interleave(8)
+    adv, metrics = group_advantages(rewards, ids, scale, EPS)
+    perm = torch.randperm(64, generator=g)
+    adv_p, metrics_p = group_advantages(rewards[perm], ids[perm], scale, EPS)
+    assert torch.equal(adv_p, adv[perm])
+    assert metrics_p == metrics
+
+
+def test_interleaved_equals_contiguous():
+    rewards = torch.tensor([0.3, 1.7, 0.9, 2.5, 0.1, 1.1, 0.4, 0.8, 3.0])
+    contiguous_ids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    adv_c, _ = group_advantages(rewards, contiguous_ids)
+    # Interleave: position k takes group k % 3, member k // 3.
+    idx = torch.tensor([0, 3, 6, 1, 4, 7, 2, 5, 8])
+    adv_i, _ = group_advantages(rewards[idx], contiguous_ids[idx])
+    assert contiguous_ids[idx].tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    assert torch.equal(adv_i, adv_c[idx])
+
+
+def test_singleton_group_has_zero_advantage_and_no_nan():
+    adv, metrics = group_advantages(torch.tensor([3.0]), torch.tensor([5]))
+    assert adv.tolist() == [0.0]
+    assert metrics == {"reward_mean": 3.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0}
+    # Singleton beside a real group: [2, 4] mean 3, var (1 + 1) / 1 = 2.
+    adv, metrics = group_advantages(torch.tensor([2.0, 7.0, 4.0]), torch.tensor([0, 1, 0]))
+    assert not torch.isnan(adv).any()
+    s = math.sqrt(2.0)
+    torch.testing.assert_close(adv, torch.tensor([-1 / (s + EPS), 0.0, 1 / (s + EPS)]),
+                               atol=1e-6, rtol=0)
+    assert metrics["frac_reward_zero_std"] == 0.5
+
+
+def test_integer_rewards_are_accepted():
+    adv, _ = group_advantages(torch.tensor([1, 0]), torch.tensor([0, 0]), "none")
+    assert adv.tolist() == [0.5, -0.5]
+
+
+def test_invalid_scale_rewards():
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), "groups")
+
+
+def test_weighted_rewards_nan_is_zero():
+    per_func = torch.tensor([[1.0, float("nan")], [0.5, 2.0], [float("nan"), float("nan")]])
+    weights = torch.tensor([1.0, 0.5])
+    # Row 0: 1*1 + NaN -> 1; row 1: 0.5*1 + 2*0.5 = 1.5; row 2: all NaN -> 0.
+    assert weighted_rewards(per_func, weights).tolist() == [1.0, 1.5, 0.0]
+    with pytest.raises(ValueError):
+        weighted_rewards(per_func, torch.tensor([1.0]))
