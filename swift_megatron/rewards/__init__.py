@@ -1,0 +1,22 @@
+"""Reward functions for GRPO: the built-ins, user plugin files, and how --reward_funcs resolves.
+
+    from swift_megatron.rewards import (RewardConfig, load_plugins, resolve_reward_funcs,
+                                        compute_rewards)
+    modules = load_plugins(args.external_plugins)
+    funcs = resolve_reward_funcs(args.reward_funcs, modules, RewardConfig.from_args(args))
+    per_func = compute_rewards(funcs, completions, prompts=..., completion_ids=...,
+                               truncated=..., **dataset_columns)
+
+Torch-free (cheap to import). User-facing documentation: docs/rewards.md.
+"""
+from swift_megatron.rewards.registry import (RewardConfig, builtin_names, compute_rewards,
+                                             instantiate_reward, register_reward,
+                                             registered_names, resolve_reward_funcs)
+from swift_megatron.rewards.plugins import load_plugins, module_callables
+from swift_megatron.rewards import builtin  # noqa: F401  (registers the built-ins)
+
+BUILTIN_REWARDS = tuple(builtin_names())
+
+__all__ = ["BUILTIN_REWARDS", "RewardConfig", "builtin_names", "compute_rewards",
+           "instantiate_reward", "load_plugins", "module_callables", "register_reward",
+           "registered_names", "resolve_reward_funcs"]

@@ -1,0 +1,311 @@
+"""Reward registry: naming reward functions, turning --reward_funcs into callables, calling them.
+
+- `register_reward(name)`: decorator for a function, or a class whose instances are callable.
+- `RewardConfig`: the knobs the built-ins read (--cosine_*, --repetition_*, --soft_*).
+- `resolve_reward_funcs(names, plugin_modules, config)`: each name is looked up as a built-in,
+  then as a name registered by a plugin, then as a top-level callable of a plugin module.
+- `compute_rewards(funcs, completions, **columns)`: calls each function once on the whole batch
+  and checks what it returned.
+
+A reward function is `f(completions: list[str], **kwargs) -> list[float | None]` (None: "not
+applicable", NaN for the trainer). kwargs are the other dataset columns (one list per column,
+aligned with completions) plus `prompts`, `completion_ids` and `truncated`.
+"""
+import difflib
+import inspect
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+
+logger = get_logger(__name__)
+
+_BUILTINS: Dict[str, Any] = {}  # filled by swift_megatron.rewards.builtin
+_REGISTERED: Dict[str, Any] = {}  # filled by @register_reward in plugin files
+
+
+@dataclass
+class RewardConfig:
+    """Settings of the built-in rewards; defaults match ms-swift. Classes registered as rewards
+    are instantiated with it (see `instantiate_reward`)."""
+
+    cosine_min_len_value_wrong: float = -0.5
+    cosine_max_len_value_wrong: float = 0.0
+    cosine_min_len_value_correct: float = 1.0
+    cosine_max_len_value_correct: float = 0.5
+    cosine_max_len: Optional[int] = None  # None: max_completion_length
+    repetition_n_grams: int = 3
+    repetition_max_penalty: float = -1.0
+    soft_max_length: Optional[int] = None  # None: max_completion_length
+    soft_cache_length: Optional[int] = None  # required by soft_overlong
+    max_completion_length: int = 512
+
+    @classmethod
+    def from_args(cls, args: Any) -> "RewardConfig":
+        """Read the fields of the same names from `args` (the GRPO arguments); absent attributes
+        keep their defaults. Raises UserError when `args.reward_funcs` names soft_overlong but
+        --soft_cache_length is not set."""
+        config = cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        if "soft_overlong" in (getattr(args, "reward_funcs", None) or []):
+            config.check_soft_overlong()
+        return config
+
+    @property
+    def effective_cosine_max_len(self) -> int:
+        return self.cosine_max_len if self.cosine_max_len is not None else self.max_completion_length
+
+    @property
+    def effective_soft_max_length(self) -> int:
+        return self.soft_max_length if self.soft_max_length is not None else self.max_completion_length
+
+    def check_soft_overlong(self) -> None:
+        """UserError unless soft_overlong can run: a cache length in (0, soft_max_length)."""
+        if self.soft_cache_length is None:
+            raise UserError("the soft_overlong reward needs --soft_cache_length (the number of "
+                            "tokens before --soft_max_length over which the penalty ramps to -1), "
+                            "e.g. --soft_cache_length 128")
+        max_length = self.effective_soft_max_length
+        if not 0 < self.soft_cache_length < max_length:
+            raise UserError(f"--soft_cache_length must be in (0, soft_max_length={max_length}) for "
+                            f"the soft_overlong reward, got {self.soft_cache_length}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+
+def register_reward(name):
+    """Decorator: `@register_reward("my_reward")` makes a function (or a class whose instances
+    are callable) available to --reward_funcs under `name`. Bare `@register_reward` uses the
+    function's own name. Built-in names cannot be taken."""
+    if callable(name) and not isinstance(name, str):
+        return register_reward(name.__name__)(name)
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"register_reward needs a non-empty name, got {name!r}")
+
+    def decorator(obj):
+        if not callable(obj):
+            raise UserError(f"@register_reward({name!r}) must decorate a function or class, "
+                            f"got {type(obj).__name__}")
+        _ensure_builtins()
+        if name in _BUILTINS:
+            raise UserError(f"@register_reward({name!r}): {name!r} is a built-in reward; "
+                            f"register yours under another name")
+        old = _REGISTERED.get(name)
+        if old is not None and old is not obj and _source(old) != _source(obj):
+            logger.warning(f"reward {name!r} registered again (by {_source(obj)}); it replaces "
+                           f"the one from {_source(old)}")
+        _REGISTERED[name] = obj
+        return obj
+
+    return decorator
+
+
+def _register_builtin(name: str):
+    """Decorator used by swift_megatron.rewards.builtin only."""
+
+    def decorator(obj):
+        _BUILTINS[name] = obj
+        return obj
+
+    return decorator
+
+
+def _source(obj) -> str:
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code.co_filename
+    return getattr(inspect.getmodule(obj), "__file__", None) or getattr(obj, "__module__", "?")
+
+
+def _ensure_builtins() -> None:
+    if not _BUILTINS:
+        import swift_megatron.rewards.builtin  # noqa: F401  (registers on import)
+
+
+def builtin_names() -> List[str]:
+    _ensure_builtins()
+    return sorted(_BUILTINS)
+
+
+def registered_names() -> List[str]:
+    """Names registered with @register_reward by plugins (not the built-ins)."""
+    return sorted(_REGISTERED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution
+
+
+# Lengths defaulting to max_completion_length reach a class's __init__ already resolved.
+_EFFECTIVE = {"cosine_max_len": "effective_cosine_max_len",
+              "soft_max_length": "effective_soft_max_length"}
+
+
+def instantiate_reward(name: str, obj: Any, config: RewardConfig,
+                       init_kwargs: Optional[Dict[str, Any]] = None) -> Callable:
+    """A function is returned as is. A class is instantiated: an `__init__` parameter named
+    `config` gets the RewardConfig, one named like a RewardConfig field (ms-swift style, e.g.
+    `repetition_n_grams`) gets that value (cosine_max_len and soft_max_length with None already
+    replaced by max_completion_length), one named in `init_kwargs` (e.g. `tokenizer`, when the
+    trainer supplies it) gets that; other parameters must have defaults."""
+    if not inspect.isclass(obj):
+        return obj
+    init_kwargs = init_kwargs or {}
+    kwargs = {}
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name == "config" or p.annotation is RewardConfig:
+            kwargs[p.name] = config
+        elif p.name in _EFFECTIVE:
+            kwargs[p.name] = getattr(config, _EFFECTIVE[p.name])
+        elif p.name in {f.name for f in fields(RewardConfig)}:
+            kwargs[p.name] = getattr(config, p.name)
+        elif p.name in init_kwargs:
+            kwargs[p.name] = init_kwargs[p.name]
+        elif p.default is p.empty:
+            raise UserError(f"reward {name!r}: cannot instantiate {obj.__name__}: its __init__ "
+                            f"parameter {p.name!r} is not one swift-megatron provides (config, "
+                            f"{', '.join(f.name for f in fields(RewardConfig))}"
+                            f"{''.join(', ' + k for k in init_kwargs)}) and has no default")
+    instance = obj(**kwargs)
+    if not callable(instance):
+        raise UserError(f"reward {name!r}: instances of {obj.__name__} are not callable; define "
+                        f"__call__(self, completions, **kwargs)")
+    return instance
+
+
+def resolve_reward_funcs(names: Sequence[str], plugin_modules: Optional[Sequence[Any]],
+                         config: Optional[RewardConfig] = None, *,
+                         init_kwargs: Optional[Dict[str, Any]] = None) -> List[Tuple[str, Callable]]:
+    """[(name, callable)] for --reward_funcs, in order. Each name is a built-in; else a name a
+    plugin registered with @register_reward; else a top-level callable of that name in one of
+    `plugin_modules` (from load_plugins). Classes are instantiated (see instantiate_reward).
+    Unknown names raise UserError listing what is available and the closest match."""
+    from swift_megatron.rewards.plugins import module_callables
+
+    _ensure_builtins()
+    config = config if config is not None else RewardConfig()
+    plugin_modules = list(plugin_modules or [])
+    resolved = []
+    for name in names:
+        if name in _BUILTINS:
+            obj = _BUILTINS[name]
+        elif name in _REGISTERED:
+            obj = _REGISTERED[name]
+        else:
+            obj = _find_top_level(name, plugin_modules)
+            if obj is None:
+                available = sorted(set(_BUILTINS) | set(_REGISTERED)
+                                   | {n for m in plugin_modules for n in module_callables(m)})
+                close = difflib.get_close_matches(name, available, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                where = "" if plugin_modules else (" (no --external_plugins were loaded; "
+                                                   "pass the file that defines it)")
+                raise UserError(f"unknown reward function {name!r}{where}.{hint} Available: "
+                                f"{', '.join(available)}")
+        resolved.append((name, instantiate_reward(name, obj, config, init_kwargs)))
+    return resolved
+
+
+def _find_top_level(name: str, modules: Sequence[Any]):
+    found = []
+    for module in modules:
+        obj = getattr(module, name, None)
+        if obj is not None and callable(obj) and not inspect.ismodule(obj) \
+                and all(obj is not other for _, other in found):
+            found.append((module, obj))
+    if len(found) > 1:
+        files = ", ".join(getattr(m, "__file__", None) or m.__name__ for m, _ in found)
+        raise UserError(f"reward function {name!r} is defined in several plugin files ({files}); "
+                        f"rename one, or register one with @register_reward")
+    return found[0][1] if found else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling
+
+
+def _call_plan(fn: Callable) -> Tuple[Optional[set], List[str]]:
+    """(the keyword names fn accepts, or None when it takes **kwargs; its required keyword
+    names besides the first positional one, which receives the completions)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None, []
+    accepted, required = set(), []
+    var_keyword = any(p.kind == p.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    first = positional[0].name if positional else None
+    for p in params:
+        if p.name == first or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
+            continue
+        accepted.add(p.name)
+        if p.default is p.empty:
+            required.append(p.name)
+    return (None if var_keyword else accepted), required
+
+
+def _check_values(name: str, values: Any, n: int) -> List[Optional[float]]:
+    if not isinstance(values, (list, tuple)) and hasattr(values, "tolist"):
+        values = values.tolist()  # a numpy array or a torch tensor
+    if not isinstance(values, (list, tuple)):
+        raise UserError(f"reward function {name!r} must return a list of {n} floats (or None), one "
+                        f"per completion; it returned {type(values).__name__}: {repr(values)[:200]}")
+    if len(values) != n:
+        raise UserError(f"reward function {name!r} returned {len(values)} values for {n} "
+                        f"completions; it must return one per completion")
+    out = []
+    for i, value in enumerate(values):
+        if value is None:
+            out.append(None)
+        elif isinstance(value, numbers.Real):
+            out.append(float(value))
+        else:
+            raise UserError(f"reward function {name!r} returned a non-number at index {i}: "
+                            f"{value!r} ({type(value).__name__}); return floats, or None for "
+                            f"'not applicable'")
+    return out
+
+
+def compute_rewards(funcs: Sequence[Any], completions: List[str],
+                    **columns: Any) -> List[List[Optional[float]]]:
+    """Call each reward function once on the whole batch: `fn(completions, **columns)`.
+
+    `funcs`: [(name, callable)] from resolve_reward_funcs (bare callables are accepted too).
+    `columns`: the other dataset columns plus prompts, completion_ids and truncated, each a list
+    aligned with `completions`. A function without **kwargs gets only the columns it names.
+    Returns one list per function of floats or None (None: not applicable). Raises UserError when
+    a function needs a column the batch lacks or returns something other than len(completions)
+    numbers/None; other exceptions propagate with a note naming the function."""
+    n = len(completions)
+    for key, value in columns.items():
+        if isinstance(value, (list, tuple)) and len(value) != n:
+            raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
+    results = []
+    for item in funcs:
+        name, fn = item if isinstance(item, (tuple, list)) else (getattr(item, "__name__", repr(item)), item)
+        accepted, required = _call_plan(fn)
+        missing = [k for k in required if k not in columns]
+        if missing:
+            raise UserError(f"reward function {name!r} needs the column(s) {', '.join(missing)}, "
+                            f"which the batch does not have; available: "
+                            f"{', '.join(sorted(columns)) or '(none)'}")
+        kwargs = columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
+        try:
+            values = fn(completions, **kwargs)
+        except UserError:
+            raise
+        except Exception as error:
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"(raised by reward function {name!r})")
+            raise
+        results.append(_check_values(name, values, n))
+    return results
