@@ -1,4 +1,8 @@
-"""Shared pytest configuration. Markers: `gpu` tests need CUDA and run on the GPU machine only."""
+"""Shared pytest configuration. Markers: `gpu` tests need CUDA and run on the GPU machine only.
+
+Session fixtures (swift_megatron.fixtures, built offline into a tmp dir): `tiny_model_dir(family)`
+-> path of a tiny seed-0 checkpoint, `math_dataset_path` -> a 64-row math jsonl.
+"""
 import pytest
 
 
@@ -16,3 +20,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory `family -> path` of a tiny seed-0 float32 checkpoint, built once per session."""
+    from swift_megatron.fixtures import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_tiny_model(family, str(root / family))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def math_dataset_path(tmp_path_factory):
+    """Path of the default 64-row fixtures math dataset (jsonl), built once per session."""
+    from swift_megatron.fixtures import build_math_dataset
+
+    return build_math_dataset(str(tmp_path_factory.mktemp("data") / "math.jsonl"))

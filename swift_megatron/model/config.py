@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from swift_megatron.errors import UserError
+from swift_megatron.parallel.layout import num_experts
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -84,7 +85,7 @@ def model_shape(hf: Mapping, tp: int = 1, model_type: Optional[str] = None) -> M
     _check_supported(hf, model_type)
     rope = rope_parameters(hf)
     vocab = hf["vocab_size"]
-    experts = hf.get("num_experts") if model_type == "qwen3_moe" else None
+    experts = num_experts(hf) if model_type == "qwen3_moe" else None
     return ModelShape(
         model_type=model_type, vocab_size=vocab, padded_vocab_size=-(-vocab // tp) * tp,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -103,7 +104,7 @@ def _qkv_bias(hf: Mapping, model_type: str) -> bool:
 
 def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
     return dict(
-        num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
+        num_moe_experts=num_experts(hf), moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         # HF softmaxes over all experts, takes the top-k and renormalises when norm_topk_prob:
         # the same as mcore's softmax over the top-k logits (pre_softmax=False).
