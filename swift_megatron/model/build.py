@@ -6,6 +6,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from swift_megatron.model import compat  # noqa: F401  (megatron-core fixes, applied on import)
 from swift_megatron.model.config import ModelShape, model_shape, transformer_config
 from swift_megatron.model.spec import block_spec
 

@@ -63,7 +63,8 @@ class _NullStream:
         return False
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        # record_event(), wait_stream(), synchronize(), ...: all no-ops returning a null object
+        return lambda *args, **kwargs: _NullStream()
 
 
 def _redirect_rng() -> None:

@@ -1,0 +1,55 @@
+"""HF <-> Megatron-core weights.
+
+`Bridge(hf_config, shape, config)` binds a model family's mapping table (families/) to this
+rank's place in the TP/PP/EP grid and offers:
+- `load(model, hf_dir)`: stream HF safetensors into the sharded model (each rank reads its slices);
+- `export(model)`: yield (hf_name, full tensor) on every rank, one tensor at a time: the single
+  path for `megatron export --to_hf`, weight sync to rollout engines and LoRA merge;
+- `save_hf(model, out_dir, source_dir)`: write a loadable HF checkpoint from `export`.
+The mapping classes (mapping.py) own every scatter/gather; bridge/ never imports rollout/.
+"""
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from swift_megatron.bridge.export import build_plan, export_hf_weights
+from swift_megatron.bridge.families import mappings_for
+from swift_megatron.bridge.hf_checkpoint import write_hf_checkpoint
+from swift_megatron.bridge.load import load_hf_weights
+from swift_megatron.bridge.mapping import Dims
+from swift_megatron.bridge.position import RankPosition
+from swift_megatron.checkpoint.dist import unwrap
+from swift_megatron.model.config import ModelShape
+
+
+class Bridge:
+    def __init__(self, hf_config: dict, shape: ModelShape, config):
+        self.hf_config = hf_config
+        self.shape = shape
+        self.mappings = mappings_for(shape.model_type, hf_config)
+        self.dims = Dims(num_heads=config.num_attention_heads,
+                         num_query_groups=config.num_query_groups, head_dim=config.kv_channels,
+                         vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size)
+        self.pos = RankPosition.current(config.num_layers, shape.num_experts or 0)
+        self._plan = None
+
+    def load(self, model: torch.nn.Module, hf_dir: str) -> None:
+        load_hf_weights(unwrap(model), hf_dir, self.mappings, self.dims, self.pos)
+
+    def export(self, model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+        model = unwrap(model)
+        if self._plan is None:
+            self._plan = build_plan(model, self.mappings, self.dims, self.pos)
+        return export_hf_weights(model, self.mappings, self.dims, self.pos, self._plan)
+
+    def num_exported(self, model: torch.nn.Module) -> int:
+        if self._plan is None:
+            self._plan = build_plan(unwrap(model), self.mappings, self.dims, self.pos)
+        return sum(len(item.outputs) for item in self._plan)
+
+    def save_hf(self, model: torch.nn.Module, out_dir: str, source_dir: str, *,
+                dtype: Optional[torch.dtype] = None, max_shard_size: str = "5GB",
+                exist_ok: bool = False) -> None:
+        write_hf_checkpoint(self.export(model), out_dir, hf_config=self.hf_config,
+                            source_dir=source_dir, dtype=dtype, max_shard_size=max_shard_size,
+                            exist_ok=exist_ok, total=self.num_exported(model))

@@ -1,0 +1,16 @@
+"""One module per HF model_type: the table of Megatron <-> HF weight mappings."""
+from typing import List
+
+from swift_megatron.bridge.families import llama, qwen2, qwen3, qwen3_moe
+from swift_megatron.bridge.mapping import Mapping
+from swift_megatron.errors import UserError
+
+FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3,
+            "qwen3_moe": qwen3_moe}
+
+
+def mappings_for(model_type: str, hf_config: dict) -> List[Mapping]:
+    if model_type not in FAMILIES:
+        raise UserError(f"model_type '{model_type}' has no weight mapping; supported: "
+                        f"{', '.join(FAMILIES)}")
+    return FAMILIES[model_type].mappings(hf_config)

@@ -1,0 +1,69 @@
+"""Write an HF checkpoint directory from a stream of (name, tensor) pairs: sharded safetensors
+with index json, config.json (dtype updated), generation_config.json and tokenizer files copied
+from the source model. Written under a temporary name and renamed when complete; only global
+rank 0 writes, but every rank must drain the stream (exporting is collective)."""
+import json
+import os
+import shutil
+from typing import Iterable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from swift_megatron.bridge.io import HFWriter
+from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+from swift_megatron.logging.progress import progress
+
+logger = get_logger(__name__)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_output_dir(out_dir: str, exist_ok: bool) -> None:
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not exist_ok:
+        raise UserError(f"{out_dir} exists and is not empty; pass --exist_ok true to overwrite it")
+
+
+def copy_model_files(source_dir: str, out_dir: str) -> None:
+    """Copy config, generation config and tokenizer files (everything but weights)."""
+    for name in os.listdir(source_dir):
+        path = os.path.join(source_dir, name)
+        if os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) \
+                and name != "model.safetensors.index.json":
+            shutil.copy2(path, os.path.join(out_dir, name))
+
+
+def _write_config(out_dir: str, hf_config: dict, dtype: torch.dtype) -> None:
+    config = dict(hf_config)
+    name = DTYPE_NAMES[dtype]
+    config["torch_dtype" if "torch_dtype" in config else "dtype"] = name
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str, *,
+                        hf_config: dict, source_dir: str, dtype: Optional[torch.dtype] = None,
+                        max_shard_size: str = "5GB", exist_ok: bool = False,
+                        total: Optional[int] = None) -> None:
+    writer_rank = not dist.is_initialized() or dist.get_rank() == 0
+    out_dir = os.path.abspath(out_dir)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    if writer_rank:
+        check_output_dir(out_dir, exist_ok)
+        os.makedirs(tmp, exist_ok=True)
+        writer = HFWriter(tmp, max_shard_size)
+    written_dtype = dtype
+    for name, tensor in progress(pairs, desc="exporting HF weights", total=total):
+        written_dtype = written_dtype or tensor.dtype
+        if writer_rank:
+            writer.add(name, tensor.to(written_dtype))
+    if not writer_rank:
+        return
+    writer.close()
+    copy_model_files(source_dir, tmp)
+    _write_config(tmp, hf_config, written_dtype)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    logger.info(f"wrote HF checkpoint {out_dir} ({writer.total_bytes / 1e6:.1f} MB)")

@@ -1,0 +1,44 @@
+"""Load an HF safetensors checkpoint straight into a TP/PP/EP-sharded Megatron model.
+
+Every rank walks its own parameters, finds each one's mapping, and reads only the slices it
+owns (no communication; peak memory about one tensor slice). A parameter without a mapping, a
+missing HF tensor or a shape mismatch stops with a message naming the tensor.
+"""
+from typing import List, Tuple
+
+import torch
+
+from swift_megatron.bridge.io import HFReader
+from swift_megatron.bridge.mapping import Dims, Mapping
+from swift_megatron.bridge.position import RankPosition
+from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+from swift_megatron.logging.progress import progress
+
+logger = get_logger(__name__)
+
+
+def find_mapping(mappings: List[Mapping], global_name: str) -> Tuple[Mapping, dict]:
+    for mapping in mappings:
+        index = mapping.match(global_name)
+        if index is not None:
+            return mapping, index
+    raise ValueError(f"no HF mapping for Megatron parameter '{global_name}'")
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, mappings: List[Mapping], dims: Dims,
+                    pos: RankPosition) -> None:
+    reader = HFReader(hf_dir)
+    params = list(model.named_parameters())
+    for name, param in progress(params, desc="loading HF weights"):
+        global_name = pos.to_global(name)
+        mapping, index = find_mapping(mappings, global_name)
+        hf_names = mapping.hf_names(index)
+        tensor = mapping.load(reader, hf_names, pos.shard(mapping.is_expert), dims)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise UserError(f"{hf_dir}: {', '.join(hf_names)} give shape {tuple(tensor.shape)} for "
+                            f"{global_name}, expected {tuple(param.shape)}; does config.json "
+                            "match the weights?")
+        param.copy_(tensor.to(dtype=param.dtype))
+    logger.info(f"loaded {len(params)} tensors from {hf_dir}")

@@ -1,0 +1,53 @@
+"""Where this rank sits for the bridge: its TP and expert-TP shards, and how its pipeline-stage-
+local layer numbers and EP-local expert numbers translate to global ones."""
+import dataclasses
+import re
+
+from megatron.core import parallel_state as mpu
+
+from swift_megatron.bridge.mapping import Shard
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPosition:
+    tp: Shard
+    etp: Shard
+    pp_rank: int
+    pp_size: int
+    ep_rank: int
+    ep_size: int
+    layers_per_stage: int
+    experts_per_rank: int
+
+    @classmethod
+    def current(cls, num_layers: int, num_experts: int = 0) -> "RankPosition":
+        pp, ep = mpu.get_pipeline_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
+        return cls(
+            tp=Shard(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()),
+            etp=Shard(mpu.get_expert_tensor_parallel_rank(),
+                      mpu.get_expert_tensor_parallel_world_size()),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp,
+            ep_rank=mpu.get_expert_model_parallel_rank(), ep_size=ep,
+            layers_per_stage=num_layers // pp, experts_per_rank=(num_experts or 0) // ep)
+
+    def shard(self, is_expert: bool) -> Shard:
+        return self.etp if is_expert else self.tp
+
+    def to_global(self, name: str) -> str:
+        """Stage-local layer and EP-local expert numbers -> global numbers."""
+        name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + self.pp_rank * self.layers_per_stage}.", name)
+        return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + self.ep_rank * self.experts_per_rank}.", name)
+
+    def owner_stage(self, global_name: str) -> int:
+        """The pipeline stage holding a global name (embedding first, head last)."""
+        layer = _LAYER.match(global_name)
+        if layer:
+            return int(layer.group(1)) // self.layers_per_stage
+        return 0 if global_name.startswith("embedding.") else self.pp_size - 1
+
+    def owner_ep(self, global_name: str) -> int:
+        expert = _EXPERT.search(global_name)
+        return int(expert.group(1)) // self.experts_per_rank if expert else 0
