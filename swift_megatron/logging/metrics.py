@@ -1,0 +1,295 @@
+"""Metric sinks for the trainer: one `MetricsLogger.log(step, metrics)` call per logged step
+writes a console line, a line of `{output_dir}/logging.jsonl` and the scalars of each sink
+chosen by --report_to (tensorboard, wandb, swanlab).
+
+Only the logging rank (global rank 0; the trainer decides) passes `enabled=True`; on the other
+ranks every method is a no-op. The sink names and their packages are checked on every rank,
+so a missing package fails all ranks alike instead of leaving the others waiting in a collective.
+
+Non-finite values (NaN, +-inf): the console prints them (`nan`, `inf`), logging.jsonl keeps the
+key with `null` (strict JSON has no NaN), and the external sinks (tensorboard, wandb, swanlab)
+skip them, with one warning per key, so a single inf does not wreck a chart's scale.
+
+Pure helpers: `reduce_metrics` averages the metrics of a step's micro-batches and
+`format_metrics` builds the console line's body.
+"""
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+
+from swift_megatron.errors import UserError
+from swift_megatron.logging.logger import get_logger
+
+logger = get_logger(__name__)
+
+SINKS = ("tensorboard", "wandb", "swanlab")
+_SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "swanlab"}
+METRICS_FILE = "logging.jsonl"
+TENSORBOARD_DIR = "runs"
+SWANLAB_DIR = "swanlog"
+DEFAULT_PROJECT = "swift-megatron"
+# Console order: keys matching these names come first, in this order (a key matches a name when
+# it equals it, starts with `name/` or ends with `/name`); every other key follows, sorted.
+CONSOLE_PRIORITY = ("loss", "reward/mean", "kl", "grad_norm", "lr")
+_RESERVED_KEYS = ("step", "time")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def to_scalar(value: Any, key: str = "") -> float:
+    """A metric value as a Python int or float: tensors and numpy scalars through `.item()`."""
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"metric {key!r} must be a scalar, got shape "
+                             f"{tuple(getattr(value, 'shape', ()))}") from exc
+    if isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
+    return value
+
+
+def is_finite(value: float) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def reduce_metrics(per_micro_batch: Sequence[Mapping[str, Any]]) -> Dict[str, float]:
+    """Mean of each key over the micro-batches that report it (a key missing from some
+    micro-batches is averaged over the others). Tensors are converted with `.item()`."""
+    sums: Dict[str, float] = {}
+    counts: Dict[str, int] = {}
+    for metrics in per_micro_batch:
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(to_scalar(value, key))
+            counts[key] = counts.get(key, 0) + 1
+    return {key: sums[key] / counts[key] for key in sums}
+
+
+def format_value(value: float) -> str:
+    """Compact: ints as they are, floats to 4 significant digits, but large floats (1e4 up to
+    1e9, e.g. tokens per second) as rounded integers rather than in exponent form."""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if math.isfinite(value) and 1e4 <= abs(value) < 1e9:
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+def _console_rank(key: str) -> int:
+    for rank, name in enumerate(CONSOLE_PRIORITY):
+        if key == name or key.startswith(name + "/") or key.endswith("/" + name):
+            return rank
+    return len(CONSOLE_PRIORITY)
+
+
+def console_order(keys: Iterable[str]) -> List[str]:
+    """Keys in console order: CONSOLE_PRIORITY groups first, then the rest; sorted within each."""
+    return sorted(keys, key=lambda key: (_console_rank(key), key))
+
+
+def format_metrics(metrics: Mapping[str, Any]) -> str:
+    """`key=value` pairs in console order, separated by spaces."""
+    return " ".join(f"{key}={format_value(to_scalar(metrics[key], key))}"
+                    for key in console_order(metrics))
+
+
+def to_jsonable(value: Any) -> Any:
+    """A value strict JSON can encode: non-finite floats become None, tensors and numpy values
+    their Python equivalents, containers are converted recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): to_jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(item) for item in value]
+    if hasattr(value, "tolist"):  # tensors, numpy arrays and scalars
+        return to_jsonable(value.tolist())
+    return str(value)
+
+
+def dumps(record: Mapping[str, Any]) -> str:
+    return json.dumps(to_jsonable(record), ensure_ascii=False, allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinks
+
+
+def _package_available(name: str) -> bool:
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _missing_package_error(sink: str) -> UserError:
+    package = _SINK_PACKAGES[sink]
+    return UserError(f"--report_to {sink}: {package} is not installed (pip install {package})")
+
+
+def check_report_to(report_to: Iterable[str]) -> List[str]:
+    """The requested sinks, deduplicated in order ("none" dropped); UserError for an unknown
+    sink or one whose package is not installed."""
+    sinks: List[str] = []
+    for sink in report_to:
+        if sink == "none" or sink in sinks:
+            continue
+        if sink not in SINKS:
+            raise UserError(f"--report_to {sink}: unknown sink (choose from "
+                            f"{', '.join(SINKS)} or none)")
+        if not _package_available(_SINK_PACKAGES[sink]):
+            raise _missing_package_error(sink)
+        sinks.append(sink)
+    return sinks
+
+
+def _import_sink(sink: str):
+    try:
+        return importlib.import_module(_SINK_PACKAGES[sink])
+    except ImportError as exc:
+        raise _missing_package_error(sink) from exc
+
+
+class _TensorboardSink:
+    def __init__(self, output_dir: str, run_config: Optional[dict]):
+        _import_sink("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=os.path.join(output_dir, TENSORBOARD_DIR))
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbSink:
+    def __init__(self, output_dir: str, run_config: Optional[dict]):
+        wandb = _import_sink("wandb")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+                              dir=output_dir, config=run_config)
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _SwanlabSink:
+    def __init__(self, output_dir: str, run_config: Optional[dict]):
+        self.swanlab = _import_sink("swanlab")
+        logdir = os.path.join(output_dir, SWANLAB_DIR)
+        os.makedirs(logdir, exist_ok=True)  # swanlab wants an existing directory
+        self.swanlab.init(project=os.environ.get("SWANLAB_PROJECT", DEFAULT_PROJECT),
+                          logdir=logdir, config=run_config)
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        self.swanlab.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.swanlab.finish()
+
+
+_SINK_CLASSES = {"tensorboard": _TensorboardSink, "wandb": _WandbSink, "swanlab": _SwanlabSink}
+
+
+# ---------------------------------------------------------------------------------------------
+# MetricsLogger
+
+
+class MetricsLogger:
+    """Console line + `{output_dir}/logging.jsonl` (appended, flushed per step) + the sinks named
+    in `report_to`. A no-op when `enabled` is False. Usable as a context manager."""
+
+    def __init__(self, output_dir: str, report_to: Sequence[str],
+                 run_config: Optional[dict] = None, enabled: bool = True):
+        self.sinks_requested = check_report_to(report_to)
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, METRICS_FILE)
+        self._file = None
+        self._sinks: Dict[str, Any] = {}
+        self._warned_non_finite: set = set()
+        self._closed = False
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            for sink in self.sinks_requested:
+                self._sinks[sink] = _SINK_CLASSES[sink](output_dir, run_config)
+        except BaseException:
+            self.close()
+            raise
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record one step's metrics everywhere; values may be numbers or scalar tensors."""
+        if not self.enabled:
+            return
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        values = self._scalars(metrics)
+        self._write_jsonl(step, values)
+        logger.info(f"step {step} | {format_metrics(values)}")
+        finite = self._finite_only(values)
+        for sink in self._sinks.values():
+            sink.log(step, finite)
+
+    def close(self) -> None:
+        """Flush and close every writer; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @staticmethod
+    def _scalars(metrics: Mapping[str, Any]) -> Dict[str, float]:
+        reserved = [key for key in _RESERVED_KEYS if key in metrics]
+        if reserved:
+            raise ValueError(f"metric names {reserved} are reserved by logging.jsonl")
+        return {key: to_scalar(value, key) for key, value in metrics.items()}
+
+    def _write_jsonl(self, step: int, values: Dict[str, float]) -> None:
+        record = {"step": step, "time": round(time.time(), 3), **values}
+        self._file.write(dumps(record) + "\n")
+        self._file.flush()
+
+    def _finite_only(self, values: Dict[str, float]) -> Dict[str, float]:
+        finite = {key: value for key, value in values.items() if is_finite(value)}
+        skipped = [key for key in values if key not in finite]
+        new = [key for key in skipped if key not in self._warned_non_finite]
+        if new and self._sinks:
+            self._warned_non_finite.update(new)
+            logger.warning(f"non-finite metrics not sent to {', '.join(self._sinks)} "
+                           f"(logging.jsonl records null): {', '.join(new)}")
+        return finite
