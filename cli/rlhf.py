@@ -2,7 +2,6 @@
 relaunch under torchrun when NPROC_PER_NODE is set, then run the trainer."""
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
-from swift_megatron.errors import UserError
 from swift_megatron.launch import planned_world_size, relaunch, torchrun_argv
 from swift_megatron.preflight import preflight_rlhf
 
@@ -20,5 +19,7 @@ def main(argv) -> int:
     cmd = torchrun_argv("rlhf", argv)
     if cmd:
         return relaunch(cmd)
-    raise UserError("GRPO training is not supported yet: it lands with the GRPO trainer issue "
-                    "(use --dry_run true to check a configuration)")
+    from swift_megatron.rlhf.grpo.trainer import run_grpo
+
+    run_grpo(args, plan)
+    return 0

@@ -3,7 +3,11 @@
 The sampler walks one endless stream of prompt indices: epoch e is `permutation(seed + e)` of
 0..num_prompts-1 (identity order without shuffling), epochs follow each other. Each rollout
 batch takes the next `rollout_prompts` indices of the stream (all DP ranks together); DP rank r
-of dp_size gets the contiguous slice [r * per_dp, (r + 1) * per_dp) of it.
+of dp_size gets the contiguous slice [r * per_dp, (r + 1) * per_dp) of it, or, when the batch
+is trained in several optimizer steps of `step_prompts` prompts each and every step's prompts
+divide evenly over the DP ranks, rank r's part of EVERY step (step-interleaved). Then the
+prompts of optimizer step k are the same whatever dp_size is, so a run reproduces across
+data-parallel layouts.
 
 An incomplete last batch of an epoch is NOT dropped: it continues into the next epoch's
 permutation, so every prompt is used exactly once per epoch and none is skipped. Consequence: a
@@ -29,7 +33,7 @@ class PromptSampler:
     seeded with seed + e; shuffle: False keeps the dataset order every epoch."""
 
     def __init__(self, num_prompts: int, rollout_prompts: int, dp_size: int = 1, dp_rank: int = 0,
-                 seed: int = 0, shuffle: bool = True):
+                 seed: int = 0, shuffle: bool = True, step_prompts: Optional[float] = None):
         if num_prompts < 1:
             raise UserError("the training dataset has no prompts; check --dataset")
         if rollout_prompts < 1 or dp_size < 1 or rollout_prompts % dp_size:
@@ -41,6 +45,7 @@ class PromptSampler:
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.per_dp = rollout_prompts // dp_size
         self.seed, self.shuffle = seed, shuffle
+        self.offsets = self._offsets(step_prompts)
         self.consumed = 0  # global stream position: prompts handed out on all ranks together
         self._order_epoch: Optional[int] = None
         self._order: Optional[np.ndarray] = None
@@ -99,16 +104,25 @@ class PromptSampler:
             out.extend(self.epoch_order(epoch)[offset:offset + take].tolist())
         return out
 
+    def _offsets(self, step_prompts: Optional[float]) -> List[int]:
+        """This rank's positions inside a rollout batch (contiguous, or step-interleaved)."""
+        per_step = step_prompts / self.dp_size if step_prompts else 0
+        if per_step >= 1 and float(per_step).is_integer() and self.rollout_prompts % step_prompts == 0:
+            per_step, step = int(per_step), int(step_prompts)
+            return [k + self.dp_rank * per_step + i for k in range(0, self.rollout_prompts, step)
+                    for i in range(per_step)]
+        start = self.dp_rank * self.per_dp
+        return list(range(start, start + self.per_dp))
+
     def batch_sample_ids(self) -> List[int]:
         """Stream positions of the batch `next()` will return on this rank: unique over the whole
         run, so usable as GRPO group ids where a prompt may repeat within a batch."""
-        start = self.consumed + self.dp_rank * self.per_dp
-        return list(range(start, start + self.per_dp))
+        return [self.consumed + offset for offset in self.offsets]
 
     def __iter__(self) -> Iterator[List[int]]:
         return self
 
     def __next__(self) -> List[int]:
-        indices = self.stream(self.consumed + self.dp_rank * self.per_dp, self.per_dp)
+        batch = self.stream(self.consumed, self.rollout_prompts)
         self.consumed += self.rollout_prompts
-        return indices
+        return [batch[offset] for offset in self.offsets]

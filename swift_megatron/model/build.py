@@ -45,15 +45,19 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
 
 def build_model(hf_config: Mapping, dtype: torch.dtype, device: torch.device, *,
                 sequence_parallel: bool = False,
-                model_type: Optional[str] = None, perform_initialization: bool = True,
-                **config_overrides):
-    """(GPTModel of this stage, TransformerConfig, ModelShape) for the current parallel state."""
+                model_type: Optional[str] = None, **config_overrides):
+    """(GPTModel of this stage, TransformerConfig, ModelShape) for the current parallel state.
+
+    Weights are always randomly initialised, even when a checkpoint is loaded next: megatron-core
+    0.16.1 sets the tensor-parallel attributes of its linear weights (tensor_model_parallel,
+    partition_dim) only in its initialisers, and without them grad-norm and clipping silently
+    count only TP rank 0's shards."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cfg = transformer_config(
         hf_config, dtype=dtype, tp=tp, pp=parallel_state.get_pipeline_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(),
         etp=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=sequence_parallel, use_cpu_initialization=device.type == "cpu",
-        perform_initialization=perform_initialization, model_type=model_type, **config_overrides)
+        model_type=model_type, **config_overrides)
     shape = model_shape(hf_config, tp=tp, model_type=model_type)
     return build_gpt(cfg, shape), cfg, shape

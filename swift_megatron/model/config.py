@@ -118,7 +118,7 @@ def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
 
 def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int = 1,
                        ep: int = 1, etp: int = 1, sequence_parallel: bool = False,
-                       use_cpu_initialization: bool = False, perform_initialization: bool = True,
+                       use_cpu_initialization: bool = False,
                        model_type: Optional[str] = None, **overrides) -> TransformerConfig:
     """The TransformerConfig of an HF checkpoint for a given parallel layout and dtype."""
     model_type = model_type or hf.get("model_type")
@@ -140,7 +140,6 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel, variable_seq_lengths=True,
         use_cpu_initialization=use_cpu_initialization,
-        perform_initialization=perform_initialization,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,

@@ -547,3 +547,21 @@ def test_import_is_light():
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_sampler_step_interleaved_shares_make_steps_layout_independent():
+    """With step_prompts, optimizer step k trains the same prompts whatever the DP size."""
+    single = PromptSampler(40, 8, seed=3, step_prompts=4)
+    ranks = [PromptSampler(40, 8, dp_size=2, dp_rank=r, seed=3, step_prompts=4) for r in range(2)]
+    whole = next(single)
+    shares = [next(r) for r in ranks]
+    for step in range(2):  # two optimizer steps of 4 prompts; each DP rank holds 2 per step
+        assert sorted(whole[step * 4:(step + 1) * 4]) == sorted(
+            shares[0][step * 2:(step + 1) * 2] + shares[1][step * 2:(step + 1) * 2])
+    assert ranks[1].batch_sample_ids() == [8 + 2, 8 + 3, 8 + 6, 8 + 7]
+
+
+def test_sampler_falls_back_to_contiguous_shares():
+    """A step whose prompts do not split evenly over DP ranks keeps ms-swift's contiguous shares."""
+    rank = PromptSampler(40, 8, dp_size=2, dp_rank=1, seed=3, step_prompts=3)
+    assert rank.batch_sample_ids() == [4, 5, 6, 7]

@@ -1,0 +1,121 @@
+"""Training checkpoints: everything needed to resume a run exactly, written atomically.
+
+    SAVE/iter_0000010/              a Megatron model directory (checkpoint/layout.py) plus
+        optimizer/                  megatron distributed checkpoint of the optimizer state
+        rng/rank{R}.pt              each rank's RNG states (torch, CUDA, megatron's tracker)
+        trainer_state.json          step, scheduler, data position, run bookkeeping
+    SAVE/latest_checkpointed_iteration.txt
+
+The iteration directory is written as `iter_XXXXXXX.tmp` and renamed once every rank has
+finished; the `latest` file is replaced atomically afterwards. `--no_save_optim` and
+`--no_save_rng` leave those parts out (a resume then starts a fresh optimizer / RNG).
+"""
+import json
+import os
+import shutil
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+
+from swift_megatron.checkpoint.dist import unwrap
+from swift_megatron.checkpoint.layout import META, load_model_dir, write_model_dir
+from swift_megatron.errors import UserError
+
+LATEST = "latest_checkpointed_iteration.txt"
+STATE = "trainer_state.json"
+
+
+def iteration_dir(save_dir: str, step: int) -> str:
+    return os.path.join(save_dir, f"iter_{step:07d}")
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module], optimizer,
+                    trainer_state: dict, *, hf_source_dir: str, meta: dict,
+                    save_optim: bool = True, save_rng: bool = True) -> str:
+    """Write SAVE/iter_<step> (collective) and point `latest` at it; returns the directory."""
+    final = iteration_dir(save_dir, step)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    write_model_dir(chunks, tmp, hf_source_dir=hf_source_dir, meta=meta)
+    if save_optim:
+        model_sd = unwrap(chunks[0]).sharded_state_dict()
+        dist_checkpointing.save(optimizer.sharded_state_dict(model_sd), _fresh(tmp, "optimizer"))
+    if save_rng:
+        os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, STATE), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_latest(save_dir, step)
+    dist.barrier()
+    return final
+
+
+def _fresh(parent: str, name: str) -> str:
+    path = os.path.join(parent, name)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    return path
+
+
+def _write_latest(save_dir: str, step: int) -> None:
+    tmp = os.path.join(save_dir, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, os.path.join(save_dir, LATEST))
+
+
+def resolve_load_dir(load: str) -> str:
+    """--load may name a save directory (its latest iteration) or one iteration / model dir."""
+    latest = os.path.join(load, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return iteration_dir(load, int(f.read().strip()))
+    if os.path.isfile(os.path.join(load, META)):
+        return load
+    raise UserError(f"--load {load}: neither a save directory (no {LATEST}) nor a checkpoint "
+                    f"(no {META})")
+
+
+def load_checkpoint(directory: str, chunks: Sequence[torch.nn.Module], optimizer,
+                    load_optim: bool = True, load_rng: bool = True) -> Optional[dict]:
+    """Load weights (and optimizer, RNG when present); returns the trainer state, or None for a
+    weights-only model directory (e.g. from `megatron export --to_mcore`)."""
+    load_model_dir(chunks, directory)
+    state_path = os.path.join(directory, STATE)
+    if not os.path.isfile(state_path):
+        return None
+    optim_dir = os.path.join(directory, "optimizer")
+    if load_optim and os.path.isdir(optim_dir):
+        model_sd = unwrap(chunks[0]).sharded_state_dict()
+        sharded = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        optimizer.load_state_dict(dist_checkpointing.load(sharded, optim_dir))
+    rng_path = os.path.join(directory, "rng", f"rank{dist.get_rank()}.pt")
+    if load_rng and os.path.isfile(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=False))
+    with open(state_path) as f:
+        return json.load(f)

@@ -1,0 +1,37 @@
+"""Resolve `--model` to a local directory: a local path as is, a hub id downloaded from
+ModelScope (default, as ms-swift) or Hugging Face (`--use_hf true`). On each node local rank 0
+downloads first and the others then read the cache, so a node fetches each file once."""
+import os
+from typing import Optional
+
+from swift_megatron.errors import UserError
+
+
+def _download(model_id: str, use_hf: bool, revision: Optional[str]) -> str:
+    try:
+        if use_hf:
+            from huggingface_hub import snapshot_download
+            return snapshot_download(model_id, revision=revision)
+        from modelscope.hub.snapshot_download import snapshot_download
+        return snapshot_download(model_id, revision=revision)
+    except Exception as exc:  # network errors, unknown ids, auth: all user-facing here
+        hub = "Hugging Face" if use_hf else "ModelScope"
+        raise UserError(f"--model {model_id}: could not download it from {hub} ({exc}). Pass a "
+                        "local model directory, or check the id and your network"
+                        + ("" if use_hf else " (or --use_hf true for Hugging Face)")) from None
+
+
+def resolve_model_dir(model: str, use_hf: bool = False, revision: Optional[str] = None) -> str:
+    if os.path.isdir(model):
+        return model
+    if model.startswith((".", "/", "~")) or os.sep * 2 in model or model.count("/") != 1:
+        raise UserError(f"--model {model}: no such directory, and not a hub id (owner/name)")
+    import torch.distributed as dist
+
+    local_first = dist.is_initialized() and int(os.environ.get("LOCAL_RANK", "0")) != 0
+    if local_first:
+        dist.barrier()
+    path = _download(model, use_hf, revision)
+    if dist.is_initialized() and not local_first:
+        dist.barrier()
+    return path

@@ -1,0 +1,203 @@
+"""Collect one rollout batch for this data-parallel rank: generate, score, resample, advantage.
+
+The DP rank's prompts are expanded into num_generations requests each; the ranks of one model
+replica (TP x PP x CP, "mp group") split those requests evenly, generate and compute rewards for
+their share (each completion scored exactly once), and all-gather the scored samples, so every
+rank of the replica holds the same list in the same canonical order (prompt, then sample).
+Advantages need every DP rank's rewards (batch std, global metrics): one all_gather of a small
+tensor, keyed by group id, so nothing depends on rank order.
+"""
+import dataclasses
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from swift_megatron.data import Prompt
+from swift_megatron.logging import get_logger
+from swift_megatron.rewards import compute_rewards
+from swift_megatron.rlhf.grpo.advantages import group_advantages
+from swift_megatron.rlhf.grpo.batch import Sample
+from swift_megatron.rlhf.grpo.filtering import zero_std_prompt_ids
+from swift_megatron.rollout.engine import RolloutEngine, SamplingConfig
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass
+class CollectSettings:
+    num_generations: int
+    sampling: SamplingConfig
+    reward_names: List[str]
+    reward_weights: List[float]
+    scale_rewards: str
+    dynamic_sample: bool
+    max_resample_times: int
+
+
+class RolloutCollector:
+    def __init__(self, engine: RolloutEngine, reward_funcs: Sequence[Tuple[str, Callable]],
+                 tokenizer, settings: CollectSettings, mp_group, dp_group,
+                 resample_source: Callable[[int], List[Prompt]], device: torch.device):
+        self.engine, self.reward_funcs, self.tokenizer = engine, list(reward_funcs), tokenizer
+        self.settings, self.mp_group, self.dp_group = settings, mp_group, dp_group
+        self.resample_source, self.device = resample_source, device
+
+    # ---- generation and scoring, shared by the ranks of one model replica ----------------
+    def _share(self, count: int) -> slice:
+        rank, size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        per, extra = divmod(count, size)
+        start = rank * per + min(rank, extra)
+        return slice(start, start + per + (1 if rank < extra else 0))
+
+    def generate_and_score(self, prompts: Sequence[Prompt], group_ids: Sequence[int],
+                           seed: int) -> List[Sample]:
+        """num_generations scored samples per prompt, identical on every rank of the replica and
+        independent of the parallel layout (per-request seeds)."""
+        g = self.settings.num_generations
+        requests = [(i, k) for i in range(len(prompts)) for k in range(g)]
+        mine = requests[self._share(len(requests))]
+        seeds = [_request_seed(seed, group_ids[i], k) for i, k in mine]
+        completions = self.engine.generate([prompts[i].input_ids for i, _ in mine],
+                                           self.settings.sampling, seeds)
+        local = self._score([prompts[i] for i, _ in mine], [group_ids[i] for i, _ in mine],
+                            completions)
+        parts: List[List[Sample]] = [None] * dist.get_world_size(self.mp_group)
+        dist.all_gather_object(parts, local, group=self.mp_group)
+        return [s for part in parts for s in part]
+
+    def _score(self, prompts: List[Prompt], group_ids: List[int], completions) -> List[Sample]:
+        if not prompts:
+            return []
+        texts = self.tokenizer.batch_decode([c.token_ids for c in completions],
+                                            skip_special_tokens=True)
+        columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
+        per_func = compute_rewards(
+            self.reward_funcs, texts, prompts=[p.text for p in prompts],
+            completion_ids=[c.token_ids for c in completions],
+            truncated=[c.truncated for c in completions], **columns)
+        samples = []
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            rewards = [values[row] for values in per_func]
+            samples.append(Sample(
+                group_id=group_ids[row], prompt_id=prompt.prompt_id, prompt_ids=list(prompt.input_ids),
+                completion_ids=completion.token_ids, rollout_logprobs=completion.logprobs,
+                finish_reason=completion.finish_reason, rewards=rewards,
+                reward=_weighted(rewards, self.settings.reward_weights),
+                weight_version=completion.weight_version, completion_text=texts[row]))
+        return samples
+
+    # ---- dynamic sampling (DAPO) ---------------------------------------------------------
+    def resample_zero_std_groups(self, samples: List[Sample], seed: int) -> Tuple[List[Sample], int]:
+        """Replace groups whose rewards all agree by groups of fresh prompts, up to
+        max_resample_times rounds; returns the samples and the groups still without signal.
+        Every rank joins every round (engines may be collective) until no rank needs one."""
+        for round_index in range(self.settings.max_resample_times + 1):
+            bad = self._zero_std_groups(samples)
+            if self._reduce(len(bad), dist.ReduceOp.MAX) == 0 \
+                    or round_index == self.settings.max_resample_times:
+                return samples, len(bad)
+            fresh = self.generate_and_score(self.resample_source(len(bad)), bad,
+                                            seed + 7919 * (round_index + 1))
+            samples = _replace_groups(samples, fresh)
+        return samples, 0
+
+    def _zero_std_groups(self, samples: List[Sample]) -> List[int]:
+        if not samples:
+            return []
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        groups = torch.tensor([s.group_id for s in samples])
+        return zero_std_prompt_ids(rewards, groups).tolist()
+
+    # ---- advantages over the whole rollout batch -----------------------------------------
+    def assign_advantages(self, samples: List[Sample]) -> Dict[str, float]:
+        """Set each sample's advantage from the rewards of every DP rank; returns rollout metrics."""
+        rows = _sample_rows(samples, len(self.reward_funcs)).to(self.device)
+        table = _gather_rows(rows, self.dp_group).cpu()
+        n_funcs = len(self.reward_funcs)
+        rewards, groups = table[:, n_funcs], table[:, n_funcs + 1].long()
+        advantages, metrics = group_advantages(rewards, groups, self.settings.scale_rewards)
+        start = dist.get_rank(self.dp_group) * len(samples)
+        for sample, value in zip(samples, advantages[start:start + len(samples)].tolist()):
+            sample.advantage = value
+        return _rollout_metrics(table, metrics, self.settings.reward_names)
+
+    def collect(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int
+                ) -> Tuple[List[Sample], Dict[str, float]]:
+        """This DP rank's scored samples (group ids: unique per prompt slot over the run)."""
+        samples = self.generate_and_score(prompts, group_ids, seed)
+        unresolved = 0
+        if self.settings.dynamic_sample:
+            samples, unresolved = self.resample_zero_std_groups(samples, seed)
+            if unresolved:
+                logger.warning(f"dynamic_sample: {unresolved} group(s) still had zero reward std "
+                               f"after {self.settings.max_resample_times} resampling round(s); "
+                               "kept them")
+        metrics = self.assign_advantages(samples)
+        metrics["rollout/unresolved_zero_std_groups"] = float(
+            self._reduce(unresolved, dist.ReduceOp.SUM, self.dp_group))
+        return samples, metrics
+
+    def _reduce(self, value: int, op, group=None) -> int:
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(tensor, op=op, group=group)
+        return int(tensor.item())
+
+
+def _request_seed(seed: int, group_id: int, sample: int) -> int:
+    """One seed per (prompt slot, sample): group ids are unique over the run, so every request
+    of every rollout gets its own stream, whichever rank generates it."""
+    return ((seed * 1_000_003 + group_id) * 4099 + sample) % 2**63
+
+
+def _weighted(rewards: List, weights: List[float]) -> float:
+    """Weighted sum; None (not applicable) counts as 0, as TRL's nansum."""
+    return float(sum(w * r for w, r in zip(weights, rewards) if r is not None))
+
+
+def _replace_groups(samples: List[Sample], fresh: List[Sample]) -> List[Sample]:
+    by_group: Dict[int, List[Sample]] = {}
+    for sample in fresh:
+        by_group.setdefault(sample.group_id, []).append(sample)
+    result, done = [], set()
+    for sample in samples:
+        if sample.group_id in by_group:
+            if sample.group_id not in done:
+                result += by_group[sample.group_id]
+                done.add(sample.group_id)
+        else:
+            result.append(sample)
+    return result
+
+
+def _sample_rows(samples: List[Sample], n_funcs: int) -> torch.Tensor:
+    """[N, F + 4]: rewards per function (NaN for None), total, group id, length, truncated."""
+    rows = [[math.nan if r is None else float(r) for r in s.rewards]
+            + [s.reward, float(s.group_id), float(len(s.completion_ids)), float(s.truncated)]
+            for s in samples]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(samples), n_funcs + 4)
+
+
+def _gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, rows, group=group)
+    return torch.cat(parts)
+
+
+def _rollout_metrics(table: torch.Tensor, adv_metrics: Dict[str, float],
+                     names: List[str]) -> Dict[str, float]:
+    n_funcs = len(names)
+    lengths, truncated = table[:, n_funcs + 2], table[:, n_funcs + 3]
+    metrics = {"reward/mean": adv_metrics["reward_mean"], "reward/std": adv_metrics["reward_std"],
+               "reward/frac_zero_std": adv_metrics["frac_reward_zero_std"],
+               "rollout/completion_length_mean": lengths.mean().item(),
+               "rollout/completion_length_min": lengths.min().item(),
+               "rollout/completion_length_max": lengths.max().item(),
+               "rollout/truncated_fraction": truncated.mean().item(),
+               "rollout/completion_tokens": lengths.sum().item()}
+    for column, name in enumerate(names):
+        values = table[:, column]
+        metrics[f"reward/{name}/mean"] = values.nanmean().item()
+        metrics[f"reward/{name}/std"] = values[~values.isnan()].std().item() if values.numel() > 1 else 0.0
+    return metrics

@@ -1,0 +1,212 @@
+"""Build everything a GRPO run needs from the flags, one small function per component:
+parallel state, policy (Megatron DDP model + optimizer + schedule + bridge), reference model,
+tokenizer and prompts, rollout engine, reward functions, loggers. The trainer only runs the loop.
+"""
+import dataclasses
+import json
+import math
+import os
+import time
+from types import SimpleNamespace
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from swift_megatron.arguments.batch_plan import BatchPlan
+from swift_megatron.arguments.commands import RlhfArguments
+from swift_megatron.bridge import Bridge
+from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
+from swift_megatron.errors import UserError
+from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
+from swift_megatron.model.build import build_model
+from swift_megatron.model.config import DTYPES, load_hf_config
+from swift_megatron.model.hub import resolve_model_dir
+from swift_megatron.parallel.state import ParallelState
+from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
+from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
+from swift_megatron.rlhf.grpo.objective import LossSettings
+from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.rollout.hf import HFEngine
+from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
+                                           wrap_ddp)
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass
+class Policy:
+    chunks: List[torch.nn.Module]   # DDP-wrapped model chunks of this stage
+    config: object                  # TransformerConfig
+    bridge: Bridge
+    optimizer: object
+    scheduler: object
+    model_dir: str                  # HF directory: config, tokenizer (and initial weights)
+    hf_config: dict
+    dtype: torch.dtype
+
+
+def parallel_state(args: RlhfArguments) -> ParallelState:
+    p = args.parallel
+    return ParallelState.initialize(
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size, device=args.model.device, seed=args.training.seed)
+
+
+def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -> torch.dtype:
+    if args.model.torch_dtype:
+        return DTYPES[args.model.torch_dtype]
+    if device.type == "cpu":
+        return torch.float32
+    name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16")
+    return DTYPES.get(name, torch.bfloat16)
+
+
+def _config_overrides(args: RlhfArguments) -> dict:
+    p = args.parallel
+    if not p.recompute_granularity:
+        return {}
+    return dict(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
+                recompute_num_layers=p.recompute_num_layers)
+
+
+def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype):
+    model, config, shape = build_model(
+        hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
+        **_config_overrides(args))
+    bridge = Bridge(hf_config, shape, config)
+    bridge.load(model, model_dir)
+    return model, config, bridge
+
+
+def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
+    if args.training.train_iters:
+        return args.training.train_iters
+    batches = math.ceil(args.training.num_train_epochs * num_prompts / plan.rollout_prompts)
+    return max(batches, 1) * plan.steps_per_generation
+
+
+def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int) -> Policy:
+    hf_config = load_hf_config(model_dir)
+    dtype = training_dtype(args, hf_config, state.device)
+    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype)
+    ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
+    t = args.training
+    settings = OptimizerSettings(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+        lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters, train_iters=iters)
+    optimizer = build_optimizer([ddp], config, settings)
+    scheduler = build_scheduler(optimizer, settings, t.lr_warmup_fraction)
+    return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype)
+
+
+def reference(args: RlhfArguments, state: ParallelState, pol: Policy) -> Optional[List[torch.nn.Module]]:
+    """A frozen copy of the initial policy, only when the KL term needs it (beta > 0)."""
+    if args.grpo.beta == 0:
+        return None
+    model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype)
+    model.eval().requires_grad_(False)
+    return [model]
+
+
+def tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: str, tok) -> List[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids:
+        raise UserError(f"{model_dir}: the tokenizer has no eos token; generation could not stop")
+    return sorted(ids)
+
+
+def prompts(args: RlhfArguments, tok, hf_config: dict) -> Tuple[List[Prompt], List[Prompt]]:
+    flat = SimpleNamespace(**vars(args.data), max_completion_length=args.grpo.max_completion_length,
+                           use_hf=args.model.use_hf, seed=args.training.seed)
+    return prepare_prompts(flat, tok, max_position_embeddings=hf_config.get("max_position_embeddings"))
+
+
+def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,
+             train: List[Prompt]) -> Tuple[PromptSampler, Callable[[int], List[Prompt]]]:
+    """The rollout sampler, and the source of fresh prompts for dynamic sampling."""
+    sampler = PromptSampler(len(train), plan.rollout_prompts, state.dp, state.dp_rank,
+                            seed=args.training.seed, shuffle=args.data.dataset_shuffle,
+                            step_prompts=plan.global_batch_size / plan.num_generations)
+    spare = PromptSampler(len(train), 1, seed=args.training.seed + 1_000_003 + state.dp_rank)
+    position = {"next": 0}
+
+    def fresh(count: int) -> List[Prompt]:
+        indices = spare.stream(position["next"], count)
+        position["next"] += count
+        return [train[i] for i in indices]
+
+    return sampler, fresh
+
+
+def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok):
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return HFEngine(pol.model_dir, state.device, pol.dtype, eos_token_ids(pol.model_dir, tok), pad)
+
+
+def rewards(args: RlhfArguments):
+    g = args.grpo
+    if not g.reward_funcs:
+        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
+    plugins = load_plugins(g.external_plugins)
+    return resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g))
+
+
+def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
+              fresh: Callable[[int], List[Prompt]]) -> RolloutCollector:
+    g = args.grpo
+    sampling = SamplingConfig(max_tokens=g.max_completion_length, temperature=g.temperature,
+                              top_p=g.top_p, top_k=g.top_k, repetition_penalty=g.repetition_penalty)
+    settings = CollectSettings(
+        num_generations=g.num_generations, sampling=sampling,
+        reward_names=[name for name, _ in reward_funcs],
+        reward_weights=g.reward_weights or [1.0] * len(reward_funcs),
+        scale_rewards=g.scale_rewards, dynamic_sample=g.dynamic_sample,
+        max_resample_times=g.max_resample_times)
+    return RolloutCollector(eng, reward_funcs, tok, settings, state.mp_group, state.dp_group,
+                            fresh, state.device)
+
+
+def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:
+    g = args.grpo
+    return LossSettings(loss_type=g.loss_type, beta=g.beta, epsilon=g.epsilon,
+                        epsilon_high=g.epsilon_high, delta=g.delta,
+                        importance_sampling_level=g.importance_sampling_level,
+                        temperature=g.temperature, max_completion_length=g.max_completion_length,
+                        vocab_size=pol.bridge.shape.vocab_size)
+
+
+def output_dir(args: RlhfArguments, state: ParallelState) -> str:
+    """--output_dir, else --save, else output/<model>-<time> (chosen on rank 0, shared)."""
+    import torch.distributed as dist
+
+    chosen = [args.training.output_dir or args.training.save or os.path.join(
+        "output", f"{os.path.basename(os.path.normpath(args.model.model))}-{time.strftime('%Y%m%d-%H%M%S')}")]
+    dist.broadcast_object_list(chosen, src=0)
+    if state.rank == 0:
+        os.makedirs(chosen[0], exist_ok=True)
+    return chosen[0]
+
+
+def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dict):
+    enabled = state.rank == 0
+    metrics = MetricsLogger(out, args.training.report_to, run_config=run_config, enabled=enabled)
+    completions = CompletionsLogger(out, enabled=enabled and args.grpo.log_completions)
+    return metrics, completions
+
+
+def model_dir(args: RlhfArguments) -> str:
+    return resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)

@@ -1,0 +1,86 @@
+"""The callbacks Megatron's forward_backward_func runs on the last pipeline stage: GRPO's loss
+of one micro-batch (with its metrics), and logprob collection for the forward-only passes
+(old policy, reference). They glue vocab-parallel logprobs (model/logprobs.py) to the pure
+GRPO math (losses.py); no process groups here beyond what those use.
+"""
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from swift_megatron.rlhf.grpo.losses import aggregate_loss, masked_mean, policy_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The loss flags (from GRPOArguments) plus what the model adds (the real vocab size)."""
+
+    loss_type: str
+    beta: float
+    epsilon: float
+    epsilon_high: float
+    delta: Optional[float]
+    importance_sampling_level: str
+    temperature: float
+    max_completion_length: int
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConstants:
+    """Totals over the whole optimizer step (all micro-batches of all DP ranks)."""
+
+    num_sequences: int
+    num_tokens: float
+    num_micro_batches: int
+    contribution_scale: float  # undoes megatron's 1/micro-batches and DDP's 1/dp averaging
+
+
+def token_logprobs(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    return vocab_parallel_logprobs(logits, micro_batch["targets"], settings.temperature,
+                                   settings.vocab_size)
+
+
+def collect_logprobs(settings: LossSettings, micro_batch: dict,
+                     logits: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Forward-only callback: no loss, the logprobs of the targets [B, S]."""
+    return logits.new_zeros(()), {"logprobs": token_logprobs(micro_batch, logits, settings).detach()}
+
+
+def grpo_loss(settings: LossSettings, step: StepConstants, micro_batch: dict,
+              logits: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """This micro-batch's scaled contribution to the step loss, and its metrics."""
+    mask = micro_batch["completion_mask"]
+    logprobs = token_logprobs(micro_batch, logits, settings)
+    old = micro_batch.get("old_logprobs")
+    per_token, info = policy_loss(
+        logprobs, logprobs.detach() if old is None else old, micro_batch["advantages"], mask,
+        epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high, delta=settings.delta,
+        importance_sampling_level=settings.importance_sampling_level,
+        ref_logprobs=micro_batch.get("ref_logprobs"), beta=settings.beta)
+    contribution = aggregate_loss(
+        per_token, mask, settings.loss_type, num_sequences=step.num_sequences,
+        num_tokens=step.num_tokens, max_completion_length=settings.max_completion_length,
+        num_micro_batches=step.num_micro_batches)
+    return contribution * step.contribution_scale, _metrics(contribution, logits, logprobs, info,
+                                                            micro_batch, settings)
+
+
+@torch.no_grad()
+def _metrics(contribution, logits, logprobs, info, micro_batch, settings) -> Dict[str, torch.Tensor]:
+    mask = micro_batch["completion_mask"]
+    entropy = vocab_parallel_entropy(logits.detach(), settings.temperature, settings.vocab_size)
+    metrics = {
+        "loss": contribution.detach(),
+        "entropy": masked_mean(entropy, mask),
+        "clip_ratio/low": masked_mean(info["low_clip"].float(), mask),
+        "clip_ratio/high": masked_mean(info["high_clip"].float(), mask),
+        "clip_ratio/region": masked_mean((info["low_clip"] | info["high_clip"]).float(), mask),
+    }
+    if "kl" in info:
+        metrics["kl"] = masked_mean(info["kl"], mask)
+    rollout = micro_batch.get("rollout_logprobs")
+    if rollout is not None:
+        metrics["rollout/logprob_abs_diff_mean"] = masked_mean((logprobs.detach() - rollout).abs(), mask)
+    return metrics

@@ -1,0 +1,236 @@
+"""The GRPO loop on Megatron-core (DESIGN.md section 2), one rollout batch at a time:
+
+  rollout (generate + rewards + advantages) -> old / ref logprobs when needed (pipelined
+  forward-only passes) -> steps_per_generation optimizer steps of global_batch_size completions
+  through forward_backward_func -> weight sync to the engine -> metrics -> checkpoint.
+
+Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
+"""
+import math
+import os
+import time
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from swift_megatron.arguments.batch_plan import BatchPlan
+from swift_megatron.arguments.commands import RlhfArguments
+from swift_megatron.checkpoint.trainer import load_checkpoint, resolve_load_dir, save_checkpoint
+from swift_megatron.logging import get_logger, reduce_metrics
+from swift_megatron.logging.progress import progress
+from swift_megatron.model.config import load_hf_config
+from swift_megatron.rlhf.grpo import components as build
+from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
+from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
+from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
+                                          zero_grads)
+
+logger = get_logger(__name__)
+
+
+class GRPOTrainer:
+    def __init__(self, args: RlhfArguments, plan: BatchPlan):
+        self.args, self.plan = args, plan
+        self.state = build.parallel_state(args)
+        model_dir = build.model_dir(args)
+        self.tokenizer = build.tokenizer(model_dir)
+        hf_config = load_hf_config(model_dir)
+        self.train_prompts, _ = build.prompts(args, self.tokenizer, hf_config)
+        self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
+        self.policy = build.policy(args, self.state, model_dir, self.train_iters)
+        self.reference = build.reference(args, self.state, self.policy)
+        self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
+        self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
+        self.reward_funcs = build.rewards(args)
+        self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
+                                         self.reward_funcs, fresh)
+        self.loss_settings = build.loss_settings(args, self.policy)
+        self.output_dir = build.output_dir(args, self.state)
+        self.metrics_log, self.completions_log = build.loggers(args, self.state, self.output_dir,
+                                                               {"plan": vars(plan)})
+        self.step = 0
+        if args.training.load:
+            self._resume(args.training.load)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def train(self) -> Dict[str, float]:
+        batches = math.ceil((self.train_iters - self.step) / self.plan.steps_per_generation)
+        logger.info(f"GRPO: {self.train_iters} optimizer steps, {batches} rollout batches\n"
+                    f"{self.plan.table()}")
+        self.sync_weights()
+        metrics: Dict[str, float] = {}
+        for _ in progress(range(batches), desc="GRPO"):
+            metrics = self.train_rollout_batch()
+            if self._crossed(self.args.training.log_interval):
+                self.metrics_log.log(self.step, metrics)
+            if self.args.training.save and self._crossed(self.args.training.save_interval):
+                self.save()
+        if self.args.training.save and self._saved_step != self.step:
+            self.save()
+        self.export_final()
+        self.close()
+        return metrics
+
+    def train_rollout_batch(self) -> Dict[str, float]:
+        timings: Dict[str, float] = {}
+        start = time.perf_counter()
+        samples, metrics = self.collect()
+        timings["time/rollout_s"] = time.perf_counter() - start
+        micro = self.micro_batches(samples)
+        start = time.perf_counter()
+        self.fill_logprobs(micro)
+        timings["time/logprobs_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        ga = self.plan.grad_accum_steps
+        train_metrics = [self.optimizer_step(micro[k * ga:(k + 1) * ga])
+                         for k in range(self.plan.steps_per_generation)]
+        timings["time/train_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self.sync_weights()
+        timings["time/sync_s"] = time.perf_counter() - start
+        metrics.update(reduce_metrics(train_metrics))
+        metrics.update(timings)
+        metrics.update(self._throughput(samples, timings))
+        self._log_completions(samples)
+        return metrics
+
+    # ---- phases ----------------------------------------------------------------------------
+    def collect(self):
+        self.engine.wake_up()
+        group_ids = self.sampler.batch_sample_ids()  # stream positions: unique over the run
+        prompts = [self.train_prompts[i] for i in next(self.sampler)]
+        samples, metrics = self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
+        self.engine.sleep()
+        return samples, metrics
+
+    def micro_batches(self, samples: List[Sample]) -> List[dict]:
+        tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
+        pad = self.tokenizer.pad_token_id
+        pad = self.tokenizer.eos_token_id if pad is None else pad
+        micro = split_micro_batches(samples, self.plan.micro_batch_size, pad_id=pad,
+                                    pad_to_multiple=tp_multiple,
+                                    overlong_filter=self.args.grpo.overlong_filter)
+        return [to_device(mb, self.state.device) for mb in micro]
+
+    @torch.no_grad()
+    def fill_logprobs(self, micro: List[dict]) -> None:
+        """Old-policy logprobs when several optimizer steps reuse one rollout, and reference
+        logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage)."""
+        collect = partial(collect_logprobs, self.loss_settings)
+        if self.plan.steps_per_generation > 1:
+            for mb, out in zip(micro, forward_backward(self.policy.chunks, micro, collect, True)):
+                mb["old_logprobs"] = out["logprobs"]
+        if self.reference is not None:
+            for mb, out in zip(micro, forward_backward(self.reference, micro, collect, True)):
+                mb["ref_logprobs"] = out["logprobs"]
+
+    def optimizer_step(self, micro: List[dict]) -> Dict[str, float]:
+        constants = self._step_constants(micro)
+        pol = self.policy
+        zero_grads(pol.chunks, pol.optimizer)
+        outputs = forward_backward(pol.chunks, micro, partial(grpo_loss, self.loss_settings, constants))
+        ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
+        self.step += 1
+        metrics = self._from_last_stage(outputs)
+        metrics.update({"grad_norm": grad_norm, "lr": pol.optimizer.param_groups[0]["lr"],
+                        "update_skipped": float(not ok)})
+        return metrics
+
+    def sync_weights(self) -> None:
+        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks[0]))
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _step_constants(self, micro: List[dict]) -> StepConstants:
+        tokens = torch.stack([mb["completion_mask"].sum() for mb in micro]).sum().reshape(1)
+        dist.all_reduce(tokens, group=self.state.dp_group)
+        return StepConstants(
+            num_sequences=self.plan.global_batch_size, num_tokens=float(tokens.item()),
+            num_micro_batches=len(micro) * self.state.dp,
+            contribution_scale=contribution_scale(len(micro), self.state.dp))
+
+    def _from_last_stage(self, outputs: List[dict]) -> Dict[str, float]:
+        """Step metrics: loss summed over micro-batches and DP ranks, the rest averaged;
+        computed on the last stage and sent to the first (where global rank 0 logs)."""
+        metrics: List[Optional[Dict[str, float]]] = [None]
+        if self.state.is_last_stage:
+            local = reduce_metrics(outputs)
+            local["loss"] *= len(outputs)
+            keys = sorted(local)
+            values = torch.tensor([local[k] for k in keys], dtype=torch.float64,
+                                  device=self.state.device)
+            dist.all_reduce(values, group=self.state.dp_group)
+            reduced = {k: v / (1 if k == "loss" else self.state.dp) for k, v in zip(keys, values.tolist())}
+            metrics = [{f"loss/policy" if k == "loss" else k: v for k, v in reduced.items()}]
+        if self.state.pp > 1:
+            dist.broadcast_object_list(metrics, src=self.state.last_stage_rank(),
+                                       group=self.state.pp_group)
+        return metrics[0]
+
+    def _throughput(self, samples: List[Sample], timings: Dict[str, float]) -> Dict[str, float]:
+        completion = sum(len(s.completion_ids) for s in samples)
+        total = completion + sum(len(s.prompt_ids) for s in samples)
+        return {"perf/rollout_tokens_per_s": completion / max(timings["time/rollout_s"], 1e-9),
+                "perf/train_tokens_per_s": total * self.plan.dp_size / max(timings["time/train_s"], 1e-9)}
+
+    def _crossed(self, interval: Optional[int]) -> bool:
+        """Whether the last rollout batch's steps reached a multiple of interval."""
+        if not interval:
+            return False
+        spg = self.plan.steps_per_generation
+        return self.step // interval > (self.step - spg) // interval or self.step >= self.train_iters
+
+    def _log_completions(self, samples: List[Sample]) -> None:
+        if not self.args.grpo.log_completions or self.state.rank != 0:
+            return
+        prompt_text = {p.prompt_id: p.text for p in self.train_prompts}
+        self.completions_log.log(self.step, [
+            dict(prompt_id=s.prompt_id, prompt=prompt_text.get(s.prompt_id, ""),
+                 completion=s.completion_text, reward=s.reward,
+                 rewards=dict(zip([n for n, _ in self.reward_funcs], s.rewards)),
+                 advantage=s.advantage, length=len(s.completion_ids), truncated=s.truncated)
+            for s in samples])
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    _saved_step = -1
+
+    def save(self) -> None:
+        t, pol = self.args.training, self.policy
+        state = {"step": self.step, "train_iters": self.train_iters,
+                 "scheduler": pol.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+        meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
+                "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
+                               "etp": self.state.etp}}
+        path = save_checkpoint(t.save, self.step, pol.chunks, pol.optimizer, state,
+                               hf_source_dir=pol.model_dir, meta=meta,
+                               save_optim=not t.no_save_optim, save_rng=not t.no_save_rng)
+        self._saved_step = self.step
+        logger.info(f"saved checkpoint {path}")
+
+    def _resume(self, load: str) -> None:
+        directory = resolve_load_dir(load)
+        pol = self.policy
+        state = load_checkpoint(directory, pol.chunks, pol.optimizer)
+        if state is None:
+            logger.info(f"initialised the policy from {directory} (weights only)")
+            return
+        self.step = int(state["step"])
+        pol.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        logger.info(f"resumed from {directory} at step {self.step}")
+
+    def export_final(self) -> None:
+        """The trained policy as an HF checkpoint: {output_dir}/final_hf."""
+        pol = self.policy
+        pol.bridge.save_hf(pol.chunks[0], os.path.join(self.output_dir, "final_hf"),
+                           source_dir=pol.model_dir, exist_ok=True)
+
+    def close(self) -> None:
+        self.metrics_log.close()
+        self.completions_log.close()
+        self.engine.close()
+
+
+def run_grpo(args: RlhfArguments, plan: BatchPlan) -> Dict[str, float]:
+    return GRPOTrainer(args, plan).train()

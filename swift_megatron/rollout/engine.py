@@ -1,0 +1,62 @@
+"""The RolloutEngine protocol and the data that crosses it.
+
+Every training process calls `generate` with ITS share of the requests and gets completions
+for exactly those requests, in order (an engine spanning several processes, e.g. vLLM with
+tensor parallelism, gathers and scatters internally). After each optimizer phase the trainer
+streams the new weights with `update_weights((hf_name, tensor), ...)`; `weight_version` counts
+those updates and travels with each completion.
+"""
+import dataclasses
+from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling parameters of one generate call (vLLM's names)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled continuation. `logprobs[i]` is log p(token_ids[i]) under the engine's
+    softmax(logits / temperature); finish_reason is "stop" (an EOS token, included in
+    token_ids) or "length" (max_tokens reached: truncated)."""
+
+    token_ids: List[int]
+    logprobs: Optional[List[float]]
+    finish_reason: str
+    weight_version: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+class RolloutEngine(Protocol):
+    weight_version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+        """One completion per prompt (prompts repeat for several samples of one prompt).
+        `seeds`, one per request, make each sample depend on its seed alone (not on how
+        requests are batched or split over processes); None derives them from sampling.seed."""
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors (the bridge's export stream) and bump weight_version."""
+
+    def sleep(self) -> None:
+        """Release memory while the trainer runs (no-op where unsupported)."""
+
+    def wake_up(self) -> None:
+        """Reacquire memory before generating."""
+
+    def close(self) -> None:
+        """Free every resource."""

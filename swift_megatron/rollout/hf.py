@@ -1,0 +1,139 @@
+"""The embedded rollout engine: sampling with transformers' `generate`, in the training process.
+
+It lets the GRPO loop run anywhere (CPU CI, a GPU without vLLM). The HF model is built from
+the checkpoint's config only; its weights always arrive through `update_weights` from the
+bridge's export stream, the same path vLLM uses, so what it samples from is the policy.
+Logprobs are of softmax(logits / temperature), as vLLM reports them.
+
+Sampling is Gumbel-max with one random stream per request: each request's sample depends only
+on its seed, never on the batch it shares or the process that generates it, so rollouts are
+reproducible across parallel layouts.
+"""
+import re
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from swift_megatron.rollout.engine import Completion, SamplingConfig
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class _GumbelMax:
+    """Logits processor: add Gumbel noise from one generator per row, so that the greedy pick
+    (argmax) is a sample from softmax(scores) (the scores are already temperature-scaled and
+    top-k/top-p filtered by the processors before it)."""
+
+    def __init__(self, seeds: Sequence[int], device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
+                               for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+        return scores.float() + gumbel
+
+
+def _processors(sampling: SamplingConfig, seeds: Sequence[int], device: torch.device):
+    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    chain = []
+    if sampling.repetition_penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    chain.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        chain.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        chain.append(TopPLogitsWarper(sampling.top_p))
+    chain.append(_GumbelMax(seeds, device))
+    return LogitsProcessorList(chain)
+
+
+class HFEngine:
+    """A transformers causal LM that generates for this process's share of the requests."""
+
+    def __init__(self, hf_dir: str, device: torch.device, dtype: torch.dtype,
+                 eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 64):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(hf_dir)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self.device = device
+        self.eos = list(eos_token_ids)
+        self.pad = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.weight_version = 0
+        self._params = dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+        if seeds is None:
+            base = sampling.seed or 0
+            seeds = [base * 1_000_003 + i for i in range(len(prompts))]
+        completions: List[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            stop = start + self.max_batch_size
+            completions += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop])
+        return completions
+
+    def _generate_batch(self, prompts, sampling: SamplingConfig, seeds) -> List[Completion]:
+        from transformers import GenerationConfig
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):  # left padding
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_tokens,
+                                  eos_token_id=self.eos, pad_token_id=self.pad,
+                                  return_dict_in_generate=True, output_logits=True)
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=config,
+                                  logits_processor=_processors(sampling, seeds, self.device))
+        new_tokens = out.sequences[:, width:].cpu()
+        steps = torch.stack(out.logits, dim=1).float() / sampling.temperature  # [B, T, V]
+        logprobs = torch.log_softmax(steps, dim=-1).gather(
+            -1, new_tokens.to(steps.device).unsqueeze(-1)).squeeze(-1).cpu()
+        return [self._completion(new_tokens[row], logprobs[row])
+                for row in range(len(prompts))]
+
+    def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Completion:
+        tokens = tokens.tolist()
+        stop = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+        length = len(tokens) if stop is None else stop + 1
+        reason = "stop" if stop is not None else "length"
+        return Completion(tokens[:length], logprobs[:length].tolist(), reason, self.weight_version)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            self._target(name).copy_(tensor.to(self.device))
+        self.weight_version += 1
+
+    def _target(self, name: str) -> torch.Tensor:
+        """The parameter (or slice of a fused expert tensor, transformers 5.x) for an HF name."""
+        if name in self._params:
+            return self._params[name]
+        found = _EXPERT.match(name)
+        if found is None:
+            raise KeyError(f"the embedded engine's model has no parameter {name}")
+        prefix, expert, kind = found.group(1), int(found.group(2)), found.group(3)
+        if kind == "down":
+            return self._params[f"{prefix}.down_proj"][expert]
+        fused = self._params[f"{prefix}.gate_up_proj"][expert]
+        half = fused.shape[0] // 2
+        return fused[:half] if kind == "gate" else fused[half:]
+
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.model = None
+        self._params = {}
