@@ -38,6 +38,9 @@ class TrainingArguments:
     load: Optional[str] = arg(None, "Resume from this checkpoint directory (a --save directory).")
     no_save_optim: bool = arg(False, "Do not save optimizer and scheduler state.")
     no_save_rng: bool = arg(False, "Do not save RNG state.")
+    exit_interval: Optional[int] = arg(None, "Stop after this many optimizer steps (saving a "
+                                       "checkpoint when --save is given), e.g. to split a long "
+                                       "run into jobs that each resume with --load.")
     log_interval: int = arg(1, "Log metrics every N optimizer steps.")
     eval_interval: Optional[int] = arg(None, "Evaluate on --val_dataset every N optimizer steps.")
     report_to: List[str] = arg(["tensorboard"], "Metric sinks besides the console and "
@@ -50,7 +53,8 @@ class TrainingArguments:
                         "and exit without launching or loading anything.")
 
     def __post_init__(self):
-        for name in ("train_iters", "num_train_epochs", "save_interval", "eval_interval"):
+        for name in ("train_iters", "num_train_epochs", "save_interval", "eval_interval",
+                     "exit_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} must be >= 1, got {value}")

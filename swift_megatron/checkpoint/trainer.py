@@ -25,6 +25,11 @@ from swift_megatron.errors import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
+# The distributed optimizer's default format relies on flattened ShardedTensors, which
+# megatron-core 0.16.1's checkpointing rejects, and its fully_reshardable loader drops torch
+# Adam's `step` (KeyError without Apex/TE). dp_reshardable works: a resume keeps the model-
+# parallel layout (TP/PP/EP) of the checkpoint and may change the data-parallel size.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def iteration_dir(save_dir: str, step: int) -> str:
@@ -59,7 +64,8 @@ def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module],
     write_model_dir(chunks, tmp, hf_source_dir=hf_source_dir, meta=meta)
     if save_optim:
         model_sd = unwrap(chunks[0]).sharded_state_dict()
-        dist_checkpointing.save(optimizer.sharded_state_dict(model_sd), _fresh(tmp, "optimizer"))
+        dist_checkpointing.save(optimizer.sharded_state_dict(model_sd, metadata=OPTIM_METADATA),
+                                _fresh(tmp, "optimizer"))
     if save_rng:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
@@ -101,6 +107,39 @@ def resolve_load_dir(load: str) -> str:
                     f"(no {META})")
 
 
+def _init_adam_state(optimizer) -> None:
+    """Give a fresh optimizer empty Adam state, `step` included, so that megatron can build the
+    sharded state dict it loads into. (Without Apex/TE, megatron-core 0.16.1's distributed
+    optimizer reads `step` from the torch optimizer's state, which is empty before the first
+    update; its own state initialiser does not create `step`.)"""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = part.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.zeros((), dtype=torch.float32),
+                                          "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
+def _adam_states(optimizer):
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        yield from part.optimizer.state.values()
+
+
+def adam_step(optimizer) -> int:
+    """Adam's update count (what its bias correction uses); 0 before the first update."""
+    return next((int(s["step"]) for s in _adam_states(optimizer) if "step" in s), 0)
+
+
+def _restore_adam_step(optimizer, step: int) -> None:
+    """Set every parameter's Adam `step`. megatron-core 0.16.1 without Apex/TE does not restore
+    it (a reloaded distributed optimizer restarts bias correction from 0) and shares one tensor
+    between parameters (torch then adds 1 per parameter per update); one fresh tensor each."""
+    for param_state in _adam_states(optimizer):
+        param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
 def load_checkpoint(directory: str, chunks: Sequence[torch.nn.Module], optimizer,
                     load_optim: bool = True, load_rng: bool = True) -> Optional[dict]:
     """Load weights (and optimizer, RNG when present); returns the trainer state, or None for a
@@ -111,9 +150,14 @@ def load_checkpoint(directory: str, chunks: Sequence[torch.nn.Module], optimizer
         return None
     optim_dir = os.path.join(directory, "optimizer")
     if load_optim and os.path.isdir(optim_dir):
+        _init_adam_state(optimizer)
         model_sd = unwrap(chunks[0]).sharded_state_dict()
-        sharded = optimizer.sharded_state_dict(model_sd, is_loading=True)
-        optimizer.load_state_dict(dist_checkpointing.load(sharded, optim_dir))
+        sharded = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_METADATA)
+        state = dist_checkpointing.load(sharded, optim_dir)
+        with torch.no_grad():  # megatron copies into leaf main params without no_grad
+            optimizer.load_state_dict(state)
+        with open(os.path.join(directory, STATE)) as f:
+            _restore_adam_step(optimizer, json.load(f).get("adam_step", 0))
     rng_path = os.path.join(directory, "rng", f"rank{dist.get_rank()}.pt")
     if load_rng and os.path.isfile(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=False))

@@ -36,6 +36,10 @@ DEFAULT_PROJECT = "swift-megatron"
 # Console order: keys matching these names come first, in this order (a key matches a name when
 # it equals it, starts with `name/` or ends with `/name`); every other key follows, sorted.
 CONSOLE_PRIORITY = ("loss", "reward/mean", "kl", "grad_norm", "lr")
+# The trainer's console line shows only these (same matching rule); logging.jsonl and the sinks
+# get every metric.
+CONSOLE_KEYS = CONSOLE_PRIORITY + ("reward/std", "entropy", "rollout/completion_length_mean",
+                                   "time/rollout_s", "time/train_s")
 _RESERVED_KEYS = ("step", "time")
 
 
@@ -88,9 +92,18 @@ def format_value(value: float) -> str:
 
 def _console_rank(key: str) -> int:
     for rank, name in enumerate(CONSOLE_PRIORITY):
-        if key == name or key.startswith(name + "/") or key.endswith("/" + name):
+        if _matches(key, name):
             return rank
     return len(CONSOLE_PRIORITY)
+
+
+def _matches(key: str, name: str) -> bool:
+    return key == name or key.startswith(name + "/") or key.endswith("/" + name)
+
+
+def console_subset(metrics: Mapping[str, Any]) -> Dict[str, Any]:
+    """The metrics shown on the console line: those matching CONSOLE_KEYS."""
+    return {k: v for k, v in metrics.items() if any(_matches(k, n) for n in CONSOLE_KEYS)}
 
 
 def console_order(keys: Iterable[str]) -> List[str]:
@@ -249,7 +262,7 @@ class MetricsLogger:
             raise RuntimeError("MetricsLogger.log called after close()")
         values = self._scalars(metrics)
         self._write_jsonl(step, values)
-        logger.info(f"step {step} | {format_metrics(values)}")
+        logger.info(f"step {step} | {format_metrics(console_subset(values))}")
         finite = self._finite_only(values)
         for sink in self._sinks.values():
             sink.log(step, finite)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.checkpoint.trainer import load_checkpoint, resolve_load_dir, save_checkpoint
+from swift_megatron.checkpoint.trainer import (adam_step, load_checkpoint, resolve_load_dir,
+                                               save_checkpoint)
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.logging.progress import progress
 from swift_megatron.model.config import load_hf_config
@@ -61,15 +62,19 @@ class GRPOTrainer:
                     f"{self.plan.table()}")
         self.sync_weights()
         metrics: Dict[str, float] = {}
+        t = self.args.training
         for _ in progress(range(batches), desc="GRPO"):
             metrics = self.train_rollout_batch()
-            if self._crossed(self.args.training.log_interval):
+            if self._crossed(t.log_interval):
                 self.metrics_log.log(self.step, metrics)
-            if self.args.training.save and self._crossed(self.args.training.save_interval):
+            if t.save and self._crossed(t.save_interval):
                 self.save()
-        if self.args.training.save and self._saved_step != self.step:
+            if t.exit_interval and self.step >= t.exit_interval:
+                break
+        if t.save and self._saved_step != self.step:
             self.save()
-        self.export_final()
+        if self.step >= self.train_iters:
+            self.export_final()
         self.close()
         return metrics
 
@@ -198,6 +203,7 @@ class GRPOTrainer:
     def save(self) -> None:
         t, pol = self.args.training, self.policy
         state = {"step": self.step, "train_iters": self.train_iters,
+                 "adam_step": adam_step(pol.optimizer),
                  "scheduler": pol.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
@@ -230,6 +236,7 @@ class GRPOTrainer:
         self.metrics_log.close()
         self.completions_log.close()
         self.engine.close()
+        self.state.destroy()
 
 
 def run_grpo(args: RlhfArguments, plan: BatchPlan) -> Dict[str, float]:

@@ -1,0 +1,193 @@
+"""The bridge's mapping classes on synthetic tensors (no model, no process group): every rank's
+shard loaded from a small safetensors file, then `to_hf` on all shards, gives back the original
+tensors exactly for TP sizes 1, 2 and 4; the fused layouts match hand-built ones; vocab padding
+rows are zeros and vanish on export; a wrong shape or a missing tensor is a UserError naming it."""
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from swift_megatron.bridge.io import HFReader
+from swift_megatron.bridge.load import load_hf_weights
+from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GateUp, Replicated,
+                                           RowParallel, Shard, VocabParallel)
+from swift_megatron.bridge.position import RankPosition
+from swift_megatron.errors import UserError
+
+HIDDEN = 3
+TP_SIZES = (1, 2, 4)
+
+
+def dims(heads=4, groups=2, head_dim=2, vocab=8, padded=8) -> Dims:
+    return Dims(num_heads=heads, num_query_groups=groups, head_dim=head_dim, vocab_size=vocab,
+                padded_vocab_size=padded)
+
+
+def numbered(*shape) -> torch.Tensor:
+    """Distinct values, so any misplaced element shows."""
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + 1
+
+
+@pytest.fixture
+def reader_of(tmp_path):
+    """Write {name: tensor} as model.safetensors and return an HFReader over it."""
+    def make(tensors):
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(tmp_path / "model.safetensors"))
+        return HFReader(str(tmp_path))
+    return make
+
+
+def load_all(mapping, reader, names, tp, d):
+    return [mapping.load(reader, names, Shard(rank, tp), d) for rank in range(tp)]
+
+
+# ---- simple splits --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_replicated_gives_every_rank_the_whole_tensor(reader_of, tp):
+    tensors = {"model.norm.weight": numbered(8)}
+    mapping = Replicated("decoder.final_layernorm.weight", "model.norm.weight")
+    shards = load_all(mapping, reader_of(tensors), list(tensors), tp, dims())
+    assert all(torch.equal(s, tensors["model.norm.weight"]) for s in shards)
+    assert torch.equal(mapping.to_hf(shards[:1], list(tensors), dims())["model.norm.weight"],
+                       tensors["model.norm.weight"])
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("cls,dim", [(ColumnParallel, 0), (RowParallel, 1)])
+def test_column_and_row_parallel_split_and_gather(reader_of, cls, dim, tp):
+    tensors = {"w": numbered(8, 12)}
+    mapping = cls("m.weight", "w")
+    reader = reader_of(tensors)
+    shards = load_all(mapping, reader, ["w"], tp, dims())
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard, tensors["w"].chunk(tp, dim=dim)[rank])
+    assert torch.equal(mapping.to_hf(shards, ["w"], dims())["w"], tensors["w"])
+
+
+# ---- vocabulary -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_padding_rows_are_zero_and_removed_on_export(reader_of, tp):
+    vocab = 7
+    padded = -(-vocab // tp) * tp
+    tensors = {"model.embed_tokens.weight": numbered(vocab, HIDDEN)}
+    d = dims(vocab=vocab, padded=padded)
+    mapping = VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight")
+    shards = load_all(mapping, reader_of(tensors), list(tensors), tp, d)
+    full = torch.cat(shards)
+    assert full.shape == (padded, HIDDEN)
+    assert torch.equal(full[:vocab], tensors["model.embed_tokens.weight"])
+    assert torch.count_nonzero(full[vocab:]) == 0
+    exported = mapping.to_hf(shards, list(tensors), d)["model.embed_tokens.weight"]
+    assert torch.equal(exported, tensors["model.embed_tokens.weight"])
+
+
+# ---- fused layouts --------------------------------------------------------------------------
+
+def qkv_tensors(heads, groups, head_dim, bias=False):
+    shape = lambda rows: (rows,) if bias else (rows, HIDDEN)  # noqa: E731
+    q, k, v = (numbered(*shape(n * head_dim)) for n in (heads, groups, groups))
+    return {"q": q, "k": k * 1000, "v": v * 100000}
+
+
+def test_qkv_fuses_per_query_group_gqa_example(reader_of):
+    """4 heads, 2 KV groups, head_dim 2: [q heads 0-1, k0, v0, q heads 2-3, k1, v1]."""
+    d = dims(heads=4, groups=2, head_dim=2)
+    t = qkv_tensors(4, 2, 2)
+    q, k, v = (t[n].reshape(-1, 2, HIDDEN) for n in "qkv")  # per head
+    expected = torch.cat([q[0], q[1], k[0], v[0], q[2], q[3], k[1], v[1]])
+    mapping = QKV("linear_qkv.weight", "q", "k", "v")
+    reader = reader_of(t)
+    assert torch.equal(load_all(mapping, reader, ["q", "k", "v"], 1, d)[0], expected)
+    tp2 = load_all(mapping, reader, ["q", "k", "v"], 2, d)
+    assert torch.equal(tp2[0], expected[:8]) and torch.equal(tp2[1], expected[8:])
+
+
+QKV_CASES = [(heads, groups, tp) for heads, groups in [(4, 2), (4, 4), (8, 4), (8, 1)]
+             for tp in TP_SIZES if groups % tp == 0]  # TP splits whole KV groups
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("heads,groups,tp", QKV_CASES)
+def test_qkv_round_trip(reader_of, heads, groups, tp, bias):
+    d = dims(heads=heads, groups=groups, head_dim=2)
+    tensors = qkv_tensors(heads, groups, 2, bias)
+    mapping = QKV("linear_qkv", "q", "k", "v")
+    shards = load_all(mapping, reader_of(tensors), ["q", "k", "v"], tp, d)
+    assert all(s.shape[0] == (heads // groups + 2) * 2 * groups // tp for s in shards)
+    restored = mapping.to_hf(shards, ["q", "k", "v"], d)
+    assert all(torch.equal(restored[n], tensors[n]) for n in "qkv")
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gate_up_holds_gate_then_up_rows_per_rank(reader_of, tp):
+    tensors = {"gate": numbered(8, HIDDEN), "up": numbered(8, HIDDEN) * 1000}
+    mapping = GateUp("linear_fc1.weight", "gate", "up")
+    shards = load_all(mapping, reader_of(tensors), ["gate", "up"], tp, dims())
+    for rank, shard in enumerate(shards):
+        expected = torch.cat([tensors["gate"].chunk(tp)[rank], tensors["up"].chunk(tp)[rank]])
+        assert torch.equal(shard, expected)
+    restored = mapping.to_hf(shards, ["gate", "up"], dims())
+    assert all(torch.equal(restored[name], tensors[name]) for name in ("gate", "up"))
+
+
+# ---- names ----------------------------------------------------------------------------------
+
+def test_patterns_translate_layer_and_expert_numbers():
+    mapping = GateUp("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight",
+                     "model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight",
+                     "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight")
+    index = mapping.match("decoder.layers.12.mlp.experts.local_experts.3.linear_fc1.weight")
+    assert index == {"layer": 12, "expert": 3} and mapping.is_expert
+    assert mapping.hf_names(index)[1] == "model.layers.12.mlp.experts.3.up_proj.weight"
+    assert mapping.match("decoder.layers.1.mlp.linear_fc1.weight") is None
+
+
+def test_rank_position_maps_stage_and_expert_numbers_to_global():
+    pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=1, pp_size=2, ep_rank=1, ep_size=2,
+                       layers_per_stage=2, experts_per_rank=4)
+    assert (pos.to_global("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight")
+            == "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight")
+    assert pos.owner_stage("decoder.layers.3.input_layernorm.weight") == 1
+    assert pos.owner_ep("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight") == 1
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+class _Norm(torch.nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.final_layernorm = torch.nn.Module()
+        self.final_layernorm.weight = torch.nn.Parameter(torch.zeros(size))
+
+
+def _load_norm(tmp_path, tensors, size=4):
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.decoder = _Norm(size)
+    pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=0, pp_size=1, ep_rank=0, ep_size=1,
+                       layers_per_stage=1, experts_per_rank=0)
+    mappings = [Replicated("decoder.final_layernorm.weight", "model.norm.weight")]
+    load_hf_weights(model, str(tmp_path), mappings, dims(), pos)
+    return model
+
+
+def test_load_copies_into_the_parameter(tmp_path):
+    model = _load_norm(tmp_path, {"model.norm.weight": numbered(4)})
+    assert torch.equal(model.decoder.final_layernorm.weight.data, numbered(4))
+
+
+def test_shape_mismatch_is_a_user_error_naming_the_tensor(tmp_path):
+    with pytest.raises(UserError, match=r"model\.norm\.weight.*\(5,\).*expected \(4,\)"):
+        _load_norm(tmp_path, {"model.norm.weight": numbered(5)})
+
+
+def test_missing_tensor_is_a_user_error_naming_it(tmp_path):
+    with pytest.raises(UserError, match=r"'model\.norm\.weight' is missing"):
+        _load_norm(tmp_path, {"model.other.weight": numbered(4)})
+
+
+def test_directory_without_safetensors_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="only safetensors"):
+        HFReader(str(tmp_path))

@@ -1,0 +1,158 @@
+"""`megatron export` end to end as subprocesses (python -m swift_megatron.cli.main export ...) on
+the tiny qwen3_moe checkpoint (its float32 logits differ from transformers by ~1e-7, not 0, so
+an absurd tolerance fails): --to_mcore with the precision check into an existing directory with
+--exist_ok, --to_hf back to the original tensors, the precision check failing with exit 2,
+--to_hf in bfloat16, output directory protection, bad inputs without traceback, NPROC_PER_NODE=2
+with TP=2, and docs/export.md listing every flag.
+Checks that fail before any model is built run the same entry point in-process (faster)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from swift_megatron.cli.main import main
+from tests.dist.launch import REPO, free_port
+
+FAMILY = "qwen3_moe"
+
+
+def export(*argv, env=None, timeout=300):
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+    command = [sys.executable, "-m", "swift_megatron.cli.main", "export", *map(str, argv)]
+    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def export_in_process(capsys, *argv):
+    """The same entry point in this process, for the checks that fail before any model is built
+    (they import nothing that changes this process's state)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, exit_info.value.code, out, err)
+
+
+def assert_user_error(proc, message):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def safetensors_of(model_dir):
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return tiny_model_dir(FAMILY)
+
+
+@pytest.fixture(scope="module")
+def mcore_dir(hf_model, tmp_path_factory):
+    """--to_mcore with the precision check, into a non-empty directory with --exist_ok true."""
+    out = tmp_path_factory.mktemp("export") / "mcore"
+    out.mkdir()
+    (out / "stale.txt").write_text("replaced by the export")
+    proc = export("--model", hf_model, "--to_mcore", "true", "--output_dir", out, "--exist_ok",
+                  "true", "--test_convert_precision", "true")
+    return out, proc
+
+
+def test_to_mcore_writes_a_model_directory(mcore_dir):
+    out, proc = mcore_dir
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(os.listdir(out)) == ["hf", "model", "swift_megatron.json"]  # stale file gone
+    meta = json.loads((out / "swift_megatron.json").read_text())
+    assert meta["model_type"] == FAMILY and meta["dtype"] == "float32"
+    assert meta["saved_with"] == {"tp": 1, "pp": 1, "ep": 1, "etp": 1}
+    assert (out / "hf" / "tokenizer.json").is_file() and (out / "model" / "metadata.json").is_file()
+
+
+def test_precision_check_prints_its_numbers(mcore_dir):
+    out = mcore_dir[1].stdout
+    for row in ("max abs logit diff", "mean abs logit diff", "argmax agreement", "-> PASS"):
+        assert row in out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_to_hf_gives_back_the_original_tensors(dtype, mcore_dir, hf_model, tmp_path):
+    """float32: the tensors bit for bit; bfloat16: rounded, and the precision check compares
+    equally rounded weights, so it passes as tightly."""
+    flags = ([] if dtype == "float32"
+             else ["--torch_dtype", dtype, "--test_convert_precision", "true"])
+    proc = export("--mcore_model", mcore_dir[0], "--to_hf", "true", "--output_dir", tmp_path / "hf",
+                  *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    original, exported = safetensors_of(hf_model), safetensors_of(tmp_path / "hf")
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor.to(getattr(torch, dtype))), name
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == dtype
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
+    if flags:
+        assert "float32 (bfloat16 weights)" in proc.stdout and "-> PASS" in proc.stdout
+
+
+def test_precision_check_fails_past_its_tolerance(hf_model):
+    proc = export("--model", hf_model, "--test_convert_precision", "true",
+                  "--test_convert_precision_atol", "1e-30")
+    assert_user_error(proc, "precision check failed: max abs logit diff")
+    assert "--test_convert_precision_atol 1e-30" in proc.stderr
+
+
+@pytest.mark.parametrize("direction", ["to_mcore", "to_hf"])
+def test_existing_output_dir_is_left_untouched(direction, hf_model, mcore_dir, tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    source = ["--model", hf_model] if direction == "to_mcore" else ["--mcore_model", mcore_dir[0]]
+    proc = export_in_process(capsys, *source, f"--{direction}", "true", "--output_dir", tmp_path)
+    assert_user_error(proc, "pass --exist_ok true")
+    assert os.listdir(tmp_path) == ["keep.txt"] and (tmp_path / "keep.txt").read_text() == "mine"
+    assert not any(p.name.startswith(tmp_path.name + ".tmp") for p in tmp_path.parent.iterdir())
+
+
+def test_missing_model_dir_is_a_user_error(tmp_path):
+    proc = export("--model", tmp_path / "nope", "--to_mcore", "true",
+                  "--output_dir", tmp_path / "o")
+    assert_user_error(proc, "no such directory")
+    assert not (tmp_path / "o").exists()
+
+
+def test_hf_directory_is_not_a_megatron_model_directory(hf_model, tmp_path, capsys):
+    proc = export_in_process(capsys, "--mcore_model", hf_model, "--to_hf", "true",
+                             "--output_dir", tmp_path / "o")
+    assert_user_error(proc, "is not a swift-megatron model directory")
+
+
+def test_layout_that_does_not_divide_the_model_is_a_user_error(hf_model, tmp_path, capsys):
+    proc = export_in_process(capsys, "--model", hf_model, "--to_mcore", "true",
+                             "--output_dir", tmp_path / "o", "--tensor_model_parallel_size", "3")
+    assert_user_error(proc, "tensor_model_parallel_size=3 does not divide")
+
+
+@pytest.mark.slow
+def test_nproc_per_node_relaunches_under_torchrun(tiny_model_dir, tmp_path):
+    out = tmp_path / "tp2"
+    proc = export("--model", tiny_model_dir("qwen3"), "--to_mcore", "true", "--output_dir", out,
+                  "--tensor_model_parallel_size", "2", "--test_convert_precision", "true",
+                  env={"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "launching:" in proc.stdout and "-> PASS" in proc.stdout
+    meta = json.loads((out / "swift_megatron.json").read_text())
+    assert meta["saved_with"]["tp"] == 2
+
+
+def test_docs_list_every_export_flag():
+    from swift_megatron.arguments.commands import ExportCommandArguments
+    from swift_megatron.arguments.parser import command_groups, group_specs
+
+    docs = (REPO / "docs" / "export.md").read_text()
+    missing = [spec.name for _, group in command_groups(ExportCommandArguments)
+               for spec in group_specs(group) if f"`--{spec.name}`" not in docs]
+    assert missing == []

@@ -1,0 +1,40 @@
+"""Completions -> micro-batches: alignment of tokens, targets, completion mask and logprobs."""
+import pytest
+import torch
+
+from swift_megatron.rlhf.grpo.batch import Sample, collate, split_micro_batches
+
+
+def sample(prompt, completion, finish="stop", logprobs=None, advantage=0.0):
+    return Sample(group_id=0, prompt_id=0, prompt_ids=prompt, completion_ids=completion,
+                  rollout_logprobs=logprobs, finish_reason=finish, rewards=[], advantage=advantage)
+
+
+def test_collate_aligns_targets_and_mask():
+    batch = collate([sample([1, 2, 3], [4, 5], logprobs=[-0.5, -0.25], advantage=1.5),
+                     sample([7], [8, 9, 10], advantage=-1.0)], pad_id=0)
+    # model input: sequence[:-1]; targets: sequence[1:]; right padded to the longest (4)
+    assert batch["tokens"].tolist() == [[1, 2, 3, 4], [7, 8, 9, 0]]
+    assert batch["targets"].tolist() == [[2, 3, 4, 5], [8, 9, 10, 0]]
+    # the mask marks target positions that are completion tokens (4, 5 and 8, 9, 10)
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
+    assert batch["rollout_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert batch["advantages"].tolist() == [1.5, -1.0]
+
+
+def test_collate_pads_to_multiple_and_filters_overlong():
+    batch = collate([sample([1, 2], [3], finish="length"), sample([1], [2, 3])], pad_id=9,
+                    pad_to_multiple=4, overlong_filter=True)
+    assert batch["tokens"].shape == (2, 4)
+    assert batch["truncated"].tolist() == [True, False]
+    assert batch["completion_mask"].tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
+    unfiltered = collate([sample([1, 2], [3], finish="length")], pad_id=9)
+    assert unfiltered["completion_mask"].tolist() == [[0, 1]]
+
+
+def test_split_micro_batches_checks_divisibility():
+    samples = [sample([1], [2]) for _ in range(4)]
+    assert len(split_micro_batches(samples, 2, pad_id=0)) == 2
+    with pytest.raises(ValueError, match="do not split"):
+        split_micro_batches(samples, 3, pad_id=0)
