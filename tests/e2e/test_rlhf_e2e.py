@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.dist.launch import REPO, free_port
+from tests.distributed.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")

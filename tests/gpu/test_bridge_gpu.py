@@ -1,6 +1,6 @@
 """GPU: the bridge at real scale. Random-init bf16 checkpoints of the Qwen3-1.7B shape (the real
 config.json values) and of a Qwen3-MoE shape (8 layers, 64 experts, top 8) are loaded into
-Megatron on 2 GPUs (TP=2, and EP=2 for the MoE) through tests/dist/workers/bridge_bf16_logits.py,
+Megatron on 2 GPUs (TP=2, and EP=2 for the MoE) through tests/distributed/workers/bridge_bf16_logits.py,
 and their logits are compared with transformers' on the same GPU, in float32 and in bf16.
 
     python -m pytest tests/gpu/test_bridge_gpu.py -q -s      # on a machine with >= 2 GPUs
@@ -9,7 +9,7 @@ Each case prints its report as one JSON line. In float32 Megatron must reproduce
 (argmax agreement >= 0.99, max abs diff <= 1e-4 x the logit scale). In bf16 two implementations
 of a random model disagree on many argmaxes through rounding alone, so Megatron's bf16 error is
 bounded by transformers' own bf16 error, both measured against the float32 reference. The CPU CI
-runs the same worker and the same checks on a tiny preset (tests/dist/test_bridge_layouts.py).
+runs the same worker and the same checks on a tiny preset (tests/distributed/test_bridge_layouts.py).
 
 Measured on 2 x H200 (torch 2.11, transformers 5.17), 256 random tokens:
     case            float32 max / argmax   bf16 vs HF bf16 max / argmax   bf16 mean err: ours, HF
@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from tests.dist.launch import run_workers
+from tests.distributed.launch import run_workers
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from swift_megatron.cli.main import main
-from tests.dist.launch import REPO, free_port
+from tests.distributed.launch import REPO, free_port
 
 FAMILY = "qwen3_moe"
 

@@ -10,8 +10,8 @@ x ETP=1 and TP=2 x ETP=2 (qwen3_moe) exports bit-for-bit the original tensors; a
 directory saved with TP=2 reloads with PP=2 and with 1x1 and gives identical logits. Also the
 GPU bf16 worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
 
-    python -m pytest tests/dist/test_bridge_layouts.py -q            # everything (~1 min)
-    python -m pytest tests/dist/test_bridge_layouts.py -q -m "not slow"
+    python -m pytest tests/distributed/test_bridge_layouts.py -q            # everything (~1 min)
+    python -m pytest tests/distributed/test_bridge_layouts.py -q -m "not slow"
 """
 import json
 import os
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from swift_megatron.fixtures import FAMILIES, build_tiny_model, load_tokenizer
-from tests.dist.launch import run_workers
+from tests.distributed.launch import run_workers
 from tests.gpu.test_bridge_gpu import check_logits_report
 
 PADDED_VOCAB_FAMILIES = ("llama", "qwen2")  # vocab 505: not divisible by TP=2

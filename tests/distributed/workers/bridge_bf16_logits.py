@@ -3,7 +3,7 @@ EP), and its logits compared with transformers' on the same device, in float32 a
 (GPU test of the bridge: tests/gpu/test_bridge_gpu.py; with --device cpu --preset tiny_* it
 runs in CPU CI).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/dist/workers/bridge_bf16_logits.py \\
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/workers/bridge_bf16_logits.py \\
         --out_dir OUT --preset qwen3_1.7b --device cuda --tp 2
 
 Rank 0 writes the random bf16 checkpoint to --hf_dir (default {out_dir}/hf) unless it exists,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.dist.launch import REPO, free_port
+from tests.distributed.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow
 

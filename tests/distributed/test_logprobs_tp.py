@@ -5,8 +5,8 @@ test would catch that mistake."""
 import pytest
 import torch
 
-from tests.dist.launch import run_workers
-from tests.dist.workers.logprobs_grad import TEMPERATURE, VOCAB, inputs
+from tests.distributed.launch import run_workers
+from tests.distributed.workers.logprobs_grad import TEMPERATURE, VOCAB, inputs
 
 pytestmark = pytest.mark.slow
 

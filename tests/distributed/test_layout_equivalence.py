@@ -3,7 +3,7 @@ losses and grad norms over 3 Adam steps, starting from the same weights (a distr
 checkpoint saved by the single process and loaded into each layout)."""
 import pytest
 
-from tests.dist.launch import run_workers
+from tests.distributed.launch import run_workers
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ compare every tensor with the original safetensors bit for bit; optionally save 
 logits, measure them against transformers, and write a Megatron model directory or an HF
 checkpoint. Writes {out_dir}/rank{R}.json: {job name: results}.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/dist/workers/bridge_layouts.py \\
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/workers/bridge_layouts.py \\
         --out_dir OUT --jobs jobs.json
 
 jobs.json is a list of jobs, run in order in one process group (the model-parallel groups are
