@@ -9,6 +9,8 @@ and is called only when no GPU is used (no CUDA, or `--device cpu`):
 - A global TorchFunctionMode maps `device="cuda"`, `.cuda()` and `.to("cuda")` to the CPU, and
   reports CPU tensor types under their CUDA names (grad clipping and the distributed optimizer
   assert `param.grad.type() == 'torch.cuda.FloatTensor'`).
+- The MoE all-to-all dispatcher converts its split sizes to numpy only for CUDA tensors; on the
+  CPU they stay tensors and the all-to-all fails (EP > 1): convert CPU tensors as well.
 
 Nothing else in the package knows about these redirections.
 """
@@ -93,6 +95,17 @@ def _redirect_cuda_runtime() -> None:
     torch.cuda.memory_reserved = lambda *a, **k: 0
 
 
+def _redirect_moe_dispatcher() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
 def activate() -> None:
     """Install the redirections (idempotent). Call before building any megatron-core object."""
     global _active_mode
@@ -100,6 +113,7 @@ def activate() -> None:
         return
     _redirect_rng()
     _redirect_cuda_runtime()
+    _redirect_moe_dispatcher()
     _active_mode = _CudaToCpu()
     _active_mode.__enter__()
 

@@ -131,9 +131,8 @@ LAYOUTS = [
     dict(name="llama_1x1_from_tp2_dir", family="llama", from_tp2_dir=True, logits=True),
     dict(name="qwen2_tp2", family="qwen2", tp=2, precision=True),
     dict(name="qwen3_pp2", family="qwen3", pp=2, precision=True),
-    # A forward with EP > 1 on CPU needs a fix of the MoE all-to-all split sizes: export only.
-    dict(name="qwen3_moe_ep2", family="qwen3_moe", ep=2),
-    dict(name="qwen3_moe_tp2_ep2_etp1", family="qwen3_moe", tp=2, ep=2, etp=1),
+    dict(name="qwen3_moe_ep2", family="qwen3_moe", ep=2, precision=True),
+    dict(name="qwen3_moe_tp2_ep2_etp1", family="qwen3_moe", tp=2, ep=2, etp=1, precision=True),
     dict(name="qwen3_moe_tp2_etp2", family="qwen3_moe", tp=2, etp=2, precision=True),
 ]
 PRECISION_LAYOUTS = [job["name"] for job in LAYOUTS if job.get("precision")]
