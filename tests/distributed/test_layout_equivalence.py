@@ -1,4 +1,5 @@
-"""TP=2, PP=2, DP=2 (with and without the distributed optimizer) reproduce the single-process
+"""TP=2 (also with sequence parallelism), PP=2, DP=2 (with and without the distributed optimizer)
+reproduce the single-process
 losses and grad norms over 3 Adam steps, starting from the same weights (a distributed
 checkpoint saved by the single process and loaded into each layout)."""
 import pytest
@@ -7,7 +8,8 @@ from tests.distributed.launch import run_workers
 
 pytestmark = pytest.mark.slow
 
-LAYOUTS = {"tp2": ["--tp", 2], "pp2": ["--pp", 2], "dp2": [], "dp2_distopt": ["--dist_opt", 1]}
+LAYOUTS = {"tp2": ["--tp", 2], "tp2_sequence_parallel": ["--tp", 2, "--sp", 1], "pp2": ["--pp", 2],
+           "dp2": [], "dp2_distopt": ["--dist_opt", 1]}
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,11 @@ def base(tiny_model_dir, math_dataset_path):
 
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
-    rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true")
+    rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
+         "--split_dataset_ratio", "0.1", "--eval_interval", 2)
     rows = logged(out)
+    assert "eval/reward/mean" in rows[1] and "eval/reward/mean" not in rows[0]
+    assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["grad_norm"] > 0      # the rewards had signal: the first step updated
     assert rows[0]["kl"] == 0.0          # reference == policy before the first update

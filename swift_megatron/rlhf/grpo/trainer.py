@@ -19,6 +19,7 @@ from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint.trainer import (adam_step, load_checkpoint, resolve_load_dir,
                                                save_checkpoint)
+from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.logging.progress import progress
 from swift_megatron.model.config import load_hf_config
@@ -29,6 +30,7 @@ from swift_megatron.training.step import (contribution_scale, forward_backward, 
                                           zero_grads)
 
 logger = get_logger(__name__)
+EVAL_GROUP_OFFSET = 10**12  # evaluation group ids (seeds) never collide with training stream positions
 
 
 class GRPOTrainer:
@@ -38,7 +40,10 @@ class GRPOTrainer:
         model_dir = build.model_dir(args)
         self.tokenizer = build.tokenizer(model_dir)
         hf_config = load_hf_config(model_dir)
-        self.train_prompts, _ = build.prompts(args, self.tokenizer, hf_config)
+        self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config)
+        if args.training.eval_interval and not self.val_prompts:
+            raise UserError("--eval_interval needs validation prompts: pass --val_dataset or "
+                            "--split_dataset_ratio")
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
         self.policy = build.policy(args, self.state, model_dir, self.train_iters)
         self.reference = build.reference(args, self.state, self.policy)
@@ -65,6 +70,8 @@ class GRPOTrainer:
         t = self.args.training
         for _ in progress(range(batches), desc="GRPO"):
             metrics = self.train_rollout_batch()
+            if self._crossed(t.eval_interval):
+                metrics.update(self.evaluate())
             if self._crossed(t.log_interval):
                 self.metrics_log.log(self.step, metrics)
             if t.save and self._crossed(t.save_interval):
@@ -141,6 +148,29 @@ class GRPOTrainer:
         metrics = self._from_last_stage(outputs)
         metrics.update({"grad_norm": grad_norm, "lr": pol.optimizer.param_groups[0]["lr"],
                         "update_skipped": float(not ok)})
+        return metrics
+
+    def evaluate(self) -> Dict[str, float]:
+        """Rewards of the current policy on the validation prompts (the same samples each time:
+        fixed seeds), as eval/ metrics. Prompts are split over DP ranks."""
+        mine = self.val_prompts[self.state.dp_rank::self.state.dp]
+        group_ids = [EVAL_GROUP_OFFSET + i for i in range(self.state.dp_rank, len(self.val_prompts),
+                                                          self.state.dp)]
+        self.engine.wake_up()
+        samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed)
+        self.engine.sleep()
+        names = [name for name, _ in self.reward_funcs]
+        totals = torch.tensor([sum(s.reward for s in samples), len(samples),
+                               sum(len(s.completion_ids) for s in samples)]
+                              + [sum(r for s in samples for r in [s.rewards[j]] if r is not None)
+                                 for j in range(len(names))], dtype=torch.float64,
+                              device=self.state.device)
+        dist.all_reduce(totals, group=self.state.dp_group)
+        count = max(totals[1].item(), 1.0)
+        metrics = {"eval/reward/mean": totals[0].item() / count,
+                   "eval/completion_length_mean": totals[2].item() / count}
+        metrics.update({f"eval/reward/{name}/mean": totals[3 + j].item() / count
+                        for j, name in enumerate(names)})
         return metrics
 
     def sync_weights(self) -> None:

@@ -41,11 +41,12 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dist_opt", type=int, default=0)
+    parser.add_argument("--sp", type=int, default=0)
     parser.add_argument("--init")
     parser.add_argument("--save_init", type=int, default=0)
     a = parser.parse_args()
     st = ParallelState.initialize(tp=a.tp, pp=a.pp, device="cpu", seed=1234)
-    model, cfg, _ = build_model(HF, torch.float32, st.device)
+    model, cfg, _ = build_model(HF, torch.float32, st.device, sequence_parallel=bool(a.sp))
     if a.save_init:
         save_model([model], a.init)
     else:
