@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from swift_megatron.checkpoint.dist import unwrap
+from swift_megatron.checkpoint.dist import save_strategy, unwrap
 from swift_megatron.checkpoint.layout import META, load_model_dir, write_model_dir
 from swift_megatron.errors import UserError
 
@@ -65,7 +65,7 @@ def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module],
     if save_optim:
         model_sd = unwrap(chunks[0]).sharded_state_dict()
         dist_checkpointing.save(optimizer.sharded_state_dict(model_sd, metadata=OPTIM_METADATA),
-                                _fresh(tmp, "optimizer"))
+                                _fresh(tmp, "optimizer"), sharded_strategy=save_strategy())
     if save_rng:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))

@@ -81,6 +81,7 @@ def _metrics(contribution, logits, logprobs, info, micro_batch, settings) -> Dic
     if "kl" in info:
         metrics["kl"] = masked_mean(info["kl"], mask)
     rollout = micro_batch.get("rollout_logprobs")
-    if rollout is not None:
-        metrics["rollout/logprob_abs_diff_mean"] = masked_mean((logprobs.detach() - rollout).abs(), mask)
+    if rollout is not None:  # engine vs trainer on the rollout's weights (old policy)
+        trainer = micro_batch.get("old_logprobs", logprobs.detach())
+        metrics["rollout/logprob_abs_diff_mean"] = masked_mean((trainer - rollout).abs(), mask)
     return metrics
