@@ -4,7 +4,8 @@ Writes a random HF checkpoint of a Qwen2-family preset shape (safetensors shards
 then measures, in one process (TP = PP = 1):
 
     safetensors_copy   read every tensor with safetensors' load_file, write it back with
-                       save_file: the IO floor any conversion pays
+                       save_file and fsync it (both conversions write durably, as checkpoints
+                       must): the IO floor any conversion pays
     hf_to_mcore        build the Megatron model, load the HF checkpoint through the bridge
                        (.load: the bridge alone; .save: the Megatron model directory write)
     mcore_to_hf        build, load the model directory (.load), Bridge.save_hf (.save)
@@ -87,7 +88,10 @@ def safetensors_copy(src: str, dst: str) -> None:
     os.makedirs(dst)
     for name in sorted(os.listdir(src)):
         if name.endswith(".safetensors"):
-            save_file(load_file(os.path.join(src, name)), os.path.join(dst, name))
+            out = os.path.join(dst, name)
+            save_file(load_file(os.path.join(src, name)), out)
+            with open(out, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def convert_both_ways(hf_dir: str, work: str, dtype_name: str, state) -> dict:

@@ -156,7 +156,8 @@ def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
 
     if (hf_dir is None) == (mcore_dir is None):
         raise ValueError("load from exactly one of hf_dir and mcore_dir")
-    model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type)
+    model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type,
+                                       random_init=False)
     bridge = Bridge(hf_config, shape, config)
     if hf_dir is not None:
         bridge.load(model, hf_dir)

@@ -75,6 +75,13 @@ def parse_size(text: str) -> int:
     return int(number * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit])
 
 
+def _fsync(path: str) -> None:
+    """Flush a written file to disk, so the rename that publishes a checkpoint never exposes a
+    file the OS has not written yet (megatron's checkpoint writer does the same)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 class HFWriter:
     """Write (name, tensor) pairs as safetensors shards plus an index, one shard in memory."""
 
@@ -102,7 +109,9 @@ class HFWriter:
     def _flush(self) -> None:
         number = len(self._files) + 1
         tmp_name = f"shard-{number:05d}.safetensors"
-        save_file(self.current, os.path.join(self.directory, tmp_name), metadata={"format": "pt"})
+        path = os.path.join(self.directory, tmp_name)
+        save_file(self.current, path, metadata={"format": "pt"})
+        _fsync(path)
         self._files.append((tmp_name, list(self.current)))
         self.current, self.current_bytes = {}, 0
 
@@ -123,3 +132,5 @@ class HFWriter:
                  "weight_map": dict(sorted(self.weight_map.items()))}
         with open(os.path.join(self.directory, INDEX), "w") as f:
             json.dump(index, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())

@@ -43,15 +43,22 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     return model
 
 
+def _zeros(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.nn.init.zeros_(tensor)
+
+
 def build_model(hf_config: Mapping, dtype: torch.dtype, device: torch.device, *,
-                sequence_parallel: bool = False,
-                model_type: Optional[str] = None, **config_overrides):
+                sequence_parallel: bool = False, model_type: Optional[str] = None,
+                random_init: bool = True, **config_overrides):
     """(GPTModel of this stage, TransformerConfig, ModelShape) for the current parallel state.
 
-    Weights are always randomly initialised, even when a checkpoint is loaded next: megatron-core
-    0.16.1 sets the tensor-parallel attributes of its linear weights (tensor_model_parallel,
-    partition_dim) only in its initialisers, and without them grad-norm and clipping silently
-    count only TP rank 0's shards."""
+    random_init=False fills the weights with zeros instead (fast: the caller loads a checkpoint
+    next). The initialisers run either way: megatron-core 0.16.1 sets the tensor-parallel
+    attributes of its linear weights (tensor_model_parallel, partition_dim) only there, and
+    without them grad-norm and clipping silently count only TP rank 0's shards."""
+    if not random_init:
+        config_overrides = dict(config_overrides, init_method=_zeros,
+                                output_layer_init_method=_zeros)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cfg = transformer_config(
         hf_config, dtype=dtype, tp=tp, pp=parallel_state.get_pipeline_model_parallel_world_size(),

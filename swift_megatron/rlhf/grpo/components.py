@@ -73,7 +73,7 @@ def _config_overrides(args: RlhfArguments) -> dict:
 def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype):
     model, config, shape = build_model(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
-        model_type=args.model.model_type, **_config_overrides(args))
+        model_type=args.model.model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
     bridge.load(model, model_dir)
     return model, config, bridge
