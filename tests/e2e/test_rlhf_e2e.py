@@ -74,6 +74,18 @@ def test_resume_continues_bit_identically(base, tmp_path):
             assert mine[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
 
 
+def test_dynamic_sampling_and_overlong_filter(base, tmp_path):
+    """Both filters run end to end (their logic is unit-tested in test_grpo_filtering.py and
+    test_grpo_batch.py): completions of at most 4 tokens are mostly truncated, zero-std groups
+    are resampled once and what remains is counted."""
+    out = tmp_path / "run"
+    rlhf(*base, "--train_iters", 1, "--output_dir", out, "--max_completion_length", 4,
+         "--dynamic_sample", "true", "--max_resample_times", 1, "--overlong_filter", "true")
+    row = logged(out)[0]
+    assert row["rollout/truncated_fraction"] > 0.5
+    assert row["rollout/unresolved_zero_std_groups"] >= 0
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--reward_funcs", "acuracy"], "Did you mean 'accuracy'"),
     (["--dataset", "missing.jsonl"], "missing.jsonl"),
