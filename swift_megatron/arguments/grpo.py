@@ -44,6 +44,12 @@ class GRPOArguments:
     scale_rewards: str = arg("group", "Divide advantages by the reward std of the group, of the "
                              "whole batch, or not at all (Dr. GRPO).",
                              choices=["group", "batch", "none"])
+    rollout_importance_sampling_mode: Optional[str] = arg(
+        None, "Correct the train/inference mismatch with truncated importance weights "
+        "min(pi_old / pi_rollout, threshold), per token or per sequence (TIS).",
+        choices=["token_truncate", "sequence_truncate"])
+    rollout_importance_sampling_threshold: float = arg(
+        2.0, "Upper bound of the rollout importance weights.")
     # Rewards
     reward_funcs: List[str] = arg([], "Reward functions: built-ins (accuracy, format, cosine, "
                                   "repetition, soft_overlong) or functions from --external_plugins.")
@@ -82,6 +88,8 @@ class GRPOArguments:
             raise UserError(f"--top_p must be in (0, 1], got {self.top_p}")
         if self.beta < 0 or self.epsilon < 0:
             raise UserError("--beta and --epsilon must be >= 0")
+        if self.rollout_importance_sampling_threshold <= 0:
+            raise UserError("--rollout_importance_sampling_threshold must be > 0")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:

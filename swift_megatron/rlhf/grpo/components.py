@@ -186,7 +186,9 @@ def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:
                         epsilon_high=g.epsilon_high, delta=g.delta,
                         importance_sampling_level=g.importance_sampling_level,
                         temperature=g.temperature, max_completion_length=g.max_completion_length,
-                        vocab_size=pol.bridge.shape.vocab_size)
+                        vocab_size=pol.bridge.shape.vocab_size,
+                        rollout_correction=g.rollout_importance_sampling_mode,
+                        rollout_correction_threshold=g.rollout_importance_sampling_threshold)
 
 
 def output_dir(args: RlhfArguments, state: ParallelState) -> str:

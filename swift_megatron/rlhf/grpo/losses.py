@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+ROLLOUT_CORRECTIONS = ("token_truncate", "sequence_truncate")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 
 
@@ -122,3 +123,21 @@ def aggregate_loss(per_token_loss: Tensor, completion_mask: Tensor, loss_type: s
     if isinstance(num_tokens, Tensor):
         return token_sum / num_tokens.to(token_sum.dtype).clamp(min=1)
     return token_sum / max(num_tokens, 1)
+
+
+def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, completion_mask: Tensor,
+                       mode: str, threshold: float) -> Tensor:
+    """Truncated importance weights [B, T] for the train/inference mismatch (detached).
+
+    The engine sampled with its own numerics (rollout_logprobs); the loss is computed for the
+    trainer's old policy (old_logprobs). token_truncate: min(exp(old - rollout), threshold) per
+    token; sequence_truncate: min(exp(sum over the completion of (old - rollout)), threshold)
+    per completion, broadcast to its tokens. Positions outside the mask get weight 1.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout correction must be one of {ROLLOUT_CORRECTIONS}, got {mode!r}")
+    log_ratio = (old_logprobs - rollout_logprobs).detach()
+    if mode == "sequence_truncate":
+        log_ratio = masked_sum(log_ratio, completion_mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    weights = torch.exp(log_ratio.clamp(max=20.0)).clamp(max=threshold)
+    return torch.where(completion_mask.bool(), weights, torch.ones_like(weights))

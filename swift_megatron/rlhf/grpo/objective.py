@@ -9,7 +9,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
-from swift_megatron.rlhf.grpo.losses import aggregate_loss, masked_mean, policy_loss
+from swift_megatron.rlhf.grpo.losses import (aggregate_loss, kl_k3, masked_mean, policy_loss,
+                                             rollout_correction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,8 @@ class LossSettings:
     temperature: float
     max_completion_length: int
     vocab_size: int
+    rollout_correction: Optional[str] = None   # token_truncate | sequence_truncate | None
+    rollout_correction_threshold: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,12 @@ def grpo_loss(settings: LossSettings, step: StepConstants, micro_batch: dict,
         epsilon_low=settings.epsilon, epsilon_high=settings.epsilon_high, delta=settings.delta,
         importance_sampling_level=settings.importance_sampling_level,
         ref_logprobs=micro_batch.get("ref_logprobs"), beta=settings.beta)
+    if settings.rollout_correction:
+        weights = rollout_correction(logprobs.detach() if old is None else old,
+                                     micro_batch["rollout_logprobs"], mask,
+                                     settings.rollout_correction, settings.rollout_correction_threshold)
+        per_token = per_token * weights
+        info["is_weight"] = weights
     contribution = aggregate_loss(
         per_token, mask, settings.loss_type, num_sequences=step.num_sequences,
         num_tokens=step.num_tokens, max_completion_length=settings.max_completion_length,
@@ -84,4 +93,7 @@ def _metrics(contribution, logits, logprobs, info, micro_batch, settings) -> Dic
     if rollout is not None:  # engine vs trainer on the rollout's weights (old policy)
         trainer = micro_batch.get("old_logprobs", logprobs.detach())
         metrics["rollout/logprob_abs_diff_mean"] = masked_mean((trainer - rollout).abs(), mask)
+        metrics["rollout/kl_trainer_vs_engine"] = masked_mean(kl_k3(trainer, rollout), mask)
+    if "is_weight" in info:
+        metrics["rollout/is_weight_mean"] = masked_mean(info["is_weight"], mask)
     return metrics
