@@ -36,6 +36,8 @@ sys.path.insert(0, REPO)
 # torch and megatron are imported inside the functions, as in the `megatron` command: megatron's
 # checkpoint writer starts a "spawn" helper process that re-imports the main script, and a heavy
 # main script would add its import time (seconds) to every first save.
+from swift_megatron.fixtures.shapes import REAL_SHAPES  # noqa: E402  (no torch import)
+
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 _QWEN2 = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
               tie_word_embeddings=True, hidden_act="silu")
@@ -44,8 +46,7 @@ PRESETS = {
                  num_key_value_heads=2, intermediate_size=128, vocab_size=504),
     "medium": dict(_QWEN2, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=2, intermediate_size=1536, vocab_size=32000),
-    "1.5b": dict(_QWEN2, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
+    "1.5b": REAL_SHAPES["qwen2.5-1.5b"],
 }
 
 
@@ -57,7 +58,8 @@ def write_random_checkpoint(preset: str, dtype_name: str, out_dir: str) -> int:
     from swift_megatron.bridge.io import HFWriter
     from swift_megatron.model.config import DTYPES
 
-    config = AutoConfig.for_model("qwen2", dtype=dtype_name, **PRESETS[preset])
+    values = {k: v for k, v in PRESETS[preset].items() if k != "model_type"}
+    config = AutoConfig.for_model("qwen2", dtype=dtype_name, **values)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     shapes = {name: param.shape for name, param in model.named_parameters()}

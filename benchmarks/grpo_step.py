@@ -18,16 +18,11 @@ import statistics
 import subprocess
 import sys
 
+from swift_megatron.fixtures.shapes import REAL_SHAPES
+
 PRESETS = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896,
-                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                         max_position_embeddings=32768, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048,
-                       intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                       rope_theta=1000000.0, max_position_embeddings=40960,
-                       tie_word_embeddings=True),
+    "qwen2.5-0.5b": REAL_SHAPES["qwen2.5-0.5b"],
+    "qwen3-1.7b": REAL_SHAPES["qwen3-1.7b"],
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }

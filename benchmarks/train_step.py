@@ -15,12 +15,11 @@ import time
 
 import torch
 
+from swift_megatron.fixtures.shapes import REAL_SHAPES
+
 PRESETS = {
-    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048,
-                       intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                       rope_theta=1000000.0, max_position_embeddings=40960,
-                       tie_word_embeddings=False),
+    # the device notes' baseline: Qwen3-1.7B layers with untied embeddings (2.03B parameters)
+    "qwen3-1.7b": dict(REAL_SHAPES["qwen3-1.7b"], tie_word_embeddings=False),
     "tiny": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,

@@ -44,3 +44,15 @@ def math_dataset_path(tmp_path_factory):
     from swift_megatron.fixtures import build_math_dataset
 
     return build_math_dataset(str(tmp_path_factory.mktemp("data") / "math.jsonl"))
+
+
+@pytest.fixture
+def swift_logs(caplog):
+    """caplog for the `swift_megatron` logger, which does not propagate to the root logger."""
+    import logging
+
+    logger = logging.getLogger("swift_megatron")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="swift_megatron")
+    yield caplog
+    logger.removeHandler(caplog.handler)

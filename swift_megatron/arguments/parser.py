@@ -13,7 +13,7 @@ import difflib
 import json
 import os
 import typing
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from swift_megatron.errors import UserError
 

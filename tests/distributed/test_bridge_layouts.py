@@ -18,10 +18,10 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from swift_megatron.fixtures import FAMILIES, build_tiny_model, load_tokenizer
 from tests.distributed.launch import run_workers
+from tests.helpers import safetensors_of
 from tests.gpu.test_bridge_gpu import check_logits_report
 
 PADDED_VOCAB_FAMILIES = ("llama", "qwen2")  # vocab 505: not divisible by TP=2
@@ -42,14 +42,6 @@ def run_jobs(jobs, nproc, out_dir):
     with open(path, "w") as f:
         json.dump(jobs, f)
     return run_workers("bridge_layouts.py", nproc, out_dir, ["--jobs", path])
-
-
-def safetensors_of(model_dir):
-    tensors = {}
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(model_dir, name)))
-    return tensors
 
 
 def logits_of(out_dir, job):

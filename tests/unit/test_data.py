@@ -27,16 +27,6 @@ def tok():
     return load_tokenizer()
 
 
-@pytest.fixture
-def warnings_log(caplog):
-    """The swift_megatron logger does not propagate to root: attach caplog's handler to it."""
-    logger = logging.getLogger("swift_megatron")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.WARNING, logger="swift_megatron")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
@@ -137,12 +127,12 @@ def test_unknown_extension_and_missing_path(tmp_path):
         load_rows(str(tmp_path / "missing.jsonl") + ":5")
 
 
-def test_row_limit(tmp_path, warnings_log):
+def test_row_limit(tmp_path, swift_logs):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     assert load_rows(path + ":2") == ROWS[:2]
     assert load_rows(path + "#1") == ROWS[:1]
     assert load_rows(path + ":5") == ROWS
-    assert "asked for 5 rows but it has only 3" in warnings_log.text
+    assert "asked for 5 rows but it has only 3" in swift_logs.text
     with pytest.raises(UserError, match="at least 1"):
         load_rows(path + ":0")
 
@@ -366,11 +356,11 @@ def test_template_error_names_row(tok):
 # Prompts: truncation and budget
 
 
-def test_left_truncation_keeps_last_tokens_and_warns_once(tok, warnings_log):
+def test_left_truncation_keeps_last_tokens_and_warns_once(tok, swift_logs):
     rows = [{"query": "What is 1 + 2? " * 4}, {"query": "Hi"}, {"query": "What is 3 + 4? " * 4}]
     full = build_prompts(rows, tok, max_prompt_length=1000)
     assert [len(p.input_ids) for p in full] == [45, 11, 45]
-    warnings_log.clear()
+    swift_logs.clear()
     prompts = build_prompts(rows, tok, max_prompt_length=20, spec="d.jsonl")
     assert prompts[0].input_ids == full[0].input_ids[-20:]
     assert prompts[2].input_ids == full[2].input_ids[-20:]
@@ -378,7 +368,7 @@ def test_left_truncation_keeps_last_tokens_and_warns_once(tok, warnings_log):
     assert prompts[0].text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert prompts[1].input_ids == full[1].input_ids
     assert [p.truncated for p in prompts] == [True, False, True]
-    records = [r for r in warnings_log.records if r.levelno == logging.WARNING]
+    records = [r for r in swift_logs.records if r.levelno == logging.WARNING]
     assert len(records) == 1
     assert "dataset d.jsonl: 2 of 3 prompts were longer than max_length - max_completion_length " \
            "= 20 tokens and were truncated from the left" in records[0].getMessage()

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from swift_megatron.cli.main import main
 from tests.distributed.launch import REPO, free_port
+from tests.helpers import safetensors_of
 
 FAMILY = "qwen3_moe"
 
@@ -39,14 +39,6 @@ def assert_user_error(proc, message):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
-
-
-def safetensors_of(model_dir):
-    tensors = {}
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(model_dir, name)))
-    return tensors
 
 
 @pytest.fixture(scope="module")

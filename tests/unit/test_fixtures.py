@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tests.helpers import safetensors_of
 from swift_megatron.fixtures import (FAMILIES, build_math_dataset, build_tiny_model, build_tokenizer,
                                      load_tokenizer, tiny_hf_config)
 from swift_megatron.fixtures.tokenizer import TOKENIZER_DIR, train_tokenizer
@@ -24,14 +24,6 @@ MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe"
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer()
-
-
-def _tensors(model_dir):
-    tensors = {}
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(model_dir, name)))
-    return tensors
 
 
 def _logits(model_dir, input_ids):
@@ -148,7 +140,7 @@ def test_llama_has_llama3_rope_scaling_and_untied_embeddings(tiny_model_dir):
     rope = getattr(config, "rope_parameters", None) or config.rope_scaling
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
     assert raw["tie_word_embeddings"] is False and raw["attention_bias"] is False
-    tensors = _tensors(model_dir)
+    tensors = safetensors_of(model_dir)
     assert not torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
     assert not any(k.endswith(".bias") for k in tensors)
 
@@ -156,7 +148,7 @@ def test_llama_has_llama3_rope_scaling_and_untied_embeddings(tiny_model_dir):
 def test_qwen2_is_tied_with_perturbed_qkv_bias(tiny_model_dir):
     model_dir = tiny_model_dir("qwen2")
     assert AutoConfig.from_pretrained(model_dir).tie_word_embeddings is True
-    tensors = _tensors(model_dir)
+    tensors = safetensors_of(model_dir)
     assert "lm_head.weight" not in tensors
     biases = [k for k in tensors if k.endswith(".bias")]
     assert len(biases) == 3 * 4 and {k.split(".")[-2] for k in biases} == {"q_proj", "k_proj", "v_proj"}
@@ -168,7 +160,7 @@ def test_qwen3_head_dim_and_qk_norm(tiny_model_dir):
     model_dir = tiny_model_dir("qwen3")
     config = AutoConfig.from_pretrained(model_dir)
     assert config.head_dim == 16 and config.tie_word_embeddings is True
-    tensors = _tensors(model_dir)
+    tensors = safetensors_of(model_dir)
     assert tensors["model.layers.0.self_attn.q_norm.weight"].shape == (16,)
     assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 16, 64)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)
@@ -186,7 +178,7 @@ def test_qwen3_moe_has_eight_experts_in_hub_layout(tiny_model_dir):
     assert raw["moe_intermediate_size"] == 32 and raw["norm_topk_prob"] is True
     assert raw["tie_word_embeddings"] is False and raw["mlp_only_layers"] == []
     assert AutoConfig.from_pretrained(model_dir).num_experts == 8
-    tensors = _tensors(model_dir)
+    tensors = safetensors_of(model_dir)
     experts = {k for k in tensors if ".mlp.experts." in k}
     assert len(experts) == 4 * 8 * 3  # per-expert gate/up/down, as on the Hub
     assert tensors["model.layers.0.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
@@ -194,9 +186,9 @@ def test_qwen3_moe_has_eight_experts_in_hub_layout(tiny_model_dir):
 
 
 def test_same_seed_is_bit_identical_other_seed_differs(tmp_path, tiny_model_dir):
-    first = _tensors(tiny_model_dir("qwen2"))
-    again = _tensors(build_tiny_model("qwen2", str(tmp_path / "a"), seed=0))
-    other = _tensors(build_tiny_model("qwen2", str(tmp_path / "b"), seed=1))
+    first = safetensors_of(tiny_model_dir("qwen2"))
+    again = safetensors_of(build_tiny_model("qwen2", str(tmp_path / "a"), seed=0))
+    other = safetensors_of(build_tiny_model("qwen2", str(tmp_path / "b"), seed=1))
     assert first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not any(torch.equal(first[k], other[k]) for k in first)
@@ -215,7 +207,7 @@ def test_sharded_save_reloads_to_identical_logits(tmp_path, tiny_model_dir):
 
 def test_dtype_and_overrides(tmp_path):
     model_dir = build_tiny_model("llama", str(tmp_path / "bf16"), dtype="bfloat16", num_hidden_layers=2)
-    tensors = _tensors(model_dir)
+    tensors = safetensors_of(model_dir)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert not any(k.startswith("model.layers.2.") for k in tensors)
     assert tiny_hf_config("qwen3", hidden_size=32).hidden_size == 32

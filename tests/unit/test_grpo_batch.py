@@ -1,6 +1,5 @@
 """Completions -> micro-batches: alignment of tokens, targets, completion mask and logprobs."""
 import pytest
-import torch
 
 from swift_megatron.rlhf.grpo.batch import Sample, collate, split_micro_batches
 

@@ -17,16 +17,6 @@ from swift_megatron.logging.metrics import (MetricsLogger, check_report_to, form
                                             format_value, reduce_metrics)
 
 
-@pytest.fixture
-def records(caplog):
-    """Log records of the `swift_megatron` logger (it does not propagate to the root logger)."""
-    root = logging.getLogger("swift_megatron")
-    root.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="swift_megatron")
-    yield caplog
-    root.removeHandler(caplog.handler)
-
-
 def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -127,7 +117,7 @@ def test_format_metrics_matches_names_inside_namespaces():
 # MetricsLogger
 
 
-def test_jsonl_and_console_line(tmp_path, records, monkeypatch):
+def test_jsonl_and_console_line(tmp_path, swift_logs, monkeypatch):
     monkeypatch.setattr("time.time", lambda: 1700000000.25)
     with MetricsLogger(str(tmp_path / "out"), report_to=[]) as metrics_logger:
         metrics_logger.log(1, {"reward/mean": 0.5, "loss/policy": torch.tensor(0.25),
@@ -138,7 +128,7 @@ def test_jsonl_and_console_line(tmp_path, records, monkeypatch):
          "perf/tokens_per_s": 1234.5678},
         {"step": 2, "time": 1700000000.25, "loss/policy": 0.125, "rollout/truncated": 3},
     ]
-    lines = [(r.name, r.levelno, r.getMessage()) for r in records.records]
+    lines = [(r.name, r.levelno, r.getMessage()) for r in swift_logs.records]
     assert lines == [  # the console shows the CONSOLE_KEYS subset; jsonl has everything
         ("swift_megatron.logging.metrics", logging.INFO, "step 1 | loss/policy=0.25 reward/mean=0.5"),
         ("swift_megatron.logging.metrics", logging.INFO, "step 2 | loss/policy=0.125"),
@@ -172,7 +162,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert set(scalars) == {"loss/policy", "lr"}
 
 
-def test_non_finite_values_null_in_jsonl_skipped_by_sinks(tmp_path, records, fake_wandb):
+def test_non_finite_values_null_in_jsonl_skipped_by_sinks(tmp_path, swift_logs, fake_wandb):
     with MetricsLogger(str(tmp_path), report_to=["tensorboard", "wandb"]) as metrics_logger:
         metrics_logger.log(1, {"loss": float("nan"), "reward/mean": float("inf"), "kl": 0.5})
         metrics_logger.log(2, {"loss": torch.tensor(float("nan")), "kl": 0.25})
@@ -183,7 +173,7 @@ def test_non_finite_values_null_in_jsonl_skipped_by_sinks(tmp_path, records, fak
     ]
     assert read_scalars(str(tmp_path / "runs")) == {"kl": [(1, 0.5), (2, 0.25)]}
     assert fake_wandb.run.logged == [(1, {"kl": 0.5}), (2, {"kl": 0.25})]
-    messages = [(r.levelno, r.getMessage()) for r in records.records]
+    messages = [(r.levelno, r.getMessage()) for r in swift_logs.records]
     assert messages == [
         (logging.INFO, "step 1 | loss=nan reward/mean=inf kl=0.5"),
         (logging.WARNING, "non-finite metrics not sent to tensorboard, wandb "
@@ -245,12 +235,12 @@ def test_check_report_to_dedupes_and_drops_none():
     assert check_report_to([]) == []
 
 
-def test_disabled_logger_writes_nothing(tmp_path, records, fake_wandb):
+def test_disabled_logger_writes_nothing(tmp_path, swift_logs, fake_wandb):
     out = tmp_path / "out"
     with MetricsLogger(str(out), report_to=["tensorboard", "wandb"], enabled=False) as ml:
         ml.log(1, {"loss": 1.0})
     assert not out.exists()
-    assert records.records == []
+    assert swift_logs.records == []
     assert fake_wandb.init_kwargs is None and fake_wandb.run.logged == []
 
 

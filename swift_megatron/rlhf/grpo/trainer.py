@@ -197,7 +197,7 @@ class GRPOTrainer:
                                   device=self.state.device)
             dist.all_reduce(values, group=self.state.dp_group)
             reduced = {k: v / (1 if k == "loss" else self.state.dp) for k, v in zip(keys, values.tolist())}
-            metrics = [{f"loss/policy" if k == "loss" else k: v for k, v in reduced.items()}]
+            metrics = [{"loss/policy" if k == "loss" else k: v for k, v in reduced.items()}]
         if self.state.pp > 1:
             dist.broadcast_object_list(metrics, src=self.state.last_stage_rank(),
                                        group=self.state.pp_group)

@@ -31,22 +31,11 @@ import torch.distributed as dist
 from swift_megatron.export import (compare_logits, hf_logits, load_mcore_model, mcore_logits,
                                    random_tokens)
 from swift_megatron.fixtures import build_tiny_model
+from swift_megatron.fixtures.shapes import REAL_SHAPES
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.parallel.state import ParallelState
 
-_QWEN3 = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
-              max_position_embeddings=40960, vocab_size=151936, bos_token_id=151643,
-              eos_token_id=151645, initializer_range=0.02)
-PRESETS = {
-    "qwen3_1.7b": dict(_QWEN3, model_type="qwen3", hidden_size=2048, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       intermediate_size=6144, tie_word_embeddings=True),
-    "qwen3_moe": dict(_QWEN3, model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=8,
-                      num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                      intermediate_size=6144, num_experts=64, num_experts_per_tok=8,
-                      moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], tie_word_embeddings=False),
-}
+PRESETS = {"qwen3_1.7b": REAL_SHAPES["qwen3-1.7b"], "qwen3_moe": REAL_SHAPES["qwen3-moe-small"]}
 TINY = {"tiny_qwen3": "qwen3", "tiny_qwen3_moe": "qwen3_moe"}
 
 
