@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from swift_megatron.bridge.load import find_mapping
+from swift_megatron.bridge.load import bridge_parameters, find_mapping
 from swift_megatron.bridge.mapping import Dims, Mapping
 from swift_megatron.bridge.position import RankPosition
 
@@ -41,7 +41,7 @@ def _order_key(name: str, table: List[Mapping]) -> tuple:
 def _local_plan(model, mappings: List[Mapping], dims: Dims, pos: RankPosition) -> Dict[str, PlanItem]:
     """Plan items for the tensors this rank owns (TP rank 0 of its group describes them)."""
     items = {}
-    for name, param in model.named_parameters():
+    for name, param in bridge_parameters(model):
         global_name = pos.to_global(name)
         mapping, index = find_mapping(mappings, global_name)
         if not mapping.export:
@@ -77,6 +77,13 @@ def _gather_shards(param: torch.Tensor, mapping: Mapping) -> List[torch.Tensor]:
     return shards
 
 
+def _export_value(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's shard as exported: what the parameter's `bridge_export` callable gives when it
+    has one (a LoRA-adapted weight: W + scale * B A, computed out of place), else the parameter."""
+    export = getattr(param, "bridge_export", None)
+    return param if export is None else export()
+
+
 def _broadcast(tensors: Dict[str, torch.Tensor], group, src_index: int) -> None:
     src = dist.get_process_group_ranks(group)[src_index]
     for tensor in tensors.values():
@@ -88,7 +95,7 @@ def _materialize(item: PlanItem, params: Dict[str, torch.Tensor], mappings: List
     mapping, index = find_mapping(mappings, item.global_name)
     in_stage = item.stage == pos.pp_rank
     if item.global_name in params:
-        tensors = mapping.to_hf(_gather_shards(params[item.global_name], mapping),
+        tensors = mapping.to_hf(_gather_shards(_export_value(params[item.global_name]), mapping),
                                 mapping.hf_names(index), dims)
     else:
         tensors = {n: torch.empty(shape, dtype=dtype, device=device) for n, shape, dtype in item.outputs}
@@ -105,7 +112,7 @@ def export_hf_weights(model: torch.nn.Module, mappings: List[Mapping], dims: Dim
                       ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield every HF tensor, full size, on every rank, in a fixed global order."""
     plan = plan if plan is not None else build_plan(model, mappings, dims, pos)
-    params = {pos.to_global(n): p for n, p in model.named_parameters()}
+    params = {pos.to_global(n): p for n, p in bridge_parameters(model)}
     device = next(model.parameters()).device
     for item in plan:
         yield from _materialize(item, params, mappings, dims, pos, device).items()

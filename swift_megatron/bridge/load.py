@@ -26,11 +26,17 @@ def find_mapping(mappings: List[Mapping], global_name: str) -> Tuple[Mapping, di
     raise ValueError(f"no HF mapping for Megatron parameter '{global_name}'")
 
 
+def bridge_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of every weight the bridge maps: all but those marked `bridge_skip`
+    (LoRA adapters, which are no HF weights)."""
+    return [(n, p) for n, p in model.named_parameters() if not getattr(p, "bridge_skip", False)]
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_dir: str, mappings: List[Mapping], dims: Dims,
                     pos: RankPosition) -> None:
     reader = HFReader(hf_dir)
-    params = list(model.named_parameters())
+    params = bridge_parameters(model)
     for name, param in progress(params, desc="loading HF weights"):
         global_name = pos.to_global(name)
         mapping, index = find_mapping(mappings, global_name)

@@ -1,0 +1,398 @@
+"""Worker (one process): LoRA on tiny checkpoints of each family, measured against references
+and against peft; writes {out_dir}/rank0.json: {family: {check: result}} for tests/unit/test_lora.py.
+
+    python -m torch.distributed.run --nproc_per_node 1 tests/distributed/workers/lora_checks.py \\
+        --out_dir OUT --root MODELS [--families qwen3 qwen2 llama qwen3_moe]
+
+Checks (every model in float32; B random and nonzero unless said otherwise):
+    projections     each linear's output vs base + scale * B A x computed from the HF-layout
+                    weights (fused q/k/v and gate/up split by hand), max abs diff per projection
+    init            fresh adapters (B = 0) give exactly the base logits; trainable = adapters
+    disabled        disabled() gives exactly the base logits
+    round_trip      save_adapter -> load_adapter into a new model: tensors and logits bit-exact
+    peft_reads_ours our adapter loaded by peft.PeftModel.from_pretrained: logits max abs diff
+    ours_reads_peft an adapter made by peft.get_peft_model: logits max abs diff
+    merge           merged export vs peft merge_and_unload, tensor by tensor
+    merge_to_hf     merge_adapter_into_hf output reloaded in transformers vs peft logits
+    base_untouched  (qwen3) base weights bit-identical after 100 merged exports
+    partial         (qwen3) targets q_proj + v_proj only
+    errors          (qwen3, qwen3_moe) the UserError messages of bad adapters
+"""
+import argparse
+import json
+import os
+
+R, ALPHA = 4, 8
+SEED = 11
+
+
+# ---- models -----------------------------------------------------------------------------------
+
+def mcore(hf_dir, state, lora=None, b_seed=SEED):
+    """The Megatron model of `hf_dir` (loaded through the bridge), with adapters when `lora`."""
+    import torch
+
+    from lora_common import randomize_b
+    from swift_megatron.export import load_mcore_model
+    from swift_megatron.lora import apply_lora
+    from swift_megatron.model.config import load_hf_config
+
+    hf_config = load_hf_config(hf_dir)
+    loaded = load_mcore_model(hf_config, hf_config["model_type"], torch.float32, state, hf_dir=hf_dir)
+    if lora is not None:
+        apply_lora(loaded.model, lora, loaded.bridge.mappings)
+        if b_seed is not None:
+            randomize_b(loaded.model, b_seed)
+    return loaded
+
+
+def hf_model(hf_dir, adapter_dir=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    if adapter_dir is None:
+        return model
+    import peft
+
+    return peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+
+
+def hf_logits(model, tokens):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float()
+
+
+# ---- checks -----------------------------------------------------------------------------------
+
+def _reference(x, reader, hf_module, adapters, scale):
+    """x W^T (+ b) + scale * x A^T B^T from the HF-layout tensors."""
+    import torch.nn.functional as F
+
+    bias = reader.read(f"{hf_module}.bias") if f"{hf_module}.bias" in reader else None
+    out = F.linear(x, reader.read(f"{hf_module}.weight"), bias)
+    a, b = (adapters.get(f"base_model.model.{hf_module}.lora_{m}.weight") for m in "AB")
+    return out if a is None else out + scale * F.linear(F.linear(x, a), b)
+
+
+def _split_qkv(out, config):
+    """Fused per-query-group [q, k, v] output -> (q, k, v), by hand."""
+    hd, groups = config.kv_channels, config.num_query_groups
+    q_rows = config.num_attention_heads // groups * hd
+    grouped = out.reshape(*out.shape[:-1], groups, q_rows + 2 * hd)
+    return [t.reshape(*out.shape[:-1], -1) for t in grouped.split([q_rows, hd, hd], dim=-1)]
+
+
+def _linears(model, layer):
+    """(mcore module, its HF module prefix, HF projections of its output chunks) of one layer."""
+    block = model.decoder.layers[layer]
+    hf = f"model.layers.{layer}."
+    mlp = block.mlp.experts.local_experts[0] if hasattr(block.mlp, "experts") else block.mlp
+    mlp_hf = hf + ("mlp.experts.0." if hasattr(block.mlp, "experts") else "mlp.")
+    return [(block.self_attention.linear_qkv, [hf + f"self_attn.{p}_proj" for p in "qkv"]),
+            (block.self_attention.linear_proj, [hf + "self_attn.o_proj"]),
+            (mlp.linear_fc1, [mlp_hf + "gate_proj", mlp_hf + "up_proj"]),
+            (mlp.linear_fc2, [mlp_hf + "down_proj"])]
+
+
+def check_projections(loaded, hf_dir, lora):
+    import torch
+
+    from lora_common import max_abs
+    from swift_megatron.bridge.io import HFReader
+    from swift_megatron.lora import adapter_state_dict
+
+    reader, adapters = HFReader(hf_dir), adapter_state_dict(loaded.model)
+    config, gen = loaded.model.config, torch.Generator().manual_seed(0)
+    diffs = {}
+    with torch.no_grad():
+        for module, names in _linears(loaded.model, layer=1):
+            x = torch.randn(5, 2, module.input_size, generator=gen)
+            out = module(x)[0]
+            parts = (_split_qkv(out, config) if len(names) == 3 else out.chunk(len(names), dim=-1))
+            for name, part in zip(names, parts):
+                diffs[name.split("layers.1.")[1]] = max_abs(
+                    part, _reference(x, reader, name, adapters, lora.scale))
+    return diffs
+
+
+def check_init(hf_dir, state, lora, tokens, base_logits):
+    from swift_megatron.export import mcore_logits
+    from swift_megatron.lora import adapter_parameters
+
+    loaded = mcore(hf_dir, state, lora, b_seed=None)
+    trainable = {n for n, p in loaded.model.named_parameters() if p.requires_grad}
+    return {"equal_base": bool((mcore_logits(loaded, tokens, state) == base_logits).all()),
+            "trainable_are_adapters": trainable == set(adapter_parameters(loaded.model)),
+            "num_trainable": len(trainable),
+            "num_frozen": sum(1 for p in loaded.model.parameters() if not p.requires_grad)}
+
+
+def check_disabled(loaded, state, tokens, base_logits):
+    from lora_common import max_abs
+    from swift_megatron.export import mcore_logits
+    from swift_megatron.lora import disabled
+
+    with disabled(loaded.model):
+        off = mcore_logits(loaded, tokens, state)
+    on = mcore_logits(loaded, tokens, state)
+    return {"equal_base": bool((off == base_logits).all()),
+            "lora_moves_logits": max_abs(on, base_logits)}
+
+
+def check_round_trip(loaded, hf_dir, state, lora, tokens, out_dir):
+    import torch
+
+    from swift_megatron.export import mcore_logits
+    from swift_megatron.lora import adapter_state_dict, load_adapter, save_adapter
+
+    save_adapter(loaded.model, out_dir, hf_dir, lora)
+    fresh = mcore(hf_dir, state)
+    load_adapter(fresh.model, out_dir, fresh.bridge.mappings)
+    before, after = adapter_state_dict(loaded.model), adapter_state_dict(fresh.model)
+    with open(os.path.join(out_dir, "adapter_config.json")) as f:
+        saved_config = json.load(f)
+    return {"same_names": sorted(before) == sorted(after),
+            "bit_exact": all(torch.equal(before[k], after[k]) for k in before),
+            "num_tensors": len(before),
+            "same_logits": bool((mcore_logits(fresh, tokens, state)
+                                 == mcore_logits(loaded, tokens, state)).all()),
+            "config": {k: saved_config[k] for k in ("r", "lora_alpha", "target_modules",
+                                                     "peft_type", "task_type", "use_rslora")}}
+
+
+def check_peft_reads_ours(loaded, hf_dir, state, tokens, adapter_dir):
+    from lora_common import max_abs
+    from swift_megatron.export import mcore_logits
+
+    ours = mcore_logits(loaded, tokens, state)
+    theirs = hf_logits(hf_model(hf_dir, adapter_dir), tokens)
+    base = hf_logits(hf_model(hf_dir), tokens)
+    return {"max_abs_diff": max_abs(ours, theirs), "lora_effect": max_abs(theirs, base)}
+
+
+def make_peft_adapter(hf_dir, out_dir, target_modules, use_rslora=False):
+    """An adapter created by peft itself, with random nonzero B."""
+    import peft
+    import torch
+
+    model = peft.get_peft_model(hf_model(hf_dir), peft.LoraConfig(
+        r=R, lora_alpha=ALPHA, target_modules=target_modules, use_rslora=use_rslora,
+        task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+def check_ours_reads_peft(hf_dir, state, tokens, out_dir, target_modules):
+    from lora_common import max_abs
+    from swift_megatron.export import mcore_logits
+    from swift_megatron.lora import load_adapter
+
+    peft_model = make_peft_adapter(hf_dir, out_dir, target_modules, use_rslora=True)
+    loaded = mcore(hf_dir, state)
+    config = load_adapter(loaded.model, out_dir, loaded.bridge.mappings)
+    ours = mcore_logits(loaded, tokens, state)
+    return {"max_abs_diff": max_abs(ours, hf_logits(peft_model, tokens)),
+            "loaded_targets": list(config.projections()), "use_rslora": config.use_rslora}
+
+
+def _hf_per_expert(state_dict):
+    """transformers 5 fused experts -> the per-expert hub names the bridge exports."""
+    out = {}
+    for name, tensor in state_dict.items():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            out.update({f"{prefix}.{e}.down_proj.weight": t for e, t in enumerate(tensor)})
+        else:
+            out[name] = tensor
+    return out
+
+
+def check_merge(loaded, hf_dir, adapter_dir):
+    from lora_common import max_abs
+
+    merged_peft = _hf_per_expert(hf_model(hf_dir, adapter_dir).merge_and_unload().state_dict())
+    exported = dict(loaded.bridge.export(loaded.model))
+    return {"max_abs_diff": max(max_abs(t, merged_peft[n]) for n, t in exported.items()),
+            "num_tensors": len(exported),
+            "lora_in_export": [n for n in exported if "lora" in n],
+            "missing": sorted(set(merged_peft) - set(exported) - {"lm_head.weight"})}
+
+
+def check_merge_to_hf(hf_dir, adapter_dir, state, tokens, out_dir):
+    from lora_common import max_abs
+    from swift_megatron.lora import merge_adapter_into_hf
+
+    merge_adapter_into_hf(hf_dir, adapter_dir, out_dir, state)
+    merged = hf_logits(hf_model(out_dir), tokens)
+    return {"max_abs_diff_vs_peft": max_abs(merged, hf_logits(hf_model(hf_dir, adapter_dir), tokens))}
+
+
+def check_base_untouched(loaded, exports=100):
+    from swift_megatron.lora import adapter_parameters
+
+    adapters = set(adapter_parameters(loaded.model))
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if n not in adapters}
+    for _ in range(exports):
+        for _name, _tensor in loaded.bridge.export(loaded.model):
+            pass
+    after = dict(loaded.model.named_parameters())
+    return {"exports": exports, "bit_identical": all(
+        before[n].dtype == after[n].dtype and bool((before[n] == after[n]).all()) for n in before)}
+
+
+def _qkv_of(loaded, x):
+    linear = loaded.model.decoder.layers[0].self_attention.linear_qkv
+    return _split_qkv(linear(x)[0], loaded.model.config)
+
+
+def check_partial(hf_dir, state, out_dir):
+    import torch
+
+    from swift_megatron.lora import LoraConfig, lora_modules, save_adapter
+
+    lora = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=("q_proj", "v_proj"), seed=SEED)
+    loaded, base = mcore(hf_dir, state, lora), mcore(hf_dir, state)
+    x = torch.randn(3, 1, loaded.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        (q, k, v), (q0, k0, v0) = _qkv_of(loaded, x), _qkv_of(base, x)
+    save_adapter(loaded.model, out_dir, hf_dir, lora)
+    with open(os.path.join(out_dir, "adapter_config.json")) as f:
+        targets = json.load(f)["target_modules"]
+    return {"adapted_modules": len(lora_modules(loaded.model)), "k_equal_base": bool((k == k0).all()),
+            "q_moved": bool((q != q0).any()), "v_moved": bool((v != v0).any()), "targets": targets}
+
+
+def _user_error(fn):
+    from swift_megatron.errors import UserError
+
+    try:
+        fn()
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _edit_config(adapter_dir, out_dir, **changes):
+    import shutil
+
+    shutil.copytree(adapter_dir, out_dir, dirs_exist_ok=True)
+    path = os.path.join(out_dir, "adapter_config.json")
+    with open(path) as f:
+        data = json.load(f)
+    data.update(changes)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return out_dir
+
+
+def check_errors(hf_dir, state, adapter_dir, work):
+    from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
+
+    def load_into(directory, lora=None):
+        def run():
+            loaded = mcore(hf_dir, state)
+            if lora is not None:
+                apply_lora(loaded.model, lora)
+            load_adapter(loaded.model, directory)
+        return run
+
+    def edited(name, **changes):
+        return _edit_config(adapter_dir, os.path.join(work, name), **changes)
+
+    return {
+        "missing_dir": _user_error(load_into(os.path.join(work, "nowhere"))),
+        "rank_mismatch": _user_error(load_into(adapter_dir,
+                                               LoraConfig(r=2 * R, lora_alpha=2 * ALPHA))),
+        "unknown_target": _user_error(load_into(edited("unknown", target_modules=["q_proj"]))),
+        "unsupported_target": _user_error(load_into(edited("lm_head",
+                                                           target_modules=["q_proj", "lm_head"]))),
+        "wrong_shape": _user_error(load_into(edited("r8", r=2 * R))),
+    }
+
+
+def check_peft_fused_experts(hf_dir, state, out_dir):
+    """peft on transformers 5 adapts fused experts as parameters: we reject that format."""
+    make_peft_adapter(hf_dir, out_dir, ["q_proj", "gate_proj", "up_proj", "down_proj"])
+    with open(os.path.join(out_dir, "adapter_config.json")) as f:
+        saved = json.load(f)
+
+    def run():
+        from swift_megatron.lora import load_adapter
+
+        load_adapter(mcore(hf_dir, state).model, out_dir)
+    return {"error": _user_error(run),
+            "target_parameters": sorted(saved.get("target_parameters") or [])}
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+def run_family(family, root, out, state):
+    from swift_megatron.export import mcore_logits, random_tokens
+    from swift_megatron.fixtures import build_tiny_model
+    from swift_megatron.lora import LoraConfig
+
+    hf_dir = os.path.join(root, family)
+    if not os.path.isdir(hf_dir):
+        build_tiny_model(family, hf_dir)
+    work = os.path.join(out, family)
+    tokens = random_tokens(500, 64, "cpu")
+    lora = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=("all-linear",), seed=SEED)
+    base_logits = mcore_logits(mcore(hf_dir, state), tokens, state)
+    loaded = mcore(hf_dir, state, lora)
+    adapter_dir = os.path.join(work, "ours")
+    result = {
+        "projections": check_projections(loaded, hf_dir, lora),
+        "init": check_init(hf_dir, state, lora, tokens, base_logits),
+        "disabled": check_disabled(loaded, state, tokens, base_logits),
+        "round_trip": check_round_trip(loaded, hf_dir, state, lora, tokens, adapter_dir),
+        "peft_reads_ours": check_peft_reads_ours(loaded, hf_dir, state, tokens, adapter_dir),
+        "merge": check_merge(loaded, hf_dir, adapter_dir),
+        "merge_to_hf": check_merge_to_hf(hf_dir, adapter_dir, state, tokens,
+                                         os.path.join(work, "merged")),
+    }
+    dense = family != "qwen3_moe"
+    peft_targets = "all-linear" if dense else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    result["ours_reads_peft"] = check_ours_reads_peft(hf_dir, state, tokens,
+                                                      os.path.join(work, "peft"), peft_targets)
+    if family == "qwen3":
+        result["base_untouched"] = check_base_untouched(loaded)
+        result["partial"] = check_partial(hf_dir, state, os.path.join(work, "partial"))
+        result["errors"] = check_errors(hf_dir, state, adapter_dir, work)
+    if not dense:
+        result["peft_fused_experts"] = check_peft_fused_experts(hf_dir, state,
+                                                                os.path.join(work, "fused"))
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out_dir")
+    parser.add_argument("--root")
+    parser.add_argument("--families", nargs="+", default=["qwen3", "qwen2", "llama", "qwen3_moe"])
+    args = parser.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    from swift_megatron.parallel.state import ParallelState
+
+    hf_logging.set_verbosity_error()
+    state = ParallelState.initialize(device="cpu", seed=0)
+    results = {family: run_family(family, args.root, args.out_dir, state) for family in args.families}
+    with open(os.path.join(args.out_dir, "rank0.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    ParallelState.destroy()
+
+
+if __name__ == "__main__":
+    main()
