@@ -1,5 +1,6 @@
-"""`megatron export`: HF -> Megatron (--to_mcore), Megatron -> HF (--to_hf), and the HF vs
-Megatron precision check (--test_convert_precision); LoRA merge lands with the LoRA issue.
+"""`megatron export`: HF -> Megatron (--to_mcore), Megatron -> HF (--to_hf), LoRA merge
+(--merge_lora with --adapters or --mcore_adapter), and the HF vs Megatron precision check
+(--test_convert_precision).
 
 Parses the flags, checks inputs and output before anything heavy (swift_megatron.export.prepare),
 relaunches under torchrun when NPROC_PER_NODE is set, then runs swift_megatron.export.run.

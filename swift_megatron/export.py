@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from swift_megatron.arguments.commands import ExportCommandArguments
     from swift_megatron.bridge import Bridge
+    from swift_megatron.lora import LoraConfig
     from swift_megatron.model.config import ModelShape
     from swift_megatron.parallel.state import ParallelState
 
@@ -50,10 +51,12 @@ class ExportInputs:
     """What `prepare` resolved: the directories a command reads and the model they hold."""
 
     hf_dir: Optional[str]     # HF checkpoint (--model), resolved to a local directory
-    mcore_dir: Optional[str]  # Megatron model directory (--mcore_model)
+    mcore_dir: Optional[str]  # Megatron model directory (--mcore_model or --mcore_adapter)
     hf_config: dict
     model_type: str
     dtype: str                # dtype name of the converted weights
+    lora: Optional["LoraConfig"] = None   # --mcore_adapter: the adapters inside mcore_dir
+    adapter_dir: Optional[str] = None     # --adapters: the PEFT adapter merged onto hf_dir
 
 
 def _check_world(args: "ExportCommandArguments", world_size: int) -> None:
@@ -70,7 +73,7 @@ def _check_output(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
     from swift_megatron.bridge.hf_checkpoint import check_output_dir
 
     e = args.export
-    if not (e.to_mcore or e.to_hf):
+    if not (e.to_mcore or e.to_hf or e.merge_lora):
         return
     check_output_dir(e.output_dir, e.exist_ok)
     out = os.path.realpath(e.output_dir)
@@ -94,9 +97,10 @@ def _hf_inputs(args: "ExportCommandArguments"):
 
 
 def _mcore_inputs(args: "ExportCommandArguments"):
-    directory = args.export.mcore_model
+    flag = "--mcore_adapter" if args.export.mcore_adapter else "--mcore_model"
+    directory = args.export.mcore_adapter or args.export.mcore_model
     if not os.path.isdir(directory):
-        raise UserError(f"--mcore_model {directory}: no such directory")
+        raise UserError(f"{flag} {directory}: no such directory")
     from swift_megatron.checkpoint.layout import hf_dir, read_meta  # heavy: after the path check
     from swift_megatron.model.config import load_hf_config, model_shape
 
@@ -106,6 +110,21 @@ def _mcore_inputs(args: "ExportCommandArguments"):
     return directory, hf_config, shape.model_type, args.model.torch_dtype or meta["dtype"]
 
 
+def _adapter_inputs(args: "ExportCommandArguments", mcore_dir: Optional[str]):
+    """(LoRA config of --mcore_adapter's adapters, --adapters' PEFT directory); reading the
+    adapter's files fails now on a bad adapter, before anything is launched."""
+    from swift_megatron.lora import read_adapter
+
+    if mcore_dir is not None:
+        adapter = os.path.join(mcore_dir, "adapter")
+        if not os.path.isdir(adapter):
+            raise UserError(f"--mcore_adapter {mcore_dir}: no adapter/ directory (is this a "
+                            "checkpoint of a --train_type lora run?)")
+        return read_adapter(adapter)[0], None
+    read_adapter(args.lora.adapters[0])
+    return None, args.lora.adapters[0]
+
+
 def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
     """Resolve and check everything a user can get wrong, before any model is built: the input
     directories, the output directory, the model family, the parallel layout and world size."""
@@ -113,11 +132,13 @@ def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
     if e.test_convert_precision and not (e.to_hf or args.model.model):
         raise UserError("--test_convert_precision true needs --model (the HF checkpoint to compare "
                         "against) or --to_hf true")
-    hf_dir = mcore_dir = None
+    hf_dir = mcore_dir = lora = adapter_dir = None
     if e.to_hf:
         mcore_dir, hf_config, model_type, dtype = _mcore_inputs(args)
     else:
         hf_dir, hf_config, model_type, dtype = _hf_inputs(args)
+    if e.merge_lora:
+        lora, adapter_dir = _adapter_inputs(args, mcore_dir)
     from swift_megatron.model.config import DTYPES
     from swift_megatron.parallel.layout import check_layout
 
@@ -128,7 +149,7 @@ def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
     check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                  p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     _check_world(args, world_size)
-    inputs = ExportInputs(hf_dir, mcore_dir, hf_config, model_type, dtype)
+    inputs = ExportInputs(hf_dir, mcore_dir, hf_config, model_type, dtype, lora, adapter_dir)
     _check_output(args, inputs)
     return inputs
 
@@ -147,9 +168,11 @@ class LoadedModel:
 
 def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
                      state: "ParallelState", *, hf_dir: Optional[str] = None,
-                     mcore_dir: Optional[str] = None) -> LoadedModel:
+                     mcore_dir: Optional[str] = None,
+                     lora: Optional["LoraConfig"] = None) -> LoadedModel:
     """Build the model of the current layout and load it from an HF checkpoint (through the
-    bridge) or from a Megatron model directory (any layout). Collective."""
+    bridge) or from a Megatron model directory (any layout); with `lora`, the model carries those
+    adapters (a LoRA training checkpoint holds them). Collective."""
     from swift_megatron.bridge import Bridge
     from swift_megatron.checkpoint.layout import load_model_dir
     from swift_megatron.model.build import build_model
@@ -159,6 +182,10 @@ def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
     model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type,
                                        random_init=False)
     bridge = Bridge(hf_config, shape, config)
+    if lora is not None:
+        from swift_megatron.lora import apply_lora
+
+        apply_lora(model, lora, bridge.mappings)
     if hf_dir is not None:
         bridge.load(model, hf_dir)
     else:
@@ -215,7 +242,7 @@ def convert_mcore_to_hf(inputs: ExportInputs, out_dir: str, state: "ParallelStat
     start = time.perf_counter()
     saved_dtype = DTYPES[read_meta(inputs.mcore_dir)["dtype"]]
     loaded = load_mcore_model(inputs.hf_config, inputs.model_type, saved_dtype, state,
-                              mcore_dir=inputs.mcore_dir)
+                              mcore_dir=inputs.mcore_dir, lora=inputs.lora)
     loaded.bridge.save_hf(loaded.model, out_dir, source_dir=hf_dir(inputs.mcore_dir),
                           dtype=DTYPES[inputs.dtype], max_shard_size=max_shard_size,
                           exist_ok=exist_ok)
@@ -416,6 +443,13 @@ def run(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
         if e.to_hf:
             convert_mcore_to_hf(inputs, e.output_dir, state, max_shard_size=e.max_shard_size,
                                 exist_ok=e.exist_ok)
+        if inputs.adapter_dir:
+            from swift_megatron.lora import merge_adapter_into_hf
+            from swift_megatron.model.config import DTYPES
+
+            merge_adapter_into_hf(inputs.hf_dir, inputs.adapter_dir, e.output_dir, state,
+                                  dtype=DTYPES[inputs.dtype], max_shard_size=e.max_shard_size,
+                                  exist_ok=e.exist_ok)
         if e.test_convert_precision:
             _run_precision(args, inputs, state)
     finally:

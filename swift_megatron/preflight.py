@@ -50,4 +50,8 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+        if experts and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+            raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
+                            "--sequence_parallel true (megatron-core refuses to train MoE with "
+                            "TP but without sequence parallelism)")
     return plan, hf_config

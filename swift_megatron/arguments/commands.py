@@ -57,6 +57,16 @@ class ExportCommandArguments:
             raise UserError("--to_mcore true needs --model (an HF directory or hub id)")
         if e.to_hf and not (e.mcore_model or e.mcore_adapter):
             raise UserError("--to_hf true needs --mcore_model (or --mcore_adapter)")
+        if e.mcore_model and e.mcore_adapter:
+            raise UserError("pass one of --mcore_model and --mcore_adapter")
+        if e.mcore_adapter and not (e.merge_lora and e.to_hf):
+            raise UserError("--mcore_adapter needs --merge_lora true --to_hf true (its PEFT "
+                            "adapter is already in <dir>/adapter)")
+        if e.merge_lora and not e.mcore_adapter and not (self.lora.adapters and self.model.model):
+            raise UserError("--merge_lora true needs --model HF_DIR --adapters PEFT_DIR, or "
+                            "--mcore_adapter DIR --to_hf true")
+        if e.merge_lora and not e.mcore_adapter and (e.to_hf or e.to_mcore):
+            raise UserError("merging --adapters writes an HF checkpoint: drop --to_hf/--to_mcore")
         if not (e.to_hf or e.to_mcore or e.merge_lora or e.test_convert_precision):
             raise UserError("nothing to do: pass --to_mcore true, --to_hf true, --merge_lora true "
                             "or --test_convert_precision true")

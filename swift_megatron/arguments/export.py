@@ -5,7 +5,6 @@ from typing import Optional
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
-_LORA_LATER = "LoRA merge lands with the LoRA issue"
 
 
 @dataclass
@@ -17,9 +16,11 @@ class ExportArguments:
     to_hf: bool = arg(False, "Convert --mcore_model (or --mcore_adapter) into an HF checkpoint.")
     mcore_model: Optional[str] = arg(None, "Megatron model directory to convert (written by "
                                      "--to_mcore true or by a training run).")
-    mcore_adapter: Optional[str] = arg(None, "Megatron LoRA checkpoint directory to convert/merge.",
-                                       not_yet=_LORA_LATER)
-    merge_lora: bool = arg(False, "Merge adapters into the base weights.", not_yet=_LORA_LATER)
+    mcore_adapter: Optional[str] = arg(None, "A LoRA training checkpoint (a --save iteration "
+                                       "directory): with --merge_lora true --to_hf true, written "
+                                       "as a merged HF checkpoint.")
+    merge_lora: bool = arg(False, "Merge LoRA adapters into the base weights: --adapters PEFT_DIR "
+                           "onto --model, or the adapters of --mcore_adapter.")
     test_convert_precision: bool = arg(False, "Run transformers and Megatron in float32 on the "
                                        "same random tokens, print the max/mean absolute logit "
                                        "difference and argmax agreement, and fail past "

@@ -5,7 +5,6 @@ from typing import List
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
-_LORA_LATER = "LoRA lands with the LoRA issue"
 
 
 @dataclass
@@ -19,10 +18,13 @@ class LoraArguments:
     target_modules: List[str] = arg(["all-linear"], "HF module names to adapt (q_proj, k_proj, "
                                     "v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
     use_rslora: bool = arg(False, "Rank-stabilised LoRA scaling.")
-    adapters: List[str] = arg([], "PEFT adapter directories to load (continue training, or merge "
-                              "with `megatron export`).", not_yet=_LORA_LATER)
+    adapters: List[str] = arg([], "A PEFT adapter directory to load: continue training it "
+                              "(--train_type lora), or merge it (`megatron export --merge_lora "
+                              "true`).")
 
     def __post_init__(self):
+        if len(self.adapters) > 1:
+            raise UserError(f"--adapters takes one adapter directory, got {len(self.adapters)}")
         if self.lora_rank < 1:
             raise UserError(f"--lora_rank must be >= 1, got {self.lora_rank}")
         if not 0 <= self.lora_dropout < 1:

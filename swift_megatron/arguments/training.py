@@ -14,8 +14,7 @@ class TrainingArguments:
     """Training"""
 
     train_type: str = arg("full", "full: train every weight; lora: train LoRA adapters only.",
-                          choices=["full", "lora"], aliases=["tuner_type"],
-                          not_yet={"lora": "LoRA training lands with the LoRA issue"})
+                          choices=["full", "lora"], aliases=["tuner_type"])
     lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
     lr_decay_style: str = arg("cosine", "Decay after warmup.",

@@ -13,7 +13,7 @@ finished; the `latest` file is replaced atomically afterwards. `--no_save_optim`
 import json
 import os
 import shutil
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,10 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module], optimizer,
                     trainer_state: dict, *, hf_source_dir: str, meta: dict,
-                    save_optim: bool = True, save_rng: bool = True) -> str:
-    """Write SAVE/iter_<step> (collective) and point `latest` at it; returns the directory."""
+                    save_optim: bool = True, save_rng: bool = True,
+                    write_extra: Optional[Callable[[str], None]] = None) -> str:
+    """Write SAVE/iter_<step> (collective) and point `latest` at it; returns the directory.
+    `write_extra(tmp_dir)` (collective) adds files before the directory is published."""
     final = iteration_dir(save_dir, step)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -69,6 +71,8 @@ def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module],
     if save_rng:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{dist.get_rank()}.pt"))
+    if write_extra is not None:
+        write_extra(tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, STATE), "w") as f:

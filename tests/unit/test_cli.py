@@ -124,8 +124,7 @@ def test_columns_json():
 
 @pytest.mark.parametrize("argv,match", [
     (["--virtual_pipeline_model_parallel_size", "2"], "not supported yet"),
-    (["--train_type", "lora"], "--train_type lora is not supported yet"),
-    (["--sleep_level", "1"], "not supported yet"),
+    (["--context_parallel_size", "2"], "--context_parallel_size is not supported yet"),
 ])
 def test_flags_of_missing_features_fail(argv, match):
     with pytest.raises(UserError, match=match):
@@ -198,6 +197,8 @@ def test_dry_run_checks_the_model(tmp_path):
     assert bad_tp.returncode == 2 and "num_key_value_heads=2" in bad_tp.stderr
     ok = cli(*base, "--expert_model_parallel_size", "2", env={"NPROC_PER_NODE": "4"})
     assert ok.returncode == 0, ok.stderr
+    no_sp = cli(*base, "--tensor_model_parallel_size", "2", env={"NPROC_PER_NODE": "4"})
+    assert no_sp.returncode == 2 and "--sequence_parallel true" in no_sp.stderr
 
 
 # ---- launching ---------------------------------------------------------------------------------

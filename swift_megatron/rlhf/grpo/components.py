@@ -18,6 +18,7 @@ from swift_megatron.bridge import Bridge
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
+from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
 from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.hub import resolve_model_dir
@@ -43,6 +44,7 @@ class Policy:
     model_dir: str                  # HF directory: config, tokenizer (and initial weights)
     hf_config: dict
     dtype: torch.dtype
+    lora: Optional[LoraConfig] = None  # set for --train_type lora: only adapters train
 
 
 def parallel_state(args: RlhfArguments) -> ParallelState:
@@ -86,10 +88,23 @@ def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
     return max(batches, 1) * plan.steps_per_generation
 
 
+def attach_lora(args: RlhfArguments, model, bridge: Bridge) -> Optional[LoraConfig]:
+    """--train_type lora: wrap the targeted linears with adapters (new, or --adapters' PEFT
+    adapter to continue) and freeze everything else; before DDP wrapping."""
+    if args.training.train_type != "lora":
+        return None
+    if args.lora.adapters:
+        return load_adapter(model, args.lora.adapters[0], bridge.mappings)
+    config = LoraConfig.from_arguments(args.lora, seed=args.training.seed)
+    apply_lora(model, config, bridge.mappings)
+    return config
+
+
 def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int) -> Policy:
     hf_config = load_hf_config(model_dir)
     dtype = training_dtype(args, hf_config, state.device)
     model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype)
+    lora = attach_lora(args, model, bridge)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
     t = args.training
     settings = OptimizerSettings(
@@ -99,12 +114,13 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
         lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters, train_iters=iters)
     optimizer = build_optimizer([ddp], config, settings)
     scheduler = build_scheduler(optimizer, settings, t.lr_warmup_fraction)
-    return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype)
+    return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
 def reference(args: RlhfArguments, state: ParallelState, pol: Policy) -> Optional[List[torch.nn.Module]]:
-    """A frozen copy of the initial policy, only when the KL term needs it (beta > 0)."""
-    if args.grpo.beta == 0:
+    """A frozen copy of the initial policy, only when the KL term needs it (beta > 0) and the
+    policy is not LoRA (then the reference is the policy with its adapters disabled)."""
+    if args.grpo.beta == 0 or pol.lora is not None:
         return None
     model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype)
     model.eval().requires_grad_(False)

@@ -21,7 +21,9 @@ from swift_megatron.checkpoint.trainer import (adam_step, load_checkpoint, resol
                                                save_checkpoint)
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger, reduce_metrics
+from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
+from swift_megatron.lora import disabled, save_adapter
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
@@ -134,9 +136,17 @@ class GRPOTrainer:
         if self.plan.steps_per_generation > 1:
             for mb, out in zip(micro, forward_backward(self.policy.chunks, micro, collect, True)):
                 mb["old_logprobs"] = out["logprobs"]
-        if self.reference is not None:
-            for mb, out in zip(micro, forward_backward(self.reference, micro, collect, True)):
+        if self.args.grpo.beta > 0:
+            for mb, out in zip(micro, self._reference_pass(micro, collect)):
                 mb["ref_logprobs"] = out["logprobs"]
+
+    def _reference_pass(self, micro: List[dict], collect) -> List[dict]:
+        """The reference model's forward pass: a frozen copy, or with LoRA the policy itself
+        with its adapters disabled (no second model in memory)."""
+        if self.reference is not None:
+            return forward_backward(self.reference, micro, collect, True)
+        with disabled(unwrap(self.policy.chunks[0])):
+            return forward_backward(self.policy.chunks, micro, collect, True)
 
     def optimizer_step(self, micro: List[dict]) -> Dict[str, float]:
         constants = self._step_constants(micro)
@@ -240,7 +250,8 @@ class GRPOTrainer:
                                "etp": self.state.etp}}
         path = save_checkpoint(t.save, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
-                               save_optim=not t.no_save_optim, save_rng=not t.no_save_rng)
+                               save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
+                               write_extra=self._save_adapter)
         self._saved_step = self.step
         logger.info(f"saved checkpoint {path}")
 
@@ -256,11 +267,22 @@ class GRPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         logger.info(f"resumed from {directory} at step {self.step}")
 
+    def _save_adapter(self, directory: str) -> None:
+        """With LoRA, the adapter in PEFT format under directory/adapter (collective)."""
+        pol = self.policy
+        if pol.lora is not None:
+            save_adapter(unwrap(pol.chunks[0]), os.path.join(directory, "adapter"),
+                         pol.model_dir, pol.lora)
+
     def export_final(self) -> None:
-        """The trained policy as an HF checkpoint: {output_dir}/final_hf."""
+        """The trained policy as an HF checkpoint: {output_dir}/final_hf (adapters merged), and
+        with LoRA also the adapter in PEFT format: {output_dir}/final_adapter."""
         pol = self.policy
         pol.bridge.save_hf(pol.chunks[0], os.path.join(self.output_dir, "final_hf"),
                            source_dir=pol.model_dir, exist_ok=True)
+        if pol.lora is not None:
+            save_adapter(unwrap(pol.chunks[0]), os.path.join(self.output_dir, "final_adapter"),
+                         pol.model_dir, pol.lora)
 
     def close(self) -> None:
         self.metrics_log.close()
