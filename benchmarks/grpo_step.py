@@ -9,6 +9,8 @@ after the first (rollout, old/ref logprobs, train, weight sync, tokens/s).
     python benchmarks/grpo_step.py --preset qwen2.5-0.5b --steps 6            # embedded engine
     python benchmarks/grpo_step.py --preset qwen2.5-0.5b -- --use_vllm true --sleep_level 1
     python benchmarks/grpo_step.py --preset tiny --steps 2 -- --device cpu
+    NPROC_PER_NODE=2 python benchmarks/grpo_step.py --preset qwen2.5-1.5b -- --train_type lora \
+        --tensor_model_parallel_size 2
 Arguments after `--` go to `megatron rlhf` unchanged.
 """
 import argparse
@@ -28,7 +30,7 @@ PRESETS = {
 }
 PHASES = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
           "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "rollout/completion_tokens",
-          "rollout/logprob_abs_diff_mean")
+          "rollout/logprob_abs_diff_mean", "perf/max_memory_allocated_gib")
 
 
 def build_model(preset: str, out_dir: str, dtype: str) -> str:

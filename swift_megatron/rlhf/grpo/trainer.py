@@ -107,6 +107,9 @@ class GRPOTrainer:
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
         metrics.update(self._throughput(samples, timings))
+        if self.state.device.type == "cuda":  # this rank's peak since the last rollout batch
+            metrics["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
         self._log_completions(samples)
         return metrics
 
