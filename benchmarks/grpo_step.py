@@ -16,6 +16,7 @@ Arguments after `--` go to `megatron rlhf` unchanged.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from swift_megatron.fixtures.shapes import REAL_SHAPES
 
 PRESETS = {
     "qwen2.5-0.5b": REAL_SHAPES["qwen2.5-0.5b"],
+    "qwen2.5-1.5b": REAL_SHAPES["qwen2.5-1.5b"],
     "qwen3-1.7b": REAL_SHAPES["qwen3-1.7b"],
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
@@ -48,13 +50,15 @@ def main():
     parser.add_argument("--work_dir", default="/tmp/grpo_bench")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--completion_length", type=int, default=256)
+    parser.add_argument("--run_name", default="run", help="output directory under --work_dir")
     parser.add_argument("rlhf_args", nargs="*")
     a = parser.parse_args()
     from swift_megatron.fixtures import build_math_dataset
 
     model = build_model(a.preset, os.path.join(a.work_dir, a.preset), a.dtype)
     dataset = build_math_dataset(os.path.join(a.work_dir, "math.jsonl"), num_rows=512)
-    out = os.path.join(a.work_dir, "run")
+    out = os.path.join(a.work_dir, a.run_name)
+    shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
            "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations", "8",
            "--micro_batch_size", "8", "--global_batch_size", "64", "--steps_per_generation", "2",
@@ -69,7 +73,7 @@ def main():
         print(json.dumps({"name": "grpo_step", "step": row["step"],
                           **{k: round(row[k], 4) for k in PHASES if k in row}}))
     later = rows[1:] or rows
-    print(json.dumps({"name": "grpo_step/mean_after_first", "preset": a.preset,
+    print(json.dumps({"name": "grpo_step/mean_after_first", "preset": a.preset, "run": a.run_name,
                       **{k: round(statistics.mean(r[k] for r in later), 4)
                          for k in PHASES if k in later[0]}}))
 
