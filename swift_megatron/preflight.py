@@ -20,10 +20,9 @@ def vllm_installed() -> bool:
 
 
 def uses_vllm(args: RlhfArguments) -> bool:
-    """--use_vllm, defaulting to whether vLLM is importable (else the embedded engine)."""
-    if args.rollout.use_vllm is None:
-        return vllm_installed()
-    return args.rollout.use_vllm
+    """--use_vllm or its default (rollout/factory.py has the same rule), judged before any
+    torch import: CUDA is assumed unless --device cpu."""
+    return args.rollout.vllm_enabled(vllm_installed(), args.model.device != "cpu")
 
 
 def read_local_hf_config(model: Optional[str]) -> Optional[dict]:

@@ -1,12 +1,13 @@
 """Rollout flags: the vLLM engine (shared by the trainer and `megatron rollout`) and how the
-trainer reaches it (colocate or server mode, weight sync, memory hand-over)."""
+trainer reaches it (colocate or server mode, weight sync, memory hand-over). docs/rollout.md
+explains how they fit together."""
 from dataclasses import dataclass
 from typing import List, Optional
 
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
-_VLLM_LATER = "vLLM rollouts land with the vLLM issue; the embedded engine is used meanwhile"
+_CHECK_LATER = "the trainer-side logprob comparison is not wired yet"
 
 
 @dataclass
@@ -14,60 +15,99 @@ class VllmEngineArguments:
     """vLLM engine"""
 
     vllm_gpu_memory_utilization: float = arg(0.9, "Fraction of GPU memory vLLM may use "
-                                             "(weights + KV cache).")
+                                             "(weights + KV cache). Colocate mode shares the GPU "
+                                             "with training: lower it (e.g. 0.3-0.5).")
     vllm_tensor_parallel_size: int = arg(1, "vLLM tensor-parallel degree, independent of the "
-                                         "Megatron layout.")
+                                         "Megatron layout. Colocate: consecutive training ranks "
+                                         "form one vLLM TP group.")
     vllm_max_model_len: Optional[int] = arg(None, "vLLM context length. Default: max_length "
-                                            "(prompt + completion).")
-    vllm_enforce_eager: bool = arg(False, "Disable CUDA graphs in vLLM (saves memory and start time).")
-    vllm_enable_prefix_caching: bool = arg(True, "vLLM automatic prefix caching.")
+                                            "(prompt + completion), else the model's "
+                                            "max_position_embeddings.")
+    vllm_enforce_eager: bool = arg(False, "Disable CUDA graphs in vLLM (saves memory and start "
+                                   "time).")
+    vllm_enable_prefix_caching: bool = arg(True, "vLLM automatic prefix caching (reset after "
+                                           "every weight update).")
 
     def __post_init__(self):
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise UserError("--vllm_gpu_memory_utilization must be in (0, 1]")
         if self.vllm_tensor_parallel_size < 1:
             raise UserError("--vllm_tensor_parallel_size must be >= 1")
+        if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
+            raise UserError("--vllm_max_model_len must be at least 2")
 
 
 @dataclass
 class RolloutArguments:
     """Rollout (trainer side)"""
 
-    use_vllm: Optional[bool] = arg(None, "Generate with vLLM. Default: true when vLLM is "
-                                   "installed, otherwise the embedded transformers engine.",
-                                   not_yet={True: _VLLM_LATER})
+    use_vllm: Optional[bool] = arg(None, "Generate with vLLM. Default: true in server mode, and "
+                                   "in colocate mode when vLLM is installed and training runs on "
+                                   "CUDA; otherwise the embedded transformers engine.")
     vllm_mode: str = arg("colocate", "colocate: a vLLM engine inside every training process; "
                          "server: remote `megatron rollout` servers.",
                          choices=["colocate", "server"])
-    sleep_level: int = arg(0, "Colocate: while training, vLLM releases its KV cache (1) or also "
-                           "its weights (2).", choices=[0, 1, 2], not_yet=_VLLM_LATER)
-    offload_model: bool = arg(False, "Colocate: move training weights and grads to host memory "
-                              "during generation.", not_yet=_VLLM_LATER)
-    offload_optimizer: bool = arg(False, "Colocate: move optimizer state to host memory during "
-                                  "generation.", not_yet=_VLLM_LATER)
-    vllm_server_host: List[str] = arg([], "Server mode: host of each `megatron rollout` server.")
+    sleep_level: int = arg(0, "Colocate: while training, vLLM releases its KV cache and offloads "
+                           "its weights to host memory (1) or discards them (2; they are "
+                           "reloaded by the next weight sync).", choices=[0, 1, 2])
+    offload_model: bool = arg(False, "Colocate: move the training weights (and free the grads) "
+                              "to host memory while vLLM generates.")
+    offload_optimizer: bool = arg(False, "Colocate: move the optimizer state and main params to "
+                                  "host memory while vLLM generates.")
+    vllm_server_host: List[str] = arg([], "Server mode: host of each `megatron rollout` server "
+                                      "(none given: 127.0.0.1).")
     vllm_server_port: List[int] = arg([8000], "Server mode: port of each server (one value for "
                                       "all hosts, or one per host).")
-    vllm_server_timeout: float = arg(240.0, "Server mode: seconds to wait for the servers to answer.")
-    weight_sync_bucket_mb: int = arg(512, "Weight sync: bucket size in MiB.")
+    vllm_server_timeout: float = arg(240.0, "Server mode: seconds to wait for the servers at "
+                                     "start (health poll) and for each request.")
+    weight_sync_bucket_mb: int = arg(512, "Weight sync: bucket size in MiB (tensors are loaded, "
+                                     "or broadcast to servers, one bucket at a time).")
     check_weight_sync: bool = arg(False, "After each sync, compare vLLM's logprobs of fixed tokens "
-                                  "with the trainer's and fail past a tolerance.", not_yet=_VLLM_LATER)
+                                  "with the trainer's and fail past a tolerance.",
+                                  not_yet=_CHECK_LATER)
 
     def __post_init__(self):
         if self.vllm_mode == "server" and self.use_vllm is False:
             raise UserError("--vllm_mode server needs vLLM; drop --use_vllm false")
         if self.weight_sync_bucket_mb < 1:
             raise UserError("--weight_sync_bucket_mb must be >= 1")
+        if self.vllm_server_timeout <= 0:
+            raise UserError("--vllm_server_timeout must be > 0")
+        if self.vllm_mode == "server" and not self.vllm_server_host:
+            self.vllm_server_host = ["127.0.0.1"]
+        ports, hosts = self.vllm_server_port, self.vllm_server_host
+        if self.vllm_mode == "server" and len(ports) not in (1, len(hosts)):
+            raise UserError(f"--vllm_server_port: give one port for all hosts or one per host "
+                            f"({len(hosts)} hosts, {len(ports)} ports)")
+        if any(not 0 < p < 65536 for p in ports):
+            raise UserError(f"--vllm_server_port: ports must be in 1..65535, got {ports}")
+
+    def vllm_enabled(self, vllm_installed: bool, on_cuda: bool) -> bool:
+        """Whether rollouts use vLLM: --use_vllm, or its default (see the flag's help)."""
+        if self.use_vllm is not None:
+            return self.use_vllm
+        return self.vllm_mode == "server" or (vllm_installed and on_cuda)
+
+    def server_addresses(self) -> List[str]:
+        """host:port of every rollout server (server mode)."""
+        ports = self.vllm_server_port * len(self.vllm_server_host) \
+            if len(self.vllm_server_port) == 1 else self.vllm_server_port
+        return [f"{h}:{p}" for h, p in zip(self.vllm_server_host, ports)]
 
 
 @dataclass
 class ServeArguments:
     """Rollout server"""
 
-    host: str = arg("127.0.0.1", "Address to listen on.")
+    host: str = arg("127.0.0.1", "Address to listen on (0.0.0.0 for every interface). The "
+                    "weight-sync communicator listens on the same address.")
     port: int = arg(8000, "Port to listen on.")
-    vllm_data_parallel_size: int = arg(1, "vLLM engine replicas (each vllm_tensor_parallel_size GPUs).")
+    vllm_data_parallel_size: int = arg(1, "vLLM engine replicas, one process each, "
+                                       "vllm_tensor_parallel_size GPUs each; generate requests "
+                                       "are spread over them.")
 
     def __post_init__(self):
         if self.vllm_data_parallel_size < 1:
             raise UserError("--vllm_data_parallel_size must be >= 1")
+        if not 0 < self.port < 65536:
+            raise UserError(f"--port must be in 1..65535, got {self.port}")

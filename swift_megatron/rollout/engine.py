@@ -40,6 +40,12 @@ class Completion:
         return self.finish_reason == "length"
 
 
+def default_seeds(sampling: SamplingConfig, count: int) -> List[int]:
+    """Per-request seeds when the caller gives none: derived from sampling.seed."""
+    base = sampling.seed or 0
+    return [base * 1_000_003 + i for i in range(count)]
+
+
 class RolloutEngine(Protocol):
     weight_version: int
 

@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from swift_megatron.rollout.engine import Completion, SamplingConfig
+from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -71,8 +71,7 @@ class HFEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seeds: Optional[Sequence[int]] = None) -> List[Completion]:
         if seeds is None:
-            base = sampling.seed or 0
-            seeds = [base * 1_000_003 + i for i in range(len(prompts))]
+            seeds = default_seeds(sampling, len(prompts))
         completions: List[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             stop = start + self.max_batch_size

@@ -27,7 +27,8 @@ from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_fu
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
 from swift_megatron.rlhf.grpo.objective import LossSettings
 from swift_megatron.rollout.engine import SamplingConfig
-from swift_megatron.rollout.hf import HFEngine
+from swift_megatron.rollout.factory import build_engine, engine_kind
+from swift_megatron.training.offload import model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
                                            wrap_ddp)
 
@@ -169,8 +170,23 @@ def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,
 
 
 def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok):
+    """The rollout engine the flags ask for: embedded, vLLM colocate or vLLM servers."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return HFEngine(pol.model_dir, state.device, pol.dtype, eos_token_ids(pol.model_dir, tok), pad)
+    return build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
+                        eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad)
+
+
+def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference) -> list:
+    """Colocate mode: what moves to host memory while vLLM generates (--offload_model,
+    --offload_optimizer)."""
+    if engine_kind(args, state.device) != "colocate":
+        return []
+    moved = []
+    if args.rollout.offload_model:
+        moved.append(model_offloader(pol.chunks + (reference or [])))
+    if args.rollout.offload_optimizer:
+        moved.append(optimizer_offloader(pol.optimizer))
+    return moved
 
 
 def rewards(args: RlhfArguments):

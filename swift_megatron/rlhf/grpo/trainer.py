@@ -6,6 +6,7 @@
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
+import contextlib
 import math
 import os
 import time
@@ -51,6 +52,7 @@ class GRPOTrainer:
         self.reference = build.reference(args, self.state, self.policy)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
+        self.offloaders = build.offloaders(args, self.state, self.policy, self.reference)
         self.reward_funcs = build.rewards(args)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh)
@@ -114,13 +116,24 @@ class GRPOTrainer:
         return metrics
 
     # ---- phases ----------------------------------------------------------------------------
-    def collect(self):
+    @contextlib.contextmanager
+    def generating(self):
+        """The engine awake (and, in colocate mode, the training state offloaded if asked)."""
+        for offloader in self.offloaders:
+            offloader.offload()
         self.engine.wake_up()
+        try:
+            yield
+        finally:
+            self.engine.sleep()
+            for offloader in self.offloaders:
+                offloader.reload()
+
+    def collect(self):
         group_ids = self.sampler.batch_sample_ids()  # stream positions: unique over the run
         prompts = [self.train_prompts[i] for i in next(self.sampler)]
-        samples, metrics = self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
-        self.engine.sleep()
-        return samples, metrics
+        with self.generating():
+            return self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
 
     def micro_batches(self, samples: List[Sample]) -> List[dict]:
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
@@ -169,9 +182,8 @@ class GRPOTrainer:
         mine = self.val_prompts[self.state.dp_rank::self.state.dp]
         group_ids = [EVAL_GROUP_OFFSET + i for i in range(self.state.dp_rank, len(self.val_prompts),
                                                           self.state.dp)]
-        self.engine.wake_up()
-        samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed)
-        self.engine.sleep()
+        with self.generating():
+            samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed)
         names = [name for name, _ in self.reward_funcs]
         totals = torch.tensor([sum(s.reward for s in samples), len(samples),
                                sum(len(s.completion_ids) for s in samples)]

@@ -1,0 +1,224 @@
+"""Server mode, trainer side: the RolloutEngine that talks to `megatron rollout` servers
+(`--vllm_mode server --vllm_server_host h1 h2 --vllm_server_port p`).
+
+Only global rank 0 talks to the servers:
+- generate: every rank's requests are gathered on rank 0 (a gloo group over the world), sent as
+  one batch split over the servers in proportion to their world size (so each server batches
+  the whole rollout), and each rank gets its own completions back, in order. Every rank calls
+  `generate` at the same point (the trainer's collector does), as with every collective engine.
+- update_weights: rank 0 opens a communicator with each server once (POST /init_communicator,
+  then NCCL on CUDA or gloo on CPU), and for each bucket of the export stream POSTs its metadata
+  to /update_weights and broadcasts the flat bucket (weight_sync.py). Every other rank drains
+  the export stream, which is collective over the training ranks.
+- Requests are retried with exponential backoff (`backoff_delays`) on connection errors (only
+  when no request reached the server, for the non-idempotent weight calls); at start every
+  server's /health is polled for up to `--vllm_server_timeout` seconds; a server that never
+  answers is a UserError naming host:port.
+"""
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
+from swift_megatron.rollout.weight_sync import iter_buckets, open_communicator, pack
+
+logger = get_logger(__name__)
+
+
+def backoff_delays(retries: int, base: float = 0.5, factor: float = 2.0,
+                   cap: float = 8.0) -> List[float]:
+    """Seconds to sleep before each retry: base, base*factor, ... capped at `cap`."""
+    return [min(cap, base * factor ** attempt) for attempt in range(retries)]
+
+
+class ServerError(RuntimeError):
+    """A rollout server answered with an error status."""
+
+
+def _refused(exc: Exception) -> bool:
+    reason = getattr(exc, "reason", exc)
+    return isinstance(reason, ConnectionRefusedError)
+
+
+class ServerConnection:
+    """JSON over HTTP to one server, with retries."""
+
+    def __init__(self, address: str, timeout: float, retries: int = 5):
+        self.address = address
+        self.host, port = address.rsplit(":", 1)
+        self.port = int(port)
+        self.timeout, self.retries = timeout, retries
+
+    def request(self, path: str, payload: Optional[dict] = None, idempotent: bool = True) -> dict:
+        """GET (no payload) or POST `path`; retries connection errors (for non-idempotent calls
+        only a refused connection, i.e. nothing reached the server)."""
+        delays = backoff_delays(self.retries)
+        attempt = 0
+        while True:
+            try:
+                return self._once(path, payload)
+            except (urllib.error.URLError, ConnectionError, socket.timeout) as exc:
+                if attempt == self.retries or not (idempotent or _refused(exc)):
+                    raise UserError(f"rollout server {self.address} did not answer {path} "
+                                    f"({getattr(exc, 'reason', exc)}); is `megatron rollout` "
+                                    f"running there?") from None
+                time.sleep(delays[attempt])
+                attempt += 1
+
+    def _once(self, path: str, payload: Optional[dict]) -> dict:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(f"http://{self.address}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            raise ServerError(f"rollout server {self.address}{path}: HTTP {exc.code}: "
+                              f"{detail}") from None
+
+    def wait_healthy(self, timeout: float) -> dict:
+        """Poll /health until it answers or `timeout` seconds pass."""
+        deadline = time.monotonic() + timeout
+        delays = iter(backoff_delays(1000, base=0.2, cap=2.0))
+        while True:
+            try:
+                return self._once("/health", None)
+            except (urllib.error.URLError, ConnectionError, socket.timeout, ServerError) as exc:
+                if time.monotonic() >= deadline:
+                    raise UserError(
+                        f"no rollout server answered at {self.address} within {timeout:g} s "
+                        f"({getattr(exc, 'reason', exc)}): start one with `megatron rollout "
+                        f"--model ... --host {self.host} --port {self.port}`, or fix "
+                        "--vllm_server_host / --vllm_server_port / --vllm_server_timeout") from None
+                time.sleep(min(next(delays), max(deadline - time.monotonic(), 0.0)))
+
+
+def _proportional_split(count: int, weights: Sequence[int]) -> List[slice]:
+    """Contiguous slices of `count` requests in proportion to `weights`."""
+    total, bounds, start = sum(weights), [], 0
+    for index, weight in enumerate(weights):
+        stop = count if index == len(weights) - 1 else start + round(count * weight / total)
+        bounds.append(slice(start, min(stop, count)))
+        start = min(stop, count)
+    return bounds
+
+
+class ServerEngine:
+    """The RolloutEngine of server mode (see the module docstring)."""
+
+    def __init__(self, addresses: Sequence[str], eos_token_ids: Sequence[int], *,
+                 timeout: float, bucket_bytes: int, device: torch.device):
+        self.eos = list(eos_token_ids)
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+        self.weight_version = 0
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.servers: List[ServerConnection] = []
+        self.world_sizes: List[int] = []
+        self.communicators: list = []
+        if self.rank == 0:
+            self._connect(addresses, timeout)
+
+    def _connect(self, addresses: Sequence[str], timeout: float) -> None:
+        self.servers = [ServerConnection(a, timeout) for a in addresses]
+        self.world_sizes = [int(s.wait_healthy(timeout)["world_size"]) for s in self.servers]
+        for server in self.servers:
+            self.communicators.append(self._open_communicator(server))
+        logger.info("rollout servers: " + ", ".join(
+            f"{s.address} (vLLM world {w})" for s, w in zip(self.servers, self.world_sizes)))
+
+    def _open_communicator(self, server: ServerConnection):
+        info = server.request("/init_communicator", {}, idempotent=False)
+        if info["backend"] == "nccl" and self.device.type != "cuda":
+            raise UserError(f"rollout server {server.address} runs on CUDA (NCCL weight sync) but "
+                            "this trainer runs on the CPU")
+        comm = open_communicator(info["backend"], server.host, info["port"], info["client_rank"],
+                                 info["world_size"], self.device)
+        return comm, info["client_rank"]
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+        seeds = list(seeds) if seeds is not None else default_seeds(sampling, len(prompts))
+        mine = (list(map(list, prompts)), seeds)
+        if self.group is None:
+            return self._generate_all([mine], sampling)[0]
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self.group)
+        results = self._generate_all(gathered, sampling) if self.rank == 0 else None
+        received = [None]
+        dist.scatter_object_list(received, results, src=0, group=self.group)
+        return received[0]
+
+    def _generate_all(self, parts: List[Tuple[List[List[int]], List[int]]],
+                      sampling: SamplingConfig) -> List[List[Completion]]:
+        """Rank 0: every rank's requests as one batch over the servers, split back per rank."""
+        prompts = [p for part, _ in parts for p in part]
+        seeds = [s for _, part in parts for s in part]
+        slices = _proportional_split(len(prompts), self.world_sizes)
+        jobs = [(server, s) for server, s in zip(self.servers, slices) if s.stop > s.start]
+        with ThreadPoolExecutor(max(len(jobs), 1)) as pool:
+            answers = list(pool.map(lambda job: self._request_generate(
+                job[0], prompts[job[1]], seeds[job[1]], sampling), jobs))
+        flat = [c for answer in answers for c in answer]
+        out, start = [], 0
+        for part, _ in parts:
+            out.append(flat[start:start + len(part)])
+            start += len(part)
+        return out
+
+    def _request_generate(self, server: ServerConnection, prompts, seeds,
+                          sampling: SamplingConfig) -> List[Completion]:
+        payload = dict(prompts=prompts, seeds=seeds, max_tokens=sampling.max_tokens,
+                       temperature=sampling.temperature, top_p=sampling.top_p,
+                       top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
+                       stop_token_ids=self.eos)
+        answer = server.request("/generate", payload)
+        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], self.weight_version)
+                for c in answer["completions"]]
+
+    # ---- weights ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        if self.rank != 0:
+            for _ in named_tensors:  # the export stream is collective: drain it
+                pass
+        else:
+            for bucket, last in iter_buckets(named_tensors, self.bucket_bytes):
+                self._push_bucket(bucket, last)
+        self.weight_version += 1
+
+    def _push_bucket(self, bucket, last: bool) -> None:
+        device = self.communicators[0][0].device
+        specs, flat = pack(bucket, device)
+        meta = {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs], "last": last}
+        for server in self.servers:
+            server.request("/update_weights", meta, idempotent=False)
+        for comm, client_rank in self.communicators:
+            comm.broadcast(flat, client_rank)
+
+    # ---- the rest of the protocol ----------------------------------------------------------
+    def sleep(self) -> None:
+        return None  # the servers keep their GPUs
+
+    def wake_up(self) -> None:
+        return None
+
+    def close(self) -> None:
+        for server, (comm, _) in zip(self.servers, self.communicators):
+            server.request("/close_communicator", {}, idempotent=False)
+            comm.close()
+        self.communicators, self.servers = [], []

@@ -1,0 +1,67 @@
+"""Choose and build the trainer's rollout engine from the flags: the embedded transformers engine
+(hf.py), vLLM in every training process (vllm_colocate.py) or remote `megatron rollout` servers
+(client.py). The trainer wires one call:
+
+    engine = build_engine(args, model_dir=..., device=..., dtype=..., eos_token_ids=[...],
+                          pad_token_id=...)
+
+Every training rank calls it at the same point (the vLLM engines create process groups).
+Whether vLLM is used: `--use_vllm`, by default true in server mode and, in colocate mode, when
+vLLM is installed and training runs on CUDA (on a CPU, vLLM is opt-in with `--use_vllm true`).
+"""
+from typing import Sequence
+
+import torch
+
+from swift_megatron.arguments.commands import RlhfArguments
+from swift_megatron.logging import get_logger
+from swift_megatron.preflight import vllm_installed
+from swift_megatron.rollout.engine import RolloutEngine
+
+logger = get_logger(__name__)
+
+
+def engine_kind(args: RlhfArguments, device: torch.device) -> str:
+    """"hf", "colocate" or "server"."""
+    if not args.rollout.vllm_enabled(vllm_installed(), device.type == "cuda"):
+        return "hf"
+    return args.rollout.vllm_mode
+
+
+def _warn_ignored(args: RlhfArguments, kind: str) -> None:
+    r = args.rollout
+    ignored = [f"--{name}" for name, value in (("sleep_level", r.sleep_level),
+                                               ("offload_model", r.offload_model),
+                                               ("offload_optimizer", r.offload_optimizer)) if value]
+    if ignored and kind != "colocate":
+        logger.warning(f"{', '.join(ignored)} only act in colocate mode; ignored with the "
+                       f"{kind} engine")
+
+
+def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, dtype: torch.dtype,
+                 eos_token_ids: Sequence[int], pad_token_id: int) -> RolloutEngine:
+    """The engine the flags ask for (see the module docstring)."""
+    kind = engine_kind(args, device)
+    _warn_ignored(args, kind)
+    bucket_bytes = args.rollout.weight_sync_bucket_mb << 20
+    if kind == "hf":
+        from swift_megatron.rollout.hf import HFEngine
+
+        return HFEngine(model_dir, device, dtype, eos_token_ids, pad_token_id)
+    if kind == "server":
+        from swift_megatron.rollout.client import ServerEngine
+
+        return ServerEngine(args.rollout.server_addresses(), eos_token_ids,
+                            timeout=args.rollout.vllm_server_timeout, bucket_bytes=bucket_bytes,
+                            device=device)
+    from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
+
+    v = args.vllm
+    settings = ColocateSettings(
+        model_dir=model_dir, dtype=str(dtype).replace("torch.", ""), seed=args.training.seed,
+        tensor_parallel_size=v.vllm_tensor_parallel_size,
+        gpu_memory_utilization=v.vllm_gpu_memory_utilization,
+        max_model_len=v.vllm_max_model_len or args.data.max_length,
+        enforce_eager=v.vllm_enforce_eager, enable_prefix_caching=v.vllm_enable_prefix_caching,
+        sleep_level=args.rollout.sleep_level, bucket_bytes=bucket_bytes)
+    return ColocateEngine(settings, eos_token_ids)

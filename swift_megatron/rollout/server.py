@@ -1,0 +1,469 @@
+"""`megatron rollout`: vLLM behind HTTP for server-mode training (`--vllm_mode server`).
+
+    megatron rollout --model Qwen/Qwen3-0.6B --vllm_tensor_parallel_size 1 \
+        --vllm_data_parallel_size 2 --host 0.0.0.0 --port 8000
+
+`--vllm_data_parallel_size D` engine replicas run in one process each (replica r on GPUs
+r*T .. r*T+T-1 of the visible ones, `--vllm_tensor_parallel_size T`); the HTTP process (FastAPI +
+uvicorn, which come with vLLM) splits every generate request over them and sends weight updates
+to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
+
+    GET  /health              {"status": "ok", "world_size", "weight_version"}
+    GET  /get_world_size      {"world_size": T x D}
+    POST /generate            prompts (token ids or text), per-request seeds, sampling params
+                              -> token ids, logprobs, finish reasons
+    POST /init_communicator   -> {"port", "world_size", "client_rank", "backend"}; the trainer
+                              then joins a weight-sync group with every worker (NCCL on
+                              CUDA, gloo on CPU)
+    POST /update_weights      one bucket's metadata; the tensors follow over the communicator
+    POST /reset_prefix_cache
+    POST /close_communicator
+
+Malformed requests get a 4xx with a message (422: invalid JSON or fields, 400: values the model
+cannot take, 409: out of order) and the server keeps serving. The engines load the checkpoint's
+real weights at start, so generation works before any update.
+"""
+import dataclasses
+import json
+import os
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+from swift_megatron.rollout import vllm_compat
+
+logger = get_logger(__name__)
+
+COMMUNICATOR_TIMEOUT_S = 600.0
+
+
+# ---- replica processes -----------------------------------------------------------------------
+class ReplicaError(Exception):
+    """An exception raised inside a replica; `bad_input` when vLLM rejected the request."""
+
+    def __init__(self, kind: str, message: str, bad_input: bool):
+        super().__init__(f"{kind}: {message}")
+        self.bad_input = bad_input
+
+
+class ReplicaEngine:
+    """What runs in a replica process: one vLLM engine, driven by named commands."""
+
+    def __init__(self, settings):
+        self.llm = vllm_compat.create_llm(settings)
+
+    def generate(self, prompts: List, sampling: Dict[str, Any], seeds: List[Optional[int]],
+                 stop_token_ids: List[int], logprobs: bool) -> List[dict]:
+        params = [vllm_compat.sampling_params(seed=seed, stop_token_ids=stop_token_ids,
+                                              logprobs=logprobs, **sampling) for seed in seeds]
+        outputs = self.llm.generate(vllm_compat.prompt_inputs(prompts), params, use_tqdm=False)
+        fields = [vllm_compat.completion_fields(out) for out in outputs]
+        return [{"token_ids": t, "logprobs": lp, "finish_reason": r} for t, lp, r in fields]
+
+    def open_communicator(self, **kwargs) -> None:
+        self.llm.collective_rpc("weight_sync_open", kwargs=kwargs)
+
+    def receive(self, specs: List[dict], src: int, last: bool) -> None:
+        self.llm.collective_rpc("weight_sync_receive", args=(specs, src, last))
+        if last:
+            self.llm.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def close_communicator(self) -> None:
+        self.llm.collective_rpc("weight_sync_close")
+
+
+def _replica_main(conn, settings, cuda_devices: Optional[str]) -> None:
+    """Entry point of a replica process: build the engine, then serve commands until told to
+    stop or the HTTP process goes away."""
+    if cuda_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    try:
+        engine = ReplicaEngine(settings)
+    except Exception as exc:  # reported to the HTTP process, which exits with it
+        conn.send(("error", type(exc).__name__, str(exc), False))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            name, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        if name == "shutdown":
+            return
+        try:
+            conn.send(("ok", getattr(engine, name)(**kwargs)))
+        except Exception as exc:  # a failed command must not end the replica
+            logger.warning(f"replica command {name} failed: {type(exc).__name__}: {exc}")
+            conn.send(("error", type(exc).__name__, str(exc), vllm_compat.is_request_error(exc)))
+
+
+class Replica:
+    """The HTTP process's handle on one replica process. Commands run one at a time, in order;
+    `submit` returns at once (the reply is awaited in a thread that holds the replica until it
+    comes), for commands that wait on the trainer's side of the communicator."""
+
+    def __init__(self, index: int, process, conn):
+        self.index, self.process, self.conn = index, process, conn
+        self.lock = threading.Lock()
+        self.failure: Optional[ReplicaError] = None
+
+    def _reply(self):
+        reply = self.conn.recv()
+        if reply[0] == "error":
+            raise ReplicaError(*reply[1:])
+        return reply[1]
+
+    def _acquire(self) -> None:
+        self.lock.acquire()
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            self.lock.release()
+            raise failure
+
+    def call(self, name: str, **kwargs):
+        self._acquire()
+        try:
+            self.conn.send((name, kwargs))
+            return self._reply()
+        finally:
+            self.lock.release()
+
+    def submit(self, name: str, **kwargs) -> None:
+        self._acquire()
+        self.conn.send((name, kwargs))
+        threading.Thread(target=self._await_reply, daemon=True).start()
+
+    def _await_reply(self) -> None:
+        try:
+            self._reply()
+        except ReplicaError as exc:
+            self.failure = exc
+        finally:
+            self.lock.release()
+
+    def request_stop(self) -> None:
+        try:
+            self.conn.send(("shutdown", {}))
+        except OSError:  # the process is gone already
+            pass
+
+    def join(self) -> None:
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+
+
+def _gpu_slices(replicas: int, tp: int) -> List[Optional[str]]:
+    """CUDA_VISIBLE_DEVICES of each replica (None everywhere on a machine without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [None] * replicas
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if replicas * tp > len(ids):
+        raise UserError(f"--vllm_data_parallel_size {replicas} x --vllm_tensor_parallel_size {tp} "
+                        f"needs {replicas * tp} GPUs; {len(ids)} visible")
+    return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(replicas)]
+
+
+def start_replicas(settings, replicas: int) -> List[Replica]:
+    """Start the replica processes and wait until every engine is ready."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    handles = []
+    for index, devices in enumerate(_gpu_slices(replicas, settings.tensor_parallel_size)):
+        parent, child = context.Pipe()
+        process = context.Process(target=_replica_main, args=(child, settings, devices),
+                                  name=f"rollout-replica-{index}")
+        process.start()
+        handles.append(Replica(index, process, parent))
+    for handle in handles:
+        _wait_ready(handle, handles)
+    return handles
+
+
+def _wait_ready(handle: Replica, handles: List[Replica]) -> None:
+    while not handle.conn.poll(1.0):
+        if not handle.process.is_alive():
+            _stop_all(handles)
+            raise UserError(f"rollout replica {handle.index} exited while starting (see its "
+                            "log above)")
+    reply = handle.conn.recv()
+    if reply[0] != "ready":
+        _stop_all(handles)
+        raise UserError(f"rollout replica {handle.index} failed to start: {reply[1]}: {reply[2]}")
+
+
+def _stop_all(handles: List[Replica]) -> None:
+    for handle in handles:
+        handle.request_stop()
+    for handle in handles:
+        handle.join()
+
+
+# ---- the HTTP application ----------------------------------------------------------------------
+@dataclasses.dataclass
+class ServerState:
+    replicas: List[Replica]
+    tensor_parallel_size: int
+    vocab_size: int
+    host: str
+    backend: str                     # weight-sync backend: "nccl" (CUDA) or "gloo" (CPU)
+    weight_version: int = 0
+    client_rank: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * len(self.replicas)
+
+
+def _split(count: int, parts: int) -> List[slice]:
+    per, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        stop = start + per + (1 if part < extra else 0)
+        bounds.append(slice(start, stop))
+        start = stop
+    return bounds
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _models():
+    """The request schemas (pydantic, imported with FastAPI)."""
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+    from swift_megatron.rollout.weight_sync import DTYPES
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class GenerateRequest(Strict):
+        prompts: Union[List[List[StrictInt]], List[StrictStr]] = Field(min_length=1)
+        seeds: Optional[List[Optional[StrictInt]]] = None
+        max_tokens: StrictInt = Field(16, ge=1)
+        temperature: float = Field(1.0, ge=0)
+        top_p: float = Field(1.0, gt=0, le=1)
+        top_k: StrictInt = Field(-1, ge=-1)
+        repetition_penalty: float = Field(1.0, gt=0)
+        stop_token_ids: List[StrictInt] = []
+        logprobs: StrictBool = True
+
+    class InitCommunicatorRequest(Strict):
+        port: Optional[StrictInt] = Field(None, gt=0, lt=65536)
+
+    class UpdateWeightsRequest(Strict):
+        names: List[StrictStr] = Field(min_length=1)
+        dtypes: List[Literal[tuple(DTYPES)]]
+        shapes: List[List[StrictInt]]
+        last: StrictBool = False
+
+    return GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest
+
+
+def _check_generate(request, vocab_size: int) -> None:
+    """400 for values the schema cannot express: seeds count, empty prompts, token ids."""
+    from fastapi import HTTPException
+
+    if request.seeds is not None and len(request.seeds) != len(request.prompts):
+        raise HTTPException(400, f"seeds: {len(request.seeds)} given for "
+                                 f"{len(request.prompts)} prompts")
+    for index, prompt in enumerate(request.prompts):
+        if len(prompt) == 0:
+            raise HTTPException(400, f"prompts[{index}] is empty")
+        if not isinstance(prompt, str):
+            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise HTTPException(400, f"prompts[{index}]: token id {bad} is outside the "
+                                         f"vocabulary [0, {vocab_size})")
+    bad = next((t for t in request.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise HTTPException(400, f"stop_token_ids: {bad} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
+
+def _check_bucket(request) -> None:
+    from fastapi import HTTPException
+
+    if not len(request.names) == len(request.dtypes) == len(request.shapes):
+        raise HTTPException(400, "names, dtypes and shapes differ in length "
+                                 f"({len(request.names)}, {len(request.dtypes)}, "
+                                 f"{len(request.shapes)})")
+    bad = next((s for s in request.shapes if any(d < 0 for d in s)), None)
+    if bad is not None:
+        raise HTTPException(400, f"shapes: negative dimension in {bad}")
+
+
+def _replica_call(state: ServerState, method: str, name: str, **kwargs) -> list:
+    """Run a command on every replica (call: wait for each; submit: return at once)."""
+    from fastapi import HTTPException
+
+    try:
+        return [getattr(replica, method)(name, **kwargs) for replica in state.replicas]
+    except ReplicaError as exc:
+        raise HTTPException(400 if exc.bad_input else 500, str(exc)) from None
+
+
+def _generate(state: ServerState, request) -> dict:
+    from fastapi import HTTPException
+
+    _check_generate(request, state.vocab_size)
+    sampling = dict(max_tokens=request.max_tokens, temperature=request.temperature,
+                    top_p=request.top_p, top_k=request.top_k,
+                    repetition_penalty=request.repetition_penalty)
+    seeds = request.seeds or [None] * len(request.prompts)
+    slices = _split(len(request.prompts), len(state.replicas))
+    parts = [(r, s) for r, s in zip(state.replicas, slices) if s.stop > s.start]
+    with ThreadPoolExecutor(len(parts)) as pool:
+        futures = [pool.submit(replica.call, "generate", prompts=request.prompts[s],
+                               sampling=sampling, seeds=seeds[s],
+                               stop_token_ids=request.stop_token_ids, logprobs=request.logprobs)
+                   for replica, s in parts]
+        try:
+            results = [f.result() for f in futures]
+        except ReplicaError as exc:
+            raise HTTPException(400 if exc.bad_input else 500, str(exc)) from None
+    return {"completions": [c for part in results for c in part],
+            "weight_version": state.weight_version}
+
+
+def _init_communicator(state: ServerState, request) -> dict:
+    from fastapi import HTTPException
+
+    if state.client_rank is not None:
+        raise HTTPException(409, "a weight-sync communicator is already open; POST "
+                                 "/close_communicator first")
+    port = request.port or free_port(state.host)
+    world_size = state.world_size + 1
+    for replica in state.replicas:
+        replica.submit("open_communicator", backend=state.backend, host=state.host, port=port,
+                       world_size=world_size,
+                       rank_offset=replica.index * state.tensor_parallel_size,
+                       timeout_s=COMMUNICATOR_TIMEOUT_S)
+    state.client_rank = world_size - 1
+    return {"port": port, "world_size": world_size, "client_rank": state.client_rank,
+            "backend": state.backend}
+
+
+def _update_weights(state: ServerState, request) -> dict:
+    from fastapi import HTTPException
+
+    _check_bucket(request)
+    if state.client_rank is None:
+        raise HTTPException(409, "no weight-sync communicator: POST /init_communicator first")
+    specs = [{"name": n, "dtype": d, "shape": s}
+             for n, d, s in zip(request.names, request.dtypes, request.shapes)]
+    _replica_call(state, "submit", "receive", specs=specs, src=state.client_rank, last=request.last)
+    if request.last:
+        state.weight_version += 1
+    return {"status": "ok", "weight_version": state.weight_version}
+
+
+def _close_communicator(state: ServerState) -> dict:
+    if state.client_rank is not None:
+        state.client_rank = None
+        _replica_call(state, "call", "close_communicator")
+    return {"status": "ok"}
+
+
+def build_app(state: ServerState):
+    """The FastAPI application over the replicas (handlers are sync: they run in a thread pool,
+    so /health answers while a generation is running)."""
+    from fastapi import FastAPI, HTTPException
+
+    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest = _models()
+    app = FastAPI(title="swift-megatron rollout server")
+
+    @app.get("/health")
+    def health():
+        if not all(r.process.is_alive() for r in state.replicas):
+            raise HTTPException(503, "a rollout replica process has exited")
+        return {"status": "ok", "world_size": state.world_size,
+                "weight_version": state.weight_version}
+
+    @app.get("/get_world_size")
+    def get_world_size():
+        return {"world_size": state.world_size}
+
+    @app.post("/generate")
+    def generate(request: GenerateRequest):
+        return _generate(state, request)
+
+    @app.post("/init_communicator")
+    def init_communicator(request: InitCommunicatorRequest):
+        return _init_communicator(state, request)
+
+    @app.post("/update_weights")
+    def update_weights(request: UpdateWeightsRequest):
+        return _update_weights(state, request)
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache():
+        _replica_call(state, "call", "reset_prefix_cache")
+        return {"status": "ok"}
+
+    @app.post("/close_communicator")
+    def close_communicator():
+        return _close_communicator(state)
+
+    return app
+
+
+# ---- the command -----------------------------------------------------------------------------
+def _vocab_size(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return int((config.get("text_config") or config)["vocab_size"])
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"--host {host} --port {port}: cannot listen there ({exc})") from None
+
+
+def serve(args) -> None:
+    """Run `megatron rollout` (RolloutCommandArguments) until interrupted."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise UserError("megatron rollout needs vLLM (FastAPI and uvicorn come with it)") from None
+    from swift_megatron.model.hub import resolve_model_dir
+    from swift_megatron.rollout.weight_sync import WORKER_EXTENSION
+
+    serve_args, engine = args.serve, args.vllm
+    _check_port_free(serve_args.host, serve_args.port)
+    model_dir = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+    vllm_compat.check_model_supported(model_dir)
+    settings = vllm_compat.EngineSettings(
+        model=model_dir, dtype=args.model.torch_dtype or "auto",
+        tensor_parallel_size=engine.vllm_tensor_parallel_size,
+        gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
+        max_model_len=engine.vllm_max_model_len, enforce_eager=engine.vllm_enforce_eager,
+        enable_prefix_caching=engine.vllm_enable_prefix_caching,
+        worker_extension_cls=WORKER_EXTENSION)
+    replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
+    try:
+        state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
+                            serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl")
+        logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
+                    f"on http://{serve_args.host}:{serve_args.port}")
+        uvicorn.run(build_app(state), host=serve_args.host, port=serve_args.port,
+                    log_level="warning")
+    finally:
+        _stop_all(replicas)

@@ -1,0 +1,147 @@
+"""Colocate mode: a vLLM engine inside every training process (`--vllm_mode colocate`).
+
+Each training process builds an in-process `LLM` (engine core in the process,
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`). With `--vllm_tensor_parallel_size T > 1`, T consecutive
+training ranks form one vLLM TP group through vLLM's `external_launcher` executor (one engine per
+torchrun process, all of them running the same requests in lockstep); that group is independent
+of the Megatron layout. `generate` all-gathers the group's requests, every member generates all
+of them, and each rank keeps its own share, in order. Per-request seeds
+(`SamplingParams(seed=...)`) make every sample depend on its seed alone.
+
+Weights: the engine starts with `load_format="dummy"` (random weights, nothing read from disk)
+because the trainer pushes the policy with `update_weights` before the first rollout.
+`update_weights` streams the bridge's export in buckets into the model's `load_weights` (see
+weight_sync.py), then resets the prefix cache and bumps `weight_version`.
+
+Memory hand-over (`--sleep_level`): `sleep()` after generation releases the KV cache and
+offloads (1) or discards (2) the weights; `update_weights` wakes the weights only, `wake_up()`
+the rest before the next generation. On the CPU vLLM has no sleep mode: the calls are accepted
+and change nothing.
+
+    engine = ColocateEngine(ColocateSettings(model_dir, dtype="float32", ...), eos_token_ids=[...])
+    engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
+"""
+import dataclasses
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+from swift_megatron.rollout import vllm_compat
+from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
+from swift_megatron.rollout.weight_sync import WORKER_EXTENSION, iter_buckets
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass
+class ColocateSettings:
+    model_dir: str
+    dtype: str = "bfloat16"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    sleep_level: int = 0
+    bucket_bytes: int = 512 << 20
+
+
+def _tp_group(size: int):
+    """The gloo group of this rank's vLLM TP group (consecutive ranks), None for size 1.
+    Collective: every training rank calls it."""
+    if size == 1:
+        return None
+    world = dist.get_world_size()
+    if world % size:
+        raise UserError(f"--vllm_tensor_parallel_size {size} must divide the world size {world}")
+    group, _ = dist.new_subgroups(group_size=size, backend="gloo")
+    return group
+
+
+class ColocateEngine:
+    """The RolloutEngine of colocate mode (see the module docstring)."""
+
+    def __init__(self, settings: ColocateSettings, eos_token_ids: Sequence[int]):
+        self.settings = settings
+        self.eos = list(eos_token_ids)
+        self.weight_version = 0
+        if settings.tensor_parallel_size > 1 and not dist.is_initialized():
+            raise UserError("--vllm_tensor_parallel_size > 1 in colocate mode needs the training "
+                            "processes (launch with NPROC_PER_NODE)")
+        self.group = _tp_group(settings.tensor_parallel_size) if dist.is_initialized() else None
+        self.llm = self._build()
+        self._asleep: List[str] = []  # memory kinds released by sleep(): "weights", "kv_cache"
+
+    def _build(self):
+        s = self.settings
+        engine = vllm_compat.EngineSettings(
+            model=s.model_dir, dtype=s.dtype, seed=s.seed,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=s.max_model_len,
+            enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
+            sleep_mode=s.sleep_level > 0, load_format="dummy",
+            external_launcher=dist.is_initialized(), worker_extension_cls=WORKER_EXTENSION)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):  # vLLM seeds the global RNGs
+            llm = vllm_compat.create_llm(engine)
+        logger.info(f"vLLM {'.'.join(map(str, vllm_compat.version()))} colocate engine ready "
+                    f"(TP {s.tensor_parallel_size}, sleep level {s.sleep_level})")
+        return llm
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+        seeds = list(seeds) if seeds is not None else default_seeds(sampling, len(prompts))
+        all_prompts, all_seeds, mine = self._gather(list(map(list, prompts)), seeds)
+        if not all_prompts:
+            return []
+        params = [vllm_compat.sampling_params(
+            sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
+            sampling.repetition_penalty, seed, self.eos) for seed in all_seeds]
+        outputs = self.llm.generate(vllm_compat.prompt_inputs(all_prompts), params, use_tqdm=False)
+        return [Completion(*vllm_compat.completion_fields(out), self.weight_version)
+                for out in outputs[mine]]
+
+    def _gather(self, prompts: List[List[int]], seeds: List[int]
+                ) -> Tuple[List[List[int]], List[int], slice]:
+        """Every request of this rank's vLLM TP group, and the slice that is this rank's."""
+        if self.group is None:
+            return prompts, seeds, slice(0, len(prompts))
+        parts = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, (prompts, seeds), group=self.group)
+        start = sum(len(p) for p, _ in parts[:dist.get_rank(self.group)])
+        return ([p for part, _ in parts for p in part], [s for _, part in parts for s in part],
+                slice(start, start + len(prompts)))
+
+    # ---- weights ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._asleep:
+            vllm_compat.wake_up(self.llm, ["weights"])
+            self._asleep.remove("weights")
+        for bucket, last in iter_buckets(named_tensors, self.settings.bucket_bytes):
+            self.llm.collective_rpc("weight_sync_load", args=(bucket, last))
+        self.llm.reset_prefix_cache()
+        self.weight_version += 1
+
+    # ---- memory hand-over ------------------------------------------------------------------
+    def sleep(self) -> None:
+        if self.settings.sleep_level == 0 or self._asleep:
+            return
+        vllm_compat.sleep(self.llm, self.settings.sleep_level)
+        self._asleep = ["weights", "kv_cache"]
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            vllm_compat.wake_up(self.llm, list(self._asleep))
+            self._asleep = []
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm = None
+            vllm_compat.release_engine()
+        self.group = None

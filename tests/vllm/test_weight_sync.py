@@ -1,0 +1,37 @@
+"""Weight-sync pieces that need no engine: bucketing of the export stream (sizes, oversized
+tensors, the `last` mark) and the flat wire format (pack/unpack round trip across dtypes, with
+aligned offsets)."""
+import torch
+
+from swift_megatron.rollout.weight_sync import (ALIGN, iter_buckets, layout, pack, spec_of,
+                                                unpack)
+
+
+def named(*sizes, dtype=torch.float32):
+    return [(f"t{i}", torch.arange(n, dtype=dtype)) for i, n in enumerate(sizes)]
+
+
+def test_buckets_respect_the_size_and_mark_the_last():
+    tensors = named(10, 10, 10, 100, 5)                       # float32: 40, 40, 40, 400, 20 bytes
+    buckets = list(iter_buckets(iter(tensors), bucket_bytes=80))
+    assert [[n for n, _ in b] for b, _ in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+    assert [last for _, last in buckets] == [False, False, False, True]
+
+
+def test_one_bucket_and_no_tensors():
+    assert [(len(b), last) for b, last in iter_buckets(iter(named(1, 2)), 1 << 20)] == [(2, True)]
+    assert list(iter_buckets(iter([]), 100)) == []
+
+
+def test_pack_unpack_round_trip_mixed_dtypes():
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)),
+              ("c", torch.arange(6, dtype=torch.int64).reshape(2, 3)),
+              ("d", torch.randn(1, 1, 3).half())]
+    specs, flat = pack(bucket, torch.device("cpu"))
+    offsets, total = layout(specs)
+    assert flat.dtype == torch.uint8 and flat.numel() == total
+    assert all(o % ALIGN == 0 for o in offsets)
+    for (name, tensor), (got_name, got) in zip(bucket, unpack(specs, flat.clone())):
+        assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor)
+    spec = spec_of("x", torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert (spec.name, spec.dtype, spec.shape, spec.nbytes) == ("x", "bfloat16", (2, 3), 12)
