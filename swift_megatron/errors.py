@@ -10,3 +10,8 @@ class UserError(Exception):
     """A mistake in the user's input; the message says what to change."""
 
     exit_code = 2
+
+
+class WeightSyncError(RuntimeError):
+    """The rollout engine does not compute what the trainer computes after a weight sync
+    (`--check_weight_sync`): its weights are wrong, stale or mapped to the wrong tensors."""

@@ -42,8 +42,9 @@ def base(tiny_model_dir, math_dataset_path):
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
     rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
-         "--split_dataset_ratio", "0.1", "--eval_interval", 2)
+         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true")
     rows = logged(out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert "eval/reward/mean" in rows[1] and "eval/reward/mean" not in rows[0]
     assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
     assert [r["step"] for r in rows] == [1, 2]
@@ -84,6 +85,14 @@ def test_dynamic_sampling_and_overlong_filter(base, tmp_path):
     row = logged(out)[0]
     assert row["rollout/truncated_fraction"] > 0.5
     assert row["rollout/unresolved_zero_std_groups"] >= 0
+
+
+def test_weight_sync_check_fails_loudly(base, tmp_path):
+    """An impossible tolerance: the very first sync's check stops the run with the numbers."""
+    proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path, "--check_weight_sync", "true",
+                "--check_weight_sync_atol", "1e-30", check=False)
+    assert proc.returncode != 0
+    assert "weight sync check failed at step 0" in proc.stderr
 
 
 @pytest.mark.parametrize("extra,message", [

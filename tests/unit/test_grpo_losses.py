@@ -302,3 +302,12 @@ def test_rollout_correction_token_and_sequence_truncate():
     assert torch.allclose(seq, torch.tensor([[math.exp(-0.5), math.exp(-0.5), 1.0]]), atol=1e-6)
     with pytest.raises(ValueError):
         rollout_correction(old, rollout, mask, "clip", 2.0)
+
+
+def test_logprob_mismatch_masks_and_summarises():
+    from swift_megatron.rlhf.grpo.losses import logprob_mismatch
+    trainer = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, -0.5, -0.5]])
+    engine = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, -0.25, -0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # masked diffs: 0.5, 0, (5 masked), 0, 0.25, 0 -> mean 0.75 / 5 = 0.15, max 0.5
+    assert logprob_mismatch(trainer, engine, mask) == pytest.approx({"mean": 0.15, "max": 0.5})

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
 
 
-LAYOUTS = {"single": ([], {}), "dp2_vllm_tp2": (["--vllm_tensor_parallel_size", "2"],
-                                                   {"NPROC_PER_NODE": "2"})}
+LAYOUTS = {"single": (["--check_weight_sync", "true"], {}),
+           "dp2_vllm_tp2": (["--vllm_tensor_parallel_size", "2"], {"NPROC_PER_NODE": "2"})}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -51,3 +51,5 @@ def test_colocate_grpo_steps(layout, vllm_model_dir, math_dataset_path, tmp_path
     print(f"{layout}: rollout/logprob_abs_diff_mean per step: {diffs}")
     assert max(diffs) < 1e-4
     assert all(r["rollout/completion_tokens"] > 0 for r in rows)
+    if "--check_weight_sync" in extra:  # after every sync vLLM == trainer on fixed prompts
+        assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)

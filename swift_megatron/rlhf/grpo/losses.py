@@ -141,3 +141,12 @@ def rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, completio
         log_ratio = masked_sum(log_ratio, completion_mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
     weights = torch.exp(log_ratio.clamp(max=20.0)).clamp(max=threshold)
     return torch.where(completion_mask.bool(), weights, torch.ones_like(weights))
+
+
+def logprob_mismatch(trainer_logprobs: Tensor, engine_logprobs: Tensor,
+                     completion_mask: Tensor) -> Dict[str, float]:
+    """Mean and max |trainer - engine| logprob over the masked tokens [B, T] (weight-sync check)."""
+    diff = torch.where(completion_mask.bool(), (trainer_logprobs - engine_logprobs).abs(),
+                       torch.zeros_like(trainer_logprobs))
+    count = completion_mask.bool().sum().clamp(min=1)
+    return {"mean": float(diff.sum() / count), "max": float(diff.max())}

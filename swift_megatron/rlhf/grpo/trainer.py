@@ -7,6 +7,7 @@
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -20,7 +21,7 @@ from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint.trainer import (adam_step, load_checkpoint, resolve_load_dir,
                                                save_checkpoint)
-from swift_megatron.errors import UserError
+from swift_megatron.errors import UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
@@ -28,12 +29,15 @@ from swift_megatron.lora import disabled, save_adapter
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
+from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
+from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
 logger = get_logger(__name__)
 EVAL_GROUP_OFFSET = 10**12  # evaluation group ids (seeds) never collide with training stream positions
+SYNC_CHECK_PROMPTS, SYNC_CHECK_TOKENS = 4, 16  # --check_weight_sync: fixed prompts, tokens each
 
 
 class GRPOTrainer:
@@ -104,7 +108,7 @@ class GRPOTrainer:
                          for k in range(self.plan.steps_per_generation)]
         timings["time/train_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        self.sync_weights()
+        metrics.update(self.sync_weights())
         timings["time/sync_s"] = time.perf_counter() - start
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
@@ -135,11 +139,12 @@ class GRPOTrainer:
         with self.generating():
             return self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
 
-    def micro_batches(self, samples: List[Sample]) -> List[dict]:
+    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None
+                      ) -> List[dict]:
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
-        micro = split_micro_batches(samples, self.plan.micro_batch_size, pad_id=pad,
+        micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size, pad_id=pad,
                                     pad_to_multiple=tp_multiple,
                                     overlong_filter=self.args.grpo.overlong_filter)
         return [to_device(mb, self.state.device) for mb in micro]
@@ -198,8 +203,42 @@ class GRPOTrainer:
                         for j, name in enumerate(names)})
         return metrics
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> Dict[str, float]:
+        """Stream the policy's weights into the engine; with --check_weight_sync, verify it."""
         self.engine.update_weights(self.policy.bridge.export(self.policy.chunks[0]))
+        return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
+
+    @torch.no_grad()
+    def check_weight_sync(self) -> Dict[str, float]:
+        """Sample completions of a few fixed prompts with the engine and compare its logprobs of
+        those tokens with the trainer's (temperature 1, forward-only); WeightSyncError past
+        --check_weight_sync_atol. Every rank asks the same requests with the same seeds."""
+        prompts = self.train_prompts[:SYNC_CHECK_PROMPTS]
+        sampling = SamplingConfig(max_tokens=SYNC_CHECK_TOKENS, temperature=1.0)
+        with self.generating():
+            completions = self.engine.generate([p.input_ids for p in prompts], sampling,
+                                               list(range(len(prompts))))
+        samples = [Sample(group_id=i, prompt_id=p.prompt_id, prompt_ids=list(p.input_ids),
+                          completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
+                          finish_reason=c.finish_reason, rewards=[])
+                   for i, (p, c) in enumerate(zip(prompts, completions))]
+        micro = self.micro_batches(samples, micro_batch_size=len(samples))
+        settings = dataclasses.replace(self.loss_settings, temperature=1.0)
+        outputs = forward_backward(self.policy.chunks, micro, partial(collect_logprobs, settings),
+                                   True)
+        found = [logprob_mismatch(outputs[0]["logprobs"], micro[0]["rollout_logprobs"],
+                                  micro[0]["completion_mask"]) if self.state.is_last_stage else None]
+        if self.state.pp > 1:
+            dist.broadcast_object_list(found, src=self.state.last_stage_rank(),
+                                       group=self.state.pp_group)
+        mismatch, atol = found[0], self.args.rollout.check_weight_sync_atol
+        if mismatch["mean"] > atol:
+            raise WeightSyncError(
+                f"weight sync check failed at step {self.step}: mean |engine - trainer| logprob "
+                f"{mismatch['mean']:.4f} (max {mismatch['max']:.4f}) > --check_weight_sync_atol "
+                f"{atol}: the rollout engine does not hold the trainer's weights")
+        return {"sync/logprob_abs_diff_mean": mismatch["mean"],
+                "sync/logprob_abs_diff_max": mismatch["max"]}
 
     # ---- helpers ---------------------------------------------------------------------------
     def _step_constants(self, micro: List[dict]) -> StepConstants:
