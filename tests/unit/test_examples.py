@@ -12,7 +12,8 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "grpo", "*.sh")))
 
 def test_there_are_examples():
     names = {os.path.basename(s) for s in SCRIPTS}
-    assert {"cpu_demo.sh", "one_gpu.sh", "eight_gpus_tp2.sh"} <= names
+    assert {"cpu_demo.sh", "one_gpu.sh", "eight_gpus_tp2.sh", "lora_two_gpus_tp2.sh",
+            "colocate.sh", "server.sh"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
