@@ -83,7 +83,7 @@ class ColocateEngine:
             tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=s.max_model_len,
             enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
-            sleep_mode=s.sleep_level > 0, load_format="dummy",
+            sleep_level=s.sleep_level, load_format="dummy",
             external_launcher=dist.is_initialized(), worker_extension_cls=WORKER_EXTENSION)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):  # vLLM seeds the global RNGs

@@ -91,7 +91,7 @@ class EngineSettings:
     max_model_len: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    sleep_mode: bool = False             # construct with sleep mode (needed for sleep levels)
+    sleep_level: int = 0                 # > 0: construct with sleep mode (see create_llm)
     load_format: str = "auto"            # "dummy": weights arrive with the first update
     external_launcher: bool = False      # one engine per torchrun process (colocate)
     worker_extension_cls: Optional[str] = None
@@ -105,7 +105,7 @@ def engine_kwargs(settings: EngineSettings) -> Dict[str, Any]:
         max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
         enable_prefix_caching=settings.enable_prefix_caching, load_format=settings.load_format,
         logprobs_mode="processed_logprobs", disable_log_stats=True)
-    if settings.sleep_mode and sleep_mode_available():
+    if settings.sleep_level > 0 and sleep_mode_available():
         kwargs["enable_sleep_mode"] = True
     if settings.external_launcher:
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -142,7 +142,14 @@ def create_llm(settings: EngineSettings):
     """A vLLM `LLM` with swift-megatron's settings."""
     vllm = import_vllm()
     check_model_supported(settings.model)
-    return vllm.LLM(**engine_kwargs(settings))
+    try:
+        return vllm.LLM(**engine_kwargs(settings))
+    except ValueError as exc:  # vLLM checks free memory against the fraction at start-up
+        if "memory utilization" not in str(exc):
+            raise
+        raise UserError(f"--vllm_gpu_memory_utilization {settings.gpu_memory_utilization} asks "
+                        f"for more GPU memory than is free ({exc}). In colocate mode the "
+                        "training state shares the GPU: lower it (e.g. 0.3-0.5)") from None
 
 
 def release_engine() -> None:
@@ -274,6 +281,8 @@ class NcclCommunicator:
         from vllm.distributed.utils import StatelessProcessGroup
 
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # pynccl compares devices
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = StatelessProcessGroup.create(host=host, port=port, rank=rank,
                                                   world_size=world_size)
         self.comm = PyNcclCommunicator(self.group, device=self.device)

@@ -4,7 +4,7 @@ Qwen3 with TP=2, TP=2 + sequence parallelism and PP=2, and a tiny Qwen3-MoE with
 sequence parallelism (megatron requires it for MoE with TP in training) and with EP=2, against
 TP=1 (DP=2).
 
-Checked: losses and grad norms (rel 1e-6), the step-0 adapter gradients in HF layout, the saved
+Checked: losses and grad norms (rel 1e-6 at step 0, 2e-5 after Adam updates), the step-0 adapter gradients in HF layout, the saved
 PEFT adapters (bit-exact before training; after it, within 0.1% of how far training moved them:
 Adam's first update is lr * g / (|g| + eps), which amplifies float noise where |g| ~ eps), and a
 distributed checkpoint of the TP=2 LoRA model reloading with TP=1 bit-exactly.
@@ -53,9 +53,14 @@ def test_losses_and_grad_norms_match_one_process(runs, job):
     reference_job = LAYOUTS[job][0]
     for rank in runs[1]:
         reference = rank[reference_job]
-        assert rank[job]["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-6)
+        # step 0 exactly as far as float32 reduction order allows; later steps within 2e-5:
+        # Adam's first update (lr * g / (|g| + eps)) amplifies that noise where |g| ~ eps
+        # (seen: 1.8e-6 on one CPU, under 1e-6 on another); a missing TP reduction is O(1)
+        assert rank[job]["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=1e-6)
+        assert rank[job]["grad_norms"] == pytest.approx(reference["grad_norms"], rel=2e-5)
         if rank[job]["losses"][0] is not None:
-            assert rank[job]["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+            assert rank[job]["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-6)
+            assert rank[job]["losses"] == pytest.approx(reference["losses"], rel=2e-5)
     losses = runs[1][-1][reference_job]["losses"]
     assert losses[0] != losses[1]  # the adapters trained
     assert max(runs[1][0][reference_job]["grad_norms"]) > 1.0  # clipping was exercised

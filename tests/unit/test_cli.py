@@ -235,3 +235,16 @@ def test_batch_inputs_reads_every_flag():
     inputs = commands.batch_inputs(args, world_size=8, num_experts=None, colocate_vllm=True)
     assert (inputs.world_size, inputs.tensor_model_parallel_size, inputs.generation_batch_size,
             inputs.vllm_tensor_parallel_size, inputs.colocate_vllm) == (8, 2, 64, 2, True)
+
+
+def test_sleep_level_2_is_refused_on_cuda():
+    """Level 2 lost state on vLLM 0.26/CUDA (see rollout/factory.py): refused before any engine
+    is built, with the level that works named."""
+    import torch
+
+    from swift_megatron.rollout.factory import build_engine
+
+    args = rlhf("--use_vllm", "true", "--sleep_level", "2")
+    with pytest.raises(UserError, match="--sleep_level 1"):
+        build_engine(args, model_dir="m", device=torch.device("cuda"), dtype=torch.bfloat16,
+                     eos_token_ids=[0], pad_token_id=0)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of docs/gpu.md in one command, for a bare GPU machine (torch
+# only) that got megatron-core as wheels in .whl/ and, for the vLLM phases, vLLM installed with
+# ../shared/device/vllm (its /tmp/vllm_env.sh is sourced when present). One log per phase goes to
+# $OUT (default /tmp/gpu_out); the JSON lines of every phase are printed at the end.
+#
+#   bash tests/gpu/device_run.sh grpo_colocate grpo_full_1p5b grpo_lora_1p5b vllm_tests
+#
+# Phases (run in the order given; a failing phase is reported and the next one still runs):
+#   grpo_colocate   GRPO, Qwen2.5-0.5B shape, vLLM colocate with sleep level 1, weight-sync check
+#   grpo_full_1p5b  GRPO, Qwen2.5-1.5B shape, full-parameter (reference model copy), vLLM colocate
+#   grpo_lora_1p5b  the same with --train_type lora (reference = adapters disabled)
+#   vllm_tests      tests/gpu/test_vllm_gpu.py (colocate engine, MoE sync, offload; server: 2 GPUs)
+#   bridge_tests    tests/gpu/test_bridge_gpu.py (HF vs Megatron logits; TP=2 parts need 2 GPUs)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 SWIFT_MEGATRON_NO_BAR=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -f /tmp/vllm_env.sh ]; then . /tmp/vllm_env.sh; fi
+[ -e swift_megatron/cli ] || ln -sfn ../cli swift_megatron/cli   # a checkout not pip-installed
+export PYTHONPATH=$PWD:$PYTHONPATH
+WORK=/tmp/gpu_bench
+GRPO="python3 benchmarks/grpo_step.py --work_dir $WORK --steps 4"
+VLLM="--use_vllm true --vllm_mode colocate --sleep_level 1"
+
+phase() {
+    case "$1" in
+        grpo_colocate) $GRPO --preset qwen2.5-0.5b --run_name colocate -- $VLLM \
+                           --vllm_gpu_memory_utilization 0.35 --check_weight_sync true ;;
+        grpo_full_1p5b) $GRPO --preset qwen2.5-1.5b --run_name full -- $VLLM \
+                            --vllm_gpu_memory_utilization 0.3 ;;
+        grpo_lora_1p5b) $GRPO --preset qwen2.5-1.5b --run_name lora -- $VLLM \
+                            --vllm_gpu_memory_utilization 0.3 --train_type lora ;;
+        vllm_tests) python3 -m pytest tests/gpu/test_vllm_gpu.py -q -s -x ;;
+        bridge_tests) python3 -m pytest tests/gpu/test_bridge_gpu.py -q -s ;;
+        *) echo "unknown phase $1"; return 2 ;;
+    esac
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+declare -A status
+for name in "$@"; do
+    start=$(date +%s)
+    phase "$name" > "$OUT/$name.log" 2>&1
+    status[$name]=$?
+    echo "== $name: exit ${status[$name]} after $(( $(date +%s) - start )) s"
+done
+for name in "$@"; do
+    echo "== $name (exit ${status[$name]})"
+    grep -h '^{' "$OUT/$name.log"
+    [ "${status[$name]}" = 0 ] || tail -n 25 "$OUT/$name.log"
+done
