@@ -91,7 +91,7 @@ class EngineSettings:
     max_model_len: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    sleep_level: int = 0                 # > 0: construct with sleep mode (see create_llm)
+    sleep_level: int = 0                 # > 0: construct with sleep mode
     load_format: str = "auto"            # "dummy": weights arrive with the first update
     external_launcher: bool = False      # one engine per torchrun process (colocate)
     worker_extension_cls: Optional[str] = None
