@@ -7,7 +7,8 @@ TP=1 (DP=2).
 Checked: losses and grad norms (rel 1e-6 at step 0, 2e-5 after Adam updates), the step-0
 adapter gradients in HF layout, the saved PEFT adapters (bit-exact before training; after it,
 within 0.1% of how far training moved them: Adam's first update is lr * g / (|g| + eps), which
-amplifies float noise where |g| ~ eps), and a distributed checkpoint of the TP=2 LoRA model reloading with TP=1 bit-exactly.
+amplifies float noise where |g| ~ eps), and a distributed checkpoint of the TP=2 LoRA model
+reloading with TP=1 bit-exactly.
 """
 import json
 
