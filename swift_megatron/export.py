@@ -1,23 +1,32 @@
-"""`megatron export`: convert checkpoints between Hugging Face and Megatron-core, and measure how
-closely the Megatron model reproduces the Hugging Face one.
+"""`megatron export`: convert checkpoints between Hugging Face and Megatron-core, apply or merge
+LoRA adapters, and measure how closely the Megatron model reproduces the Hugging Face one.
 
-    --to_mcore true   HF directory (--model) -> Megatron model directory (checkpoint/layout.py),
-                      loaded in the TP/PP/EP layout of the parallel flags
-    --to_hf true      Megatron model directory (--mcore_model) -> HF checkpoint (Bridge.save_hf)
+A command names a base model, optionally an adapter, and what to write (ms-swift's forms and
+ours; docs/export.md has the table):
+
+    base      --mcore_model (our model directory or an ms-swift checkpoint) or else --model (HF);
+              without either, the base an adapter checkpoint holds or names (our LoRA
+              checkpoint's own weights, ms-swift's args.json, adapter_config.json)
+    adapter   --adapters (a PEFT directory, or a checkpoint holding one) or --mcore_adapter
+    --to_mcore true   a Megatron model directory (checkpoint/layout.py) in the layout of the
+                      parallel flags; the adapter merged (--merge_lora true) or kept beside the
+                      weights as a LoRA checkpoint (default)
+    --to_hf true      an HF checkpoint with the adapter merged (default), or the adapter alone in
+                      PEFT format (--merge_lora false)
+    --merge_lora true alone: --model + --adapters merged into an HF checkpoint
     --test_convert_precision true
-                      transformers and Megatron in float32 on the same random tokens: max / mean
-                      absolute logit difference and argmax agreement; fails past
-                      --test_convert_precision_atol. Alone it loads --model through the bridge;
-                      with --to_mcore it checks the written model directory against --model; with
-                      --to_hf it checks the written HF checkpoint against --mcore_model.
+                      transformers and Megatron in --test_convert_dtype (float32) on the same
+                      random tokens: max / mean absolute logit difference and argmax agreement;
+                      fails past --test_convert_precision_atol. Checks what the command wrote
+                      (or, alone, the base + adapter) against the HF model (+ adapter, via peft).
 
 cli/export.py parses the flags, calls `prepare` (every check a user can fail, before any
-process is launched or model built) and `run`. The other public functions are the building
-blocks tests and benchmarks reuse: `load_mcore_model`, `save_model_dir`, `convert_hf_to_mcore`,
-`convert_mcore_to_hf`, `random_tokens`, `mcore_logits`, `hf_logits`, `round_weights`,
-`compare_logits`, `measure_precision`, `check_precision`. Every function that touches a
-Megatron model is collective: call it on every rank. torch, megatron and transformers are
-imported inside the functions, so that `prepare` can reject a missing path at once.
+process is launched or model built; `describe` prints its result for --dry_run) and `run`. The
+other public functions are the building blocks tests and benchmarks reuse: `load_mcore_model`,
+`save_model_dir`, `random_tokens`, `mcore_logits`, `hf_logits`, `round_weights`,
+`compare_logits`, `measure_precision`, `check_precision`. Every function that touches a Megatron
+model is collective: call it on every rank. torch, megatron and transformers are imported inside
+the functions, so that `prepare` can reject a missing path at once.
 """
 import dataclasses
 import os
@@ -25,6 +34,8 @@ import shutil
 import time
 from typing import TYPE_CHECKING, Optional
 
+from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, adapter_source,
+                                               mcore_source)
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 
@@ -42,21 +53,120 @@ logger = get_logger(__name__)
 PRECISION_SEQUENCES = 4   # random sequences the precision check runs
 PRECISION_LENGTH = 64     # tokens per sequence (at most max_position_embeddings)
 PRECISION_SEED = 0
+OUTPUTS = {"mcore": "Megatron model directory", "hf": "HF checkpoint", "peft": "PEFT adapter"}
 
 
 # ---- inputs ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class ExportInputs:
-    """What `prepare` resolved: the directories a command reads and the model they hold."""
+    """What `prepare` resolved: where the weights, config and adapter come from, what is written.
+    In a dry run, a hub id is not downloaded: hf_files, hf_config, model_type and the dtypes are
+    then None."""
 
-    hf_dir: Optional[str]     # HF checkpoint (--model), resolved to a local directory
-    mcore_dir: Optional[str]  # Megatron model directory (--mcore_model or --mcore_adapter)
-    hf_config: dict
-    model_type: str
-    dtype: str                # dtype name of the converted weights
-    lora: Optional["LoraConfig"] = None   # --mcore_adapter: the adapters inside mcore_dir
-    adapter_dir: Optional[str] = None     # --adapters: the PEFT adapter merged onto hf_dir
+    base: WeightsSource
+    hf_files: Optional[str]        # config.json + tokenizer files of the model
+    hf_config: Optional[dict]
+    model_type: Optional[str]
+    source_dtype: Optional[str]    # dtype name of the base weights
+    dtype: Optional[str]           # dtype name of the written weights
+    base_name: str                 # the base model as named to the user (adapter_config.json)
+    adapter: Optional[AdapterSource] = None
+    lora: Optional["LoraConfig"] = None
+    merge: bool = False            # the adapter is merged into the weights
+    output: Optional[str] = None   # "mcore" | "hf" | "peft"; None: precision check only
+    reference: Optional[str] = None  # HF weights the precision check compares with
+    model_dir: Optional[str] = None  # --model resolved to a local directory
+
+
+def _is_hub_id(name: str) -> bool:
+    return not os.path.exists(name) and name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def _resolve_hf(args: "ExportCommandArguments", name: str, origin: str) -> Optional[str]:
+    """A local HF directory for `name` (a path or a hub id, downloaded now); None for a hub id in
+    a dry run. `origin` says where the name came from, for the error message."""
+    from swift_megatron.model.hub import resolve_model_dir
+
+    if args.export.dry_run and _is_hub_id(name):
+        return None
+    try:
+        return resolve_model_dir(name, args.model.use_hf, args.model.model_revision)
+    except UserError as exc:
+        if origin == "--model":
+            raise
+        raise UserError(f"{origin} names the base model {name}: {exc}; pass --model") from None
+
+
+def _base(args: "ExportCommandArguments", adapter: Optional[AdapterSource],
+          model_dir: Optional[str]) -> WeightsSource:
+    """--mcore_model, else --model, else the base the adapter checkpoint holds or names."""
+    if args.export.mcore_model:
+        return mcore_source(args.export.mcore_model)
+    if args.model.model:
+        return WeightsSource("hf", model_dir or args.model.model, model_dir)
+    if adapter.base is not None:
+        return adapter.base
+    if adapter.base_model:
+        found = _resolve_hf(args, adapter.base_model, f"adapter {args.adapter}")
+        return WeightsSource("hf", found or adapter.base_model, found)
+    raise UserError(f"adapter {args.adapter} does not name its base model (no args.json, no "
+                    "base_model_name_or_path): pass --model")
+
+
+def _hf_files(args: "ExportCommandArguments", base: WeightsSource,
+              model_dir: Optional[str]) -> Optional[str]:
+    """The config.json + tokenizer directory: the base's own, else --model's, else (ms-swift) the
+    model its args.json names."""
+    if base.hf_files or base.kind == "hf":
+        return base.hf_files
+    if args.model.model:
+        return model_dir
+    if base.base_model:
+        return _resolve_hf(args, base.base_model, f"--mcore_model {base.path} (args.json)")
+    raise UserError(f"--mcore_model {base.path}: no config.json beside it and no args.json naming "
+                    "its model: pass --model (the HF model it was trained from)")
+
+
+def _model_description(args: "ExportCommandArguments", base: WeightsSource,
+                       hf_files: Optional[str]):
+    """(hf_config, model_type, source dtype) from config.json; Nones when not available."""
+    if hf_files is None:
+        return None, None, base.dtype
+    from swift_megatron.bridge.io import HFReader  # heavy imports after the cheap path checks
+    from swift_megatron.model.config import load_hf_config, model_shape
+
+    hf_config = load_hf_config(hf_files)
+    shape = model_shape(hf_config, model_type=args.model.model_type)
+    if base.kind == "hf":
+        HFReader(base.path)  # fails now when the directory holds no safetensors checkpoint
+    return hf_config, shape.model_type, base.dtype or shape.torch_dtype
+
+
+def _output(args: "ExportCommandArguments", adapter: Optional[AdapterSource]) -> Optional[str]:
+    e = args.export
+    if e.to_mcore:
+        return "mcore"
+    if e.to_hf:
+        return "peft" if adapter is not None and not e.merge_lora else "hf"
+    return "hf" if e.merge_lora else None
+
+
+def _reference(args: "ExportCommandArguments", base: WeightsSource, adapter, output,
+               model_dir: Optional[str]) -> Optional[str]:
+    """The HF weights the precision check compares with, before anything is written (for an HF
+    output it is the output itself): the base's own, --model's, or the model it names."""
+    if not args.export.test_convert_precision or output == "hf":
+        return None
+    if base.kind == "hf":
+        return base.hf_files or base.path
+    if model_dir or args.model.model:
+        return model_dir or args.model.model
+    name = base.base_model or (adapter.base_model if adapter else None)
+    if name:
+        return _resolve_hf(args, name, f"{base.describe()} (args.json)") or name
+    raise UserError("--test_convert_precision true compares with an HF checkpoint of the model: "
+                    "pass --model")
 
 
 def _check_world(args: "ExportCommandArguments", world_size: int) -> None:
@@ -69,89 +179,94 @@ def _check_world(args: "ExportCommandArguments", world_size: int) -> None:
                             f"has {world_size}: launch with NPROC_PER_NODE={degree}")
 
 
+def _check_model(args: "ExportCommandArguments", inputs: "ExportInputs") -> None:
+    from swift_megatron.model.config import DTYPES
+    from swift_megatron.parallel.layout import check_layout
+
+    if inputs.dtype is not None and inputs.dtype not in DTYPES:
+        raise UserError(f"weights dtype {inputs.dtype!r} is not supported; pass --torch_dtype "
+                        f"({', '.join(DTYPES)})")
+    if inputs.hf_config is not None:
+        p = args.parallel
+        check_layout(inputs.hf_config, p.tensor_model_parallel_size,
+                     p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                     p.expert_tensor_parallel_size)
+
+
 def _check_output(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
     from swift_megatron.bridge.hf_checkpoint import check_output_dir
 
     e = args.export
-    if not (e.to_mcore or e.to_hf or e.merge_lora):
+    if inputs.output is None:
         return
     check_output_dir(e.output_dir, e.exist_ok)
     out = os.path.realpath(e.output_dir)
-    for source in (inputs.hf_dir, inputs.mcore_dir):
+    adapter = inputs.adapter.peft_dir if inputs.adapter else None
+    for source in (inputs.base.path, inputs.hf_files, adapter):
         if source and out == os.path.realpath(source):
-            raise UserError(f"--output_dir {e.output_dir} is the input directory; choose another")
-
-
-def _hf_inputs(args: "ExportCommandArguments"):
-    from swift_megatron.model.hub import resolve_model_dir
-
-    m = args.model
-    hf_dir = resolve_model_dir(m.model, m.use_hf, m.model_revision)
-    from swift_megatron.bridge.io import HFReader  # heavy imports after the cheap path check
-    from swift_megatron.model.config import load_hf_config, model_shape
-
-    hf_config = load_hf_config(hf_dir)
-    shape = model_shape(hf_config, model_type=m.model_type)
-    HFReader(hf_dir)  # fails now when the directory holds no safetensors checkpoint
-    return hf_dir, hf_config, shape.model_type, m.torch_dtype or shape.torch_dtype
-
-
-def _mcore_inputs(args: "ExportCommandArguments"):
-    flag = "--mcore_adapter" if args.export.mcore_adapter else "--mcore_model"
-    directory = args.export.mcore_adapter or args.export.mcore_model
-    if not os.path.isdir(directory):
-        raise UserError(f"{flag} {directory}: no such directory")
-    from swift_megatron.checkpoint.layout import hf_dir, read_meta  # heavy: after the path check
-    from swift_megatron.model.config import load_hf_config, model_shape
-
-    meta = read_meta(directory)
-    hf_config = load_hf_config(hf_dir(directory))
-    shape = model_shape(hf_config, model_type=meta.get("model_type"))
-    return directory, hf_config, shape.model_type, args.model.torch_dtype or meta["dtype"]
-
-
-def _adapter_inputs(args: "ExportCommandArguments", mcore_dir: Optional[str]):
-    """(LoRA config of --mcore_adapter's adapters, --adapters' PEFT directory); reading the
-    adapter's files fails now on a bad adapter, before anything is launched."""
-    from swift_megatron.lora import read_adapter
-
-    if mcore_dir is not None:
-        adapter = os.path.join(mcore_dir, "adapter")
-        if not os.path.isdir(adapter):
-            raise UserError(f"--mcore_adapter {mcore_dir}: no adapter/ directory (is this a "
-                            "checkpoint of a --train_type lora run?)")
-        return read_adapter(adapter)[0], None
-    read_adapter(args.lora.adapters[0])
-    return None, args.lora.adapters[0]
+            raise UserError(f"--output_dir {e.output_dir} is an input directory; choose another")
 
 
 def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
     """Resolve and check everything a user can get wrong, before any model is built: the input
-    directories, the output directory, the model family, the parallel layout and world size."""
-    e = args.export
-    if e.test_convert_precision and not (e.to_hf or args.model.model):
-        raise UserError("--test_convert_precision true needs --model (the HF checkpoint to compare "
-                        "against) or --to_hf true")
-    hf_dir = mcore_dir = lora = adapter_dir = None
-    if e.to_hf:
-        mcore_dir, hf_config, model_type, dtype = _mcore_inputs(args)
-    else:
-        hf_dir, hf_config, model_type, dtype = _hf_inputs(args)
-    if e.merge_lora:
-        lora, adapter_dir = _adapter_inputs(args, mcore_dir)
-    from swift_megatron.model.config import DTYPES
-    from swift_megatron.parallel.layout import check_layout
+    checkpoints, the model family, the adapter's config, the output directory, the parallel
+    layout and world size. Reads no weights; downloads a hub id unless --dry_run."""
+    from swift_megatron.lora import read_adapter_config
 
-    if dtype not in DTYPES:
-        raise UserError(f"weights dtype {dtype!r} is not supported; pass --torch_dtype "
-                        f"({', '.join(DTYPES)})")
-    p = args.parallel
-    check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                 p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+    flag = "--adapters" if args.lora.adapters else "--mcore_adapter"
+    adapter = adapter_source(args.adapter, flag) if args.adapter else None
+    model_dir = _resolve_hf(args, args.model.model, "--model") if args.model.model else None
+    base = _base(args, adapter, model_dir)
+    hf_files = _hf_files(args, base, model_dir)
+    hf_config, model_type, source_dtype = _model_description(args, base, hf_files)
+    output = _output(args, adapter)
+    inputs = ExportInputs(
+        base=base, hf_files=hf_files, hf_config=hf_config, model_type=model_type,
+        source_dtype=source_dtype, dtype=args.model.torch_dtype or source_dtype,
+        base_name=args.model.model or base.base_model or (adapter and adapter.base_model)
+        or base.path, adapter=adapter,
+        lora=read_adapter_config(adapter.peft_dir) if adapter else None,
+        merge=bool(adapter and args.export.merge_lora), output=output,
+        reference=_reference(args, base, adapter, output, model_dir), model_dir=model_dir)
+    _check_model(args, inputs)
     _check_world(args, world_size)
-    inputs = ExportInputs(hf_dir, mcore_dir, hf_config, model_type, dtype, lora, adapter_dir)
     _check_output(args, inputs)
     return inputs
+
+
+def _adapter_line(inputs: ExportInputs) -> str:
+    lora = inputs.lora
+    what = {"mcore": "kept beside the weights (a LoRA checkpoint)", "hf": "merged",
+            "peft": "written alone in PEFT format", None: "applied"}[inputs.output]
+    if inputs.merge and inputs.output == "mcore":
+        what = "merged"
+    return (f"PEFT adapter {inputs.adapter.peft_dir} (r={lora.r}, alpha={lora.lora_alpha:g}, "
+            f"{', '.join(lora.projections())}): {what}")
+
+
+def describe(args: "ExportCommandArguments", inputs: ExportInputs, world_size: int) -> str:
+    """The plan of the command (--dry_run): what it reads, writes and checks, in which layout."""
+    e, p = args.export, args.parallel
+    unknown = "not checked (a hub id: downloaded at run time)"
+    model = f"{inputs.model_type}, {inputs.source_dtype}" if inputs.hf_config else unknown
+    rows = ["megatron export --dry_run: nothing was loaded, downloaded or written",
+            f"  base weights      {inputs.base.describe()} ({model})",
+            f"  config/tokenizer  {inputs.hf_files or unknown}"]
+    if inputs.adapter:
+        rows.append(f"  adapter           {_adapter_line(inputs)}")
+    if inputs.output:
+        replace = " (replacing it: --exist_ok true)" if os.path.exists(e.output_dir) else ""
+        rows.append(f"  writes            {OUTPUTS[inputs.output]} ({inputs.dtype or 'source dtype'})"
+                    f" at {e.output_dir}{replace}")
+    dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    rows.append(f"  layout            TP={p.tensor_model_parallel_size} "
+                f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} "
+                f"ETP={p.expert_tensor_parallel_size} on {world_size} process(es) (DP={dp})")
+    if e.test_convert_precision:
+        reference = e.output_dir if inputs.output == "hf" else inputs.reference
+        rows.append(f"  precision check   {e.test_convert_dtype} logits vs transformers on "
+                    f"{reference}, atol {e.test_convert_precision_atol:g}")
+    return "\n".join(rows)
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -166,15 +281,26 @@ class LoadedModel:
     dtype: "torch.dtype"
 
 
+def _load_weights(model, bridge: "Bridge", hf_dir: Optional[str], mcore_dir: Optional[str]):
+    from swift_megatron.checkpoint.layout import load_model_dir
+    from swift_megatron.checkpoint.ms_swift import is_ms_swift_checkpoint, load_ms_swift_model
+
+    if hf_dir is not None:
+        bridge.load(model, hf_dir)
+    elif is_ms_swift_checkpoint(mcore_dir):
+        load_ms_swift_model([model], mcore_dir, bridge)
+    else:
+        load_model_dir([model], mcore_dir)
+
+
 def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
                      state: "ParallelState", *, hf_dir: Optional[str] = None,
                      mcore_dir: Optional[str] = None,
-                     lora: Optional["LoraConfig"] = None) -> LoadedModel:
+                     adapter_dir: Optional[str] = None) -> LoadedModel:
     """Build the model of the current layout and load it from an HF checkpoint (through the
-    bridge) or from a Megatron model directory (any layout); with `lora`, the model carries those
-    adapters (a LoRA training checkpoint holds them). Collective."""
+    bridge) or from a Megatron checkpoint (our model directory or an ms-swift checkpoint, any
+    layout); with `adapter_dir`, a PEFT adapter on top. Collective."""
     from swift_megatron.bridge import Bridge
-    from swift_megatron.checkpoint.layout import load_model_dir
     from swift_megatron.model.build import build_model
 
     if (hf_dir is None) == (mcore_dir is None):
@@ -182,15 +308,20 @@ def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
     model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type,
                                        random_init=False)
     bridge = Bridge(hf_config, shape, config)
-    if lora is not None:
-        from swift_megatron.lora import apply_lora
+    _load_weights(model, bridge, hf_dir, mcore_dir)
+    if adapter_dir is not None:
+        from swift_megatron.lora import load_adapter
 
-        apply_lora(model, lora, bridge.mappings)
-    if hf_dir is not None:
-        bridge.load(model, hf_dir)
-    else:
-        load_model_dir([model], mcore_dir)
+        load_adapter(model, adapter_dir, bridge.mappings)
     return LoadedModel(model.eval(), bridge, shape, dtype)
+
+
+def load_inputs(inputs: ExportInputs, dtype: "torch.dtype", state: "ParallelState") -> LoadedModel:
+    """The base model of the command, with its adapter when there is one. Collective."""
+    source = {"hf_dir" if inputs.base.kind == "hf" else "mcore_dir": inputs.base.path}
+    adapter = inputs.adapter.peft_dir if inputs.adapter else None
+    return load_mcore_model(inputs.hf_config, inputs.model_type, dtype, state,
+                            adapter_dir=adapter, **source)
 
 
 def _broadcast_object(value, src: int = 0):
@@ -201,18 +332,9 @@ def _broadcast_object(value, src: int = 0):
     return holder[0]
 
 
-def save_model_dir(loaded: LoadedModel, out_dir: str, hf_source_dir: str,
-                   state: "ParallelState") -> None:
-    """Write a Megatron model directory (weights, HF config and tokenizer, meta) under a temporary
-    name and rename it into place, replacing `out_dir`. Collective."""
-    from swift_megatron.bridge.hf_checkpoint import DTYPE_NAMES
-    from swift_megatron.checkpoint.layout import write_model_dir
-
-    out_dir = os.path.abspath(out_dir)
-    tmp = _broadcast_object(f"{out_dir}.tmp-{os.getpid()}")
-    meta = {"model_type": loaded.shape.model_type, "dtype": DTYPE_NAMES[loaded.dtype],
-            "saved_with": {"tp": state.tp, "pp": state.pp, "ep": state.ep, "etp": state.etp}}
-    write_model_dir([loaded.model], tmp, hf_source_dir=hf_source_dir, meta=meta)
+def _publish(tmp: str, out_dir: str, state: "ParallelState") -> None:
+    """Rename a completely written `tmp` to `out_dir` (replacing it) on rank 0. Collective."""
+    state.barrier()
     if state.rank == 0:
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
@@ -220,33 +342,65 @@ def save_model_dir(loaded: LoadedModel, out_dir: str, hf_source_dir: str,
     state.barrier()
 
 
-def convert_hf_to_mcore(inputs: ExportInputs, out_dir: str, state: "ParallelState") -> None:
-    """HF checkpoint -> Megatron model directory in the current layout. Collective."""
+def _tmp_name(out_dir: str) -> str:
+    return _broadcast_object(f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}")
+
+
+def save_model_dir(loaded: LoadedModel, out_dir: str, hf_source_dir: str,
+                   state: "ParallelState", *, lora: Optional["LoraConfig"] = None,
+                   base_name: Optional[str] = None) -> None:
+    """Write a Megatron model directory (weights, HF config and tokenizer, meta) under a temporary
+    name and rename it into place, replacing `out_dir`. With `lora` (a model carrying adapters),
+    also its adapter in PEFT format under adapter/: a LoRA checkpoint. Collective."""
+    from swift_megatron.bridge.hf_checkpoint import DTYPE_NAMES
+    from swift_megatron.checkpoint.layout import write_model_dir
+    from swift_megatron.checkpoint.sources import OUR_ADAPTER
+    from swift_megatron.lora import save_adapter
+
+    tmp = _tmp_name(out_dir)
+    meta = {"model_type": loaded.shape.model_type, "dtype": DTYPE_NAMES[loaded.dtype],
+            "saved_with": {"tp": state.tp, "pp": state.pp, "ep": state.ep, "etp": state.etp}}
+    write_model_dir([loaded.model], tmp, hf_source_dir=hf_source_dir, meta=meta)
+    if lora is not None:
+        save_adapter(loaded.model, os.path.join(tmp, OUR_ADAPTER), base_name, lora)
+    _publish(tmp, os.path.abspath(out_dir), state)
+
+
+def save_peft_dir(loaded: LoadedModel, out_dir: str, base_name: str, lora: "LoraConfig",
+                  state: "ParallelState") -> None:
+    """Write the model's adapter as a PEFT directory, atomically (replacing `out_dir`)."""
+    from swift_megatron.lora import save_adapter
+
+    tmp = _tmp_name(out_dir)
+    save_adapter(loaded.model, tmp, base_name, lora)
+    _publish(tmp, os.path.abspath(out_dir), state)
+
+
+def write_output(args: "ExportCommandArguments", inputs: ExportInputs,
+                 state: "ParallelState") -> None:
+    """Load the base (+ adapter) and write what the command asks for. Megatron and PEFT outputs
+    are loaded in the written dtype; an HF output is loaded in the source dtype and converted by
+    the bridge while writing. Collective."""
+    from swift_megatron.lora import merge_and_unload
     from swift_megatron.model.config import DTYPES
 
-    start = time.perf_counter()
-    loaded = load_mcore_model(inputs.hf_config, inputs.model_type, DTYPES[inputs.dtype], state,
-                              hf_dir=inputs.hf_dir)
-    save_model_dir(loaded, out_dir, inputs.hf_dir, state)
-    logger.info(f"wrote Megatron model directory {out_dir} ({inputs.model_type}, {inputs.dtype}, "
-                f"TP={state.tp} PP={state.pp} EP={state.ep} ETP={state.etp}) in "
-                f"{time.perf_counter() - start:.1f} s")
-
-
-def convert_mcore_to_hf(inputs: ExportInputs, out_dir: str, state: "ParallelState", *,
-                        max_shard_size: str = "5GB", exist_ok: bool = False) -> None:
-    """Megatron model directory -> HF checkpoint in `inputs.dtype`. Collective."""
-    from swift_megatron.checkpoint.layout import hf_dir, read_meta
-    from swift_megatron.model.config import DTYPES
-
-    start = time.perf_counter()
-    saved_dtype = DTYPES[read_meta(inputs.mcore_dir)["dtype"]]
-    loaded = load_mcore_model(inputs.hf_config, inputs.model_type, saved_dtype, state,
-                              mcore_dir=inputs.mcore_dir, lora=inputs.lora)
-    loaded.bridge.save_hf(loaded.model, out_dir, source_dir=hf_dir(inputs.mcore_dir),
-                          dtype=DTYPES[inputs.dtype], max_shard_size=max_shard_size,
-                          exist_ok=exist_ok)
-    logger.info(f"exported {inputs.mcore_dir} to {out_dir} ({inputs.dtype}) in "
+    e, start = args.export, time.perf_counter()
+    load_dtype = inputs.source_dtype if inputs.output == "hf" else inputs.dtype
+    loaded = load_inputs(inputs, DTYPES[load_dtype], state)
+    if inputs.output == "mcore":
+        if inputs.merge:
+            merge_and_unload(loaded.model)
+        kept = inputs.lora if inputs.adapter and not inputs.merge else None
+        save_model_dir(loaded, e.output_dir, inputs.hf_files, state, lora=kept,
+                       base_name=inputs.base_name)
+    elif inputs.output == "peft":
+        save_peft_dir(loaded, e.output_dir, inputs.base_name, inputs.lora, state)
+    else:
+        loaded.bridge.save_hf(loaded.model, e.output_dir, source_dir=inputs.hf_files,
+                              dtype=DTYPES[inputs.dtype], max_shard_size=e.max_shard_size,
+                              exist_ok=e.exist_ok)
+    logger.info(f"wrote {OUTPUTS[inputs.output]} {e.output_dir} ({inputs.model_type}, "
+                f"{inputs.dtype}, TP={state.tp} PP={state.pp} EP={state.ep} ETP={state.etp}) in "
                 f"{time.perf_counter() - start:.1f} s")
 
 
@@ -343,15 +497,21 @@ def round_weights(module: "torch.nn.Module", dtype: Optional["torch.dtype"]) -> 
 
 
 def hf_logits(hf_dir: str, tokens: "torch.Tensor", dtype: "torch.dtype",
-              weights_dtype: Optional["torch.dtype"] = None) -> "torch.Tensor":
-    """float32 logits [b, s, vocab] of the transformers model of `hf_dir`, run in `dtype` on the
-    device of `tokens` (its weights first rounded to `weights_dtype`, when given)."""
+              weights_dtype: Optional["torch.dtype"] = None,
+              adapter_dir: Optional[str] = None) -> "torch.Tensor":
+    """float32 logits [b, s, vocab] of the transformers model of `hf_dir` (with the PEFT adapter
+    `adapter_dir` applied by peft, when given), run in `dtype` on the device of `tokens` (its
+    weights first rounded to `weights_dtype`, when given)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, **{_from_pretrained_dtype_kwarg(): dtype})
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir, autocast_adapter_dtype=False)
     model = model.to(tokens.device).eval()
     round_weights(model, weights_dtype)
     with torch.no_grad():
@@ -373,9 +533,10 @@ def compare_logits(mcore: "torch.Tensor", hf: "torch.Tensor", dtype_name: str) -
 
 
 def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
-                      weights_dtype: Optional["torch.dtype"] = None) -> PrecisionReport:
-    """Run the loaded Megatron model and the transformers model of `hf_dir`, in the Megatron
-    model's dtype, on the same random tokens. With `weights_dtype` both models' weights are first
+                      weights_dtype: Optional["torch.dtype"] = None,
+                      adapter_dir: Optional[str] = None) -> PrecisionReport:
+    """Run the loaded Megatron model and the transformers model of `hf_dir` (+ the PEFT adapter
+    `adapter_dir`), in the Megatron model's dtype, on the same random tokens. With `weights_dtype` both models' weights are first
     rounded to it (the Megatron model's in place), so that a conversion that also changes the
     dtype is measured on equal weights. The transformers model runs on global rank 0 only; the
     report is returned on every rank. Collective."""
@@ -390,7 +551,7 @@ def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
         label += f" ({DTYPE_NAMES[weights_dtype]} weights)"
     report = None
     if state.rank == 0:
-        reference = hf_logits(hf_dir, tokens, loaded.dtype, weights_dtype)
+        reference = hf_logits(hf_dir, tokens, loaded.dtype, weights_dtype, adapter_dir)
         report = compare_logits(mcore, reference, label)
     return _broadcast_object(report)
 
@@ -404,53 +565,54 @@ def check_precision(report: PrecisionReport, atol: float) -> None:
                         f"argmax agreement {report.argmax_agreement:.4f})")
 
 
+def _precision_sides(args: "ExportCommandArguments", inputs: ExportInputs):
+    """(Megatron source as load_mcore_model keywords, HF reference dir, reference adapter dir):
+    the Megatron side is what --to_mcore wrote or else the inputs; the HF side is what --to_hf
+    wrote or else the reference weights, with the adapter applied by peft."""
+    e = args.export
+    adapter = inputs.adapter.peft_dir if inputs.adapter else None
+    if inputs.output == "mcore":
+        from swift_megatron.checkpoint.sources import OUR_ADAPTER
+
+        kept = os.path.join(e.output_dir, OUR_ADAPTER) if adapter and not inputs.merge else None
+        return {"mcore_dir": e.output_dir, "adapter_dir": kept}, inputs.reference, adapter
+    source = {"hf_dir" if inputs.base.kind == "hf" else "mcore_dir": inputs.base.path,
+              "adapter_dir": adapter}
+    if inputs.output == "hf":
+        return source, e.output_dir, None
+    return source, inputs.reference, e.output_dir if inputs.output == "peft" else adapter
+
+
 def _run_precision(args: "ExportCommandArguments", inputs: ExportInputs,
                    state: "ParallelState") -> None:
-    """The precision check of the command, in float32: the Megatron side loaded from what this
-    command wrote (--to_mcore), read (--to_hf) or from --model; the HF side from --model or what
-    --to_hf wrote. Both use weights of the dtype the conversion writes, so that only the
-    conversion is measured."""
-    import torch
-
+    """The precision check of the command, in --test_convert_dtype. Both sides use weights of
+    the dtype the conversion writes, so that only the conversion is measured."""
     from swift_megatron.model.config import DTYPES
 
     e = args.export
-    if e.to_mcore:
-        reference, source = inputs.hf_dir, {"mcore_dir": e.output_dir}
-    elif e.to_hf:
-        reference, source = e.output_dir, {"mcore_dir": inputs.mcore_dir}
-    else:
-        reference, source = inputs.hf_dir, {"hf_dir": inputs.hf_dir}
-    loaded = load_mcore_model(inputs.hf_config, inputs.model_type, torch.float32, state, **source)
-    report = measure_precision(loaded, reference, state, weights_dtype=DTYPES[inputs.dtype])
+    source, reference, adapter = _precision_sides(args, inputs)
+    loaded = load_mcore_model(inputs.hf_config, inputs.model_type, DTYPES[e.test_convert_dtype],
+                              state, **source)
+    report = measure_precision(loaded, reference, state, weights_dtype=DTYPES[inputs.dtype],
+                               adapter_dir=adapter)
     check_precision(report, e.test_convert_precision_atol)
 
 
 # ---- the command ----------------------------------------------------------------------------
 
 def run(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
-    """Run the conversions and checks `args` ask for, in this process's share of the layout."""
+    """Write and check what `args` ask for, in this process's share of the layout."""
     from swift_megatron.parallel.state import ParallelState
 
-    p, e = args.parallel, args.export
+    p = args.parallel
     state = ParallelState.initialize(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
         device=args.model.device)
     try:
-        if e.to_mcore:
-            convert_hf_to_mcore(inputs, e.output_dir, state)
-        if e.to_hf:
-            convert_mcore_to_hf(inputs, e.output_dir, state, max_shard_size=e.max_shard_size,
-                                exist_ok=e.exist_ok)
-        if inputs.adapter_dir:
-            from swift_megatron.lora import merge_adapter_into_hf
-            from swift_megatron.model.config import DTYPES
-
-            merge_adapter_into_hf(inputs.hf_dir, inputs.adapter_dir, e.output_dir, state,
-                                  dtype=DTYPES[inputs.dtype], max_shard_size=e.max_shard_size,
-                                  exist_ok=e.exist_ok)
-        if e.test_convert_precision:
+        if inputs.output:
+            write_output(args, inputs, state)
+        if args.export.test_convert_precision:
             _run_precision(args, inputs, state)
     finally:
         ParallelState.destroy()

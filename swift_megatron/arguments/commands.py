@@ -42,35 +42,68 @@ class RlhfArguments:
 
 @dataclass
 class ExportCommandArguments:
-    """Flags of `megatron export`."""
+    """Flags of `megatron export`. The forms of ms-swift's `megatron export` and ours:
+    a base model (--model and/or --mcore_model, or the base an adapter checkpoint names), an
+    optional adapter (--adapters or --mcore_adapter), and what to write (--to_hf / --to_mcore,
+    or --merge_lora true alone for a merged HF checkpoint)."""
 
     model: ModelArguments
     parallel: ParallelArguments
     export: ExportArguments
     lora: LoraArguments
 
+    @property
+    def adapter(self) -> Optional[str]:
+        """The adapter path given (--adapters or --mcore_adapter), if any."""
+        return self.lora.adapters[0] if self.lora.adapters else self.export.mcore_adapter
+
     def __post_init__(self):
         e = self.export
         if e.to_hf and e.to_mcore:
             raise UserError("choose one of --to_hf true and --to_mcore true")
-        if e.to_mcore and self.model.model is None:
-            raise UserError("--to_mcore true needs --model (an HF directory or hub id)")
-        if e.to_hf and not (e.mcore_model or e.mcore_adapter):
-            raise UserError("--to_hf true needs --mcore_model (or --mcore_adapter)")
-        if e.mcore_model and e.mcore_adapter:
-            raise UserError("pass one of --mcore_model and --mcore_adapter")
-        if e.mcore_adapter and not (e.merge_lora and e.to_hf):
-            raise UserError("--mcore_adapter needs --merge_lora true --to_hf true (its PEFT "
-                            "adapter is already in <dir>/adapter)")
-        if e.merge_lora and not e.mcore_adapter and not (self.lora.adapters and self.model.model):
-            raise UserError("--merge_lora true needs --model HF_DIR --adapters PEFT_DIR, or "
-                            "--mcore_adapter DIR --to_hf true")
-        if e.merge_lora and not e.mcore_adapter and (e.to_hf or e.to_mcore):
-            raise UserError("merging --adapters writes an HF checkpoint: drop --to_hf/--to_mcore")
-        if not (e.to_hf or e.to_mcore or e.merge_lora or e.test_convert_precision):
+        if self.lora.adapters and e.mcore_adapter:
+            raise UserError("pass one of --adapters and --mcore_adapter")
+        if e.merge_lora is None:
+            e.merge_lora = e.to_hf  # ms-swift's default
+        if not (self.model.model or e.mcore_model or self.adapter):
+            raise UserError("pass the model: --model (an HF directory or hub id), --mcore_model "
+                            "(a Megatron checkpoint), or an adapter checkpoint that names its "
+                            "base (--adapters / --mcore_adapter)")
+        if e.to_hf or e.to_mcore:
+            self._check_conversion()
+        else:
+            self._check_without_conversion()
+
+    def _check_conversion(self) -> None:
+        e = self.export
+        if e.to_hf and not (e.mcore_model or self.adapter):
+            raise UserError("--to_hf true writes a Megatron checkpoint or an adapter as HF: pass "
+                            "--mcore_model, or --adapters / --mcore_adapter")
+        if e.output_dir is None:
+            e.output_dir = self._default_output_dir()
+
+    def _default_output_dir(self) -> str:
+        """ms-swift's default: <checkpoint>-mcore|hf beside the adapter or Megatron checkpoint,
+        else ./<model name>-mcore|hf."""
+        import os
+
+        suffix = "mcore" if self.export.to_mcore else "hf"
+        checkpoint = self.adapter or self.export.mcore_model
+        if checkpoint:
+            return f"{os.path.normpath(checkpoint)}-{suffix}"
+        return f"{os.path.basename(os.path.normpath(self.model.model))}-{suffix}"
+
+    def _check_without_conversion(self) -> None:
+        e = self.export
+        if e.mcore_adapter:
+            raise UserError("--mcore_adapter needs --to_hf true or --to_mcore true")
+        if e.merge_lora and not (self.lora.adapters and self.model.model):
+            raise UserError("--merge_lora true without --to_hf/--to_mcore merges --adapters "
+                            "PEFT_DIR onto --model HF_DIR: pass both (or --to_hf true)")
+        if not (e.merge_lora or e.test_convert_precision):
             raise UserError("nothing to do: pass --to_mcore true, --to_hf true, --merge_lora true "
                             "or --test_convert_precision true")
-        if (e.to_hf or e.to_mcore or e.merge_lora) and not e.output_dir:
+        if e.merge_lora and not e.output_dir:
             raise UserError("--output_dir is required for a conversion")
 
 

@@ -324,6 +324,20 @@ def adapter_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
             if getattr(param, "bridge_skip", False)}
 
 
+@torch.no_grad()
+def merge_and_unload(model: torch.nn.Module) -> None:
+    """Fold every adapter into its base weight (W + scale * B A, in float32, rounded once to the
+    weight's dtype) and turn the LoRA linears back into megatron's: afterwards the model, its
+    state dict and its sharded state dict are those of a plain GPTModel with merged weights."""
+    plain = {lora: base for base, lora in LORA_CLASSES.items()}
+    for module in lora_modules(model):
+        module.weight.copy_(module.merged_weight())
+        del module.weight.bridge_export
+        del module.lora_A, module.lora_B
+        module._buffers.pop("lora_positions", None)
+        module.__class__ = plain[type(module)]
+
+
 @contextlib.contextmanager
 def disabled(model: torch.nn.Module) -> Iterator[None]:
     """Adapters off inside the block: forward (and the bridge's export) give the base model,

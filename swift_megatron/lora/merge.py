@@ -1,4 +1,6 @@
-"""Merging LoRA adapters into the base weights, always through the bridge's single export path.
+"""Merging LoRA adapters into the base weights: for HF output always through the bridge's single
+export path; for a merged Megatron model, `merge_and_unload` (lora/layers.py) folds the adapters
+into the weights in place.
 
 - A LoRA model in memory: `Bridge.export(model)` yields merged HF weights, W + scale * B A,
   computed out of place per tensor on each rank's shard before the TP gather (the `bridge_export`

@@ -122,17 +122,23 @@ def save_adapter(model: torch.nn.Module, out_dir: str, base_model_name_or_path: 
 
 # ---- load -----------------------------------------------------------------------------------
 
-def read_adapter(adapter_dir: str) -> Tuple[LoraConfig, Dict[str, torch.Tensor]]:
-    """(config, {"<HF module>.lora_A.weight": tensor, ...}) of a PEFT adapter directory."""
+def read_adapter_config(adapter_dir: str) -> LoraConfig:
+    """The LoraConfig of a PEFT adapter directory (its tensors are not read); UserError when a
+    file is missing or the config is not supported."""
     config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
-    weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     if not os.path.isfile(config_path):
         raise UserError(f"{adapter_dir}: no {ADAPTER_CONFIG} (is this a PEFT adapter directory?)")
-    if not os.path.isfile(weights_path):
+    if not os.path.isfile(os.path.join(adapter_dir, ADAPTER_WEIGHTS)):
         raise UserError(f"{adapter_dir}: no {ADAPTER_WEIGHTS} (only safetensors adapters are "
                         "supported)")
     with open(config_path) as f:
-        config = config_from_peft(json.load(f), config_path)
+        return config_from_peft(json.load(f), config_path)
+
+
+def read_adapter(adapter_dir: str) -> Tuple[LoraConfig, Dict[str, torch.Tensor]]:
+    """(config, {"<HF module>.lora_A.weight": tensor, ...}) of a PEFT adapter directory."""
+    config = read_adapter_config(adapter_dir)
+    weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     tensors = {}
     for key, tensor in load_file(weights_path).items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
