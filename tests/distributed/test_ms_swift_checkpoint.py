@@ -1,0 +1,163 @@
+"""ms-swift Megatron checkpoints (swift_megatron/checkpoint/ms_swift.py) load into our model.
+
+One run of two gloo processes (workers/ms_swift_layouts.py, ~40 s) writes tiny Qwen3 and
+Qwen3-MoE checkpoints the way ms-swift does (workers/ms_swift_format.py: megatron-core's
+GPTModel with Transformer Engine key names, {'model': ...} nesting, args.json, latest file,
+vocab padded to 128 x TP, a common.pt that needs ms-swift to unpickle): the dense model saved
+with TP=2, the MoE model with EP=2, and a bfloat16 dense one with TP=1. Each loads with TP=1
+(DP=2) and with TP=2 (MoE: TP=2 x ETP=2) and exports every original HF tensor bit for bit, with
+logits matching transformers. Then `megatron export` on them as a single process: --to_hf
+(float32 and bfloat16, with the precision check), --to_mcore, and the checkpoint kinds that are
+refused or resolved without loading weights.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swift_megatron.checkpoint import sources
+from swift_megatron.checkpoint.ms_swift import (is_ms_swift_checkpoint, read_ms_swift_checkpoint,
+                                                stored_keys)
+from swift_megatron.errors import UserError
+from tests.distributed.launch import REPO, run_workers
+from tests.helpers import safetensors_of
+
+ATOL = 1e-4
+LOADS = {"dense_tp1": ("dense", {}), "dense_tp2": ("dense", dict(tp=2)),
+         "moe_tp1": ("moe", {}), "moe_tp2_etp2": ("moe", dict(tp=2, etp=2))}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    return {"dense": tiny_model_dir("qwen3"), "moe": tiny_model_dir("qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def run(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ms_swift")
+    ckpt = {"dense": str(out / "dense_tp2"), "moe": str(out / "moe_ep2"),
+            "dense_bf16": str(out / "dense_bf16")}
+    jobs = [dict(name="write_dense", hf_dir=models["dense"], write=ckpt["dense"], tp=2),
+            dict(name="write_moe", hf_dir=models["moe"], write=ckpt["moe"], ep=2),
+            dict(name="write_dense_bf16", hf_dir=models["dense"], write=ckpt["dense_bf16"],
+                 dtype="bfloat16")]
+    jobs += [dict(name=name, hf_dir=models[kind], load=ckpt[kind], **layout)
+             for name, (kind, layout) in LOADS.items()]
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    return ckpt, run_workers("ms_swift_layouts.py", 2, out, ["--jobs", out / "jobs.json"])
+
+
+def export(*argv):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), SWIFT_MEGATRON_NO_BAR="1")
+    command = [sys.executable, "-m", "swift_megatron.cli.main", "export", *map(str, argv)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+# ---- the format ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_fixture_has_ms_swifts_names_and_padding(run):
+    ckpt = run[0]
+    dense = read_ms_swift_checkpoint(ckpt["dense"])
+    keys = stored_keys(dense.iter_dir)
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in keys
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in keys)
+    moe_keys = stored_keys(read_ms_swift_checkpoint(ckpt["moe"]).iter_dir)
+    assert {"decoder.layers.pre_mlp_layernorm.weight",
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight"} <= moe_keys
+    assert dense.args["tensor_model_parallel_size"] == 2 and dense.tuner_type == "full"
+    with pytest.raises(ModuleNotFoundError, match="swift"):  # so the loader cannot have read it
+        torch.load(os.path.join(dense.iter_dir, "common.pt"), weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(LOADS))
+def test_every_layout_loads_the_original_tensors(run, job):
+    for rank in run[1]:
+        result = rank[job]["export"]
+        assert result["mismatched"] == [] and result["missing"] == []
+        assert result["duplicates"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(LOADS))
+def test_logits_match_transformers(run, job):
+    report = run[1][0][job]["precision"]
+    print(f"{job}: {json.dumps(report)}")
+    assert report["max_abs_diff"] <= ATOL and report["argmax_agreement"] == 1.0
+
+
+# ---- megatron export on them --------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, dtype", [("dense", "float32"), ("dense_bf16", "bfloat16")])
+def test_export_to_hf_gives_the_original_tensors(run, models, kind, dtype, tmp_path):
+    """The checkpoint's dtype (args.json) is the default; bfloat16 weights are loaded in float32
+    for the precision check, which compares equally rounded weights."""
+    proc = export("--mcore_model", run[0][kind], "--to_hf", "true", "--output_dir",
+                  tmp_path / "hf", "--test_convert_precision", "true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout[proc.stdout.find("precision check"):])
+    assert "-> PASS" in proc.stdout
+    original, exported = safetensors_of(models["dense"]), safetensors_of(tmp_path / "hf")
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor.to(getattr(torch, dtype))), name
+
+
+@pytest.mark.slow
+def test_export_to_mcore_writes_our_model_directory(run, models, tmp_path):
+    out = tmp_path / "mcore"
+    proc = export("--mcore_model", run[0]["moe"], "--to_mcore", "true", "--output_dir", out,
+                  "--model", models["moe"], "--test_convert_precision", "true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "-> PASS" in proc.stdout
+    assert sorted(os.listdir(out)) == ["hf", "model", "swift_megatron.json"]
+
+
+# ---- resolution (no weights loaded) -------------------------------------------------------
+
+def fake_checkpoint(root, args, files=()):
+    """An ms-swift checkpoint directory skeleton: args.json, latest file, iter_0000001/."""
+    os.makedirs(root / "iter_0000001")
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    (root / "args.json").write_text(json.dumps(args))
+    for name in files:
+        (root / name).write_text("{}")
+    return str(root)
+
+
+def test_an_iteration_directory_finds_args_json_in_its_parent(tmp_path):
+    path = fake_checkpoint(tmp_path / "ckpt", {"model": "Qwen/Qwen3-8B", "tuner_type": "full"})
+    checkpoint = read_ms_swift_checkpoint(os.path.join(path, "iter_0000001"))
+    assert checkpoint.directory == path and checkpoint.base_model == "Qwen/Qwen3-8B"
+    assert is_ms_swift_checkpoint(path) and not is_ms_swift_checkpoint(str(tmp_path))
+
+
+def test_only_safetensors_beside_an_empty_iteration_load_as_hf(tmp_path, tiny_model_dir):
+    """ms-swift with save_safetensors and no optimizer writes only common.pt into iter_*/."""
+    path = fake_checkpoint(tmp_path / "ckpt", {"model": "x", "tuner_type": "full"})
+    for name in os.listdir(tiny_model_dir("qwen3")):
+        shutil.copy(os.path.join(tiny_model_dir("qwen3"), name), path)
+    source = sources.mcore_source(path)
+    assert (source.kind, source.path, source.hf_files) == ("hf", path, path)
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(UserError, match="holds no weights"):
+        sources.mcore_source(path)
+
+
+def test_a_lora_checkpoint_is_never_read_as_a_full_model(tmp_path):
+    path = fake_checkpoint(tmp_path / "lora", {"model": "m", "tuner_type": "lora"},
+                           files=["adapter_config.json", "adapter_model.safetensors"])
+    with pytest.raises(UserError, match="pass it as --mcore_adapter"):
+        sources.mcore_source(path)
+    adapter = sources.adapter_source(path, "--mcore_adapter")
+    assert (adapter.peft_dir, adapter.base_model) == (path, "m")
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(UserError, match="without its PEFT adapter"):
+        sources.adapter_source(path, "--mcore_adapter")
