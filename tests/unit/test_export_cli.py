@@ -148,3 +148,103 @@ def test_docs_list_every_export_flag():
     missing = [spec.name for _, group in command_groups(ExportCommandArguments)
                for spec in group_specs(group) if f"`--{spec.name}`" not in docs]
     assert missing == []
+
+
+# ---- ms-swift's forms: flag rules and --dry_run (in process, nothing loaded) ----------------
+
+def parsed(*argv):
+    from swift_megatron.arguments.commands import ExportCommandArguments
+    from swift_megatron.arguments.parser import parse_command
+
+    return parse_command(ExportCommandArguments, list(map(str, argv)), prog="megatron export")
+
+
+@pytest.mark.parametrize("flags, merge", [(["--to_hf", "true"], True),
+                                          (["--to_mcore", "true"], False),
+                                          (["--to_hf", "true", "--merge_lora", "false"], False)])
+def test_merge_lora_defaults_to_to_hf_as_in_ms_swift(flags, merge):
+    args = parsed("--model", "m", "--adapters", "a", *flags)
+    assert args.export.merge_lora is merge
+
+
+@pytest.mark.parametrize("flags, default", [
+    (["--model", "org/Qwen3-8B", "--to_mcore", "true"], "Qwen3-8B-mcore"),
+    (["--mcore_model", "out/ckpt/", "--to_hf", "true"], "out/ckpt-hf"),
+    (["--model", "m", "--mcore_adapter", "out/checkpoint-10", "--to_hf", "true"],
+     "out/checkpoint-10-hf")])
+def test_output_dir_defaults_as_in_ms_swift(flags, default):
+    assert parsed(*flags).export.output_dir == default
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "m", "--adapters", "a", "--mcore_adapter", "b", "--to_hf", "true"],
+     "pass one of --adapters and --mcore_adapter"),
+    (["--model", "m", "--mcore_adapter", "b", "--merge_lora", "true", "--output_dir", "o"],
+     "--mcore_adapter needs --to_hf true or --to_mcore true"),
+    (["--model", "m", "--to_hf", "true"], "pass --mcore_model, or --adapters / --mcore_adapter"),
+    (["--to_mcore", "true"], "pass the model"),
+    (["--model", "m"], "nothing to do")])
+def test_inconsistent_forms_are_user_errors(flags, message, capsys):
+    assert_user_error(export_in_process(capsys, *flags), message)
+
+
+def lora_checkpoint(root):
+    """Our LoRA checkpoint's layout (what `prepare` looks at; no weights)."""
+    os.makedirs(root / "adapter")
+    (root / "swift_megatron.json").write_text("{}")
+    return root
+
+
+def test_a_lora_checkpoint_as_mcore_model_is_refused_not_dropped(tmp_path, capsys):
+    proc = export_in_process(capsys, "--mcore_model", lora_checkpoint(tmp_path / "ckpt"),
+                             "--to_hf", "true", "--output_dir", tmp_path / "o")
+    assert_user_error(proc, "is a LoRA checkpoint (it holds adapter/): pass it as --mcore_adapter")
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(hf_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    out = tmp_path / "mcore"
+    proc = export_in_process(capsys, "--model", hf_model, "--to_mcore", "true", "--output_dir",
+                             out, "--tensor_model_parallel_size", "2", "--dry_run", "true",
+                             "--test_convert_precision", "true", "--test_convert_dtype",
+                             "bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    for line in (f"base weights      HF checkpoint {hf_model} (qwen3_moe, float32)",
+                 f"writes            Megatron model directory (float32) at {out}",
+                 "layout            TP=2 PP=1 EP=1 ETP=1 on 2 process(es) (DP=1)",
+                 f"precision check   bfloat16 logits vs transformers on {hf_model}"):
+        assert line in proc.stdout, proc.stdout
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_dry_run_of_an_adapter_form(hf_model, tmp_path, capsys):
+    from swift_megatron.lora import LoraConfig
+    from swift_megatron.lora.peft_io import peft_config_dict
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = peft_config_dict(LoraConfig(r=4, lora_alpha=8), ["q_proj", "v_proj"], hf_model)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    (adapter / "adapter_model.safetensors").write_text("never read by a dry run")
+    proc = export_in_process(capsys, "--adapters", adapter, "--to_mcore", "true",
+                             "--dry_run", "true")
+    assert proc.returncode == 0, proc.stderr
+    assert (f"adapter           PEFT adapter {adapter} (r=4, alpha=8, q_proj, v_proj): kept "
+            "beside the weights (a LoRA checkpoint)") in proc.stdout
+    assert f"writes            Megatron model directory (float32) at {adapter}-mcore" in proc.stdout
+
+
+def test_dry_run_does_not_download_a_hub_id(tmp_path, capsys):
+    proc = export_in_process(capsys, "--model", "no-such-org/no-such-model", "--to_mcore", "true",
+                             "--output_dir", tmp_path / "o", "--dry_run", "true")
+    assert proc.returncode == 0, proc.stderr
+    assert "(not checked (a hub id: downloaded at run time))" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tensor_model_parallel_size", "2"], "TP x PP = 2 needs a multiple of 2 processes"),
+    (["--tensor_model_parallel_size", "3"], "tensor_model_parallel_size=3 does not divide")])
+def test_dry_run_fails_like_the_run(hf_model, tmp_path, flags, message, capsys):
+    proc = export_in_process(capsys, "--model", hf_model, "--to_mcore", "true", "--output_dir",
+                             tmp_path / "o", "--dry_run", "true", *flags)
+    assert_user_error(proc, message)
