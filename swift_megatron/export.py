@@ -143,6 +143,14 @@ def _model_description(args: "ExportCommandArguments", base: WeightsSource,
     return hf_config, shape.model_type, base.dtype or shape.torch_dtype
 
 
+def _adapter_config(adapter: Optional[AdapterSource]) -> Optional["LoraConfig"]:
+    if adapter is None:
+        return None
+    from swift_megatron.lora import read_adapter_config  # imports megatron-core: only when needed
+
+    return read_adapter_config(adapter.peft_dir)
+
+
 def _output(args: "ExportCommandArguments", adapter: Optional[AdapterSource]) -> Optional[str]:
     e = args.export
     if e.to_mcore:
@@ -211,8 +219,6 @@ def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
     """Resolve and check everything a user can get wrong, before any model is built: the input
     checkpoints, the model family, the adapter's config, the output directory, the parallel
     layout and world size. Reads no weights; downloads a hub id unless --dry_run."""
-    from swift_megatron.lora import read_adapter_config
-
     flag = "--adapters" if args.lora.adapters else "--mcore_adapter"
     adapter = adapter_source(args.adapter, flag) if args.adapter else None
     model_dir = _resolve_hf(args, args.model.model, "--model") if args.model.model else None
@@ -225,7 +231,7 @@ def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
         source_dtype=source_dtype, dtype=args.model.torch_dtype or source_dtype,
         base_name=args.model.model or base.base_model or (adapter and adapter.base_model)
         or base.path, adapter=adapter,
-        lora=read_adapter_config(adapter.peft_dir) if adapter else None,
+        lora=_adapter_config(adapter),
         merge=bool(adapter and args.export.merge_lora), output=output,
         reference=_reference(args, base, adapter, output, model_dir), model_dir=model_dir)
     _check_model(args, inputs)

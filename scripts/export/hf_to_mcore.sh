@@ -9,7 +9,8 @@
 #   MODEL=/path/to/hf_model TP=2 PP=1 OUTPUT_DIR=output/my-mcore bash scripts/export/hf_to_mcore.sh
 #
 # Variables: MODEL (hub id or local directory), TP, PP, DTYPE (default: the checkpoint's),
-# OUTPUT_DIR. Add --use_hf true to download hub ids from Hugging Face instead of ModelScope.
+# OUTPUT_DIR. Extra flags are passed on: --use_hf true downloads hub ids from Hugging Face
+# instead of ModelScope, --dry_run true only prints the plan.
 set -euo pipefail
 
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}
@@ -26,4 +27,5 @@ megatron export \
     --pipeline_model_parallel_size "$PP" \
     $DTYPE_FLAG \
     --test_convert_precision true \
-    --output_dir "$OUTPUT_DIR"
+    --output_dir "$OUTPUT_DIR" \
+    "$@"

@@ -9,6 +9,8 @@
 # Variables: MODEL (names the default directories, as in hf_to_mcore.sh), MCORE_MODEL,
 # OUTPUT_DIR, DTYPE (default: the dtype the directory was saved in), MAX_SHARD_SIZE.
 # One process is enough; NPROC_PER_NODE=N with --tensor_model_parallel_size N splits the model.
+# MCORE_MODEL may also be an ms-swift Megatron checkpoint (iter_*/ + latest_checkpointed_iteration.txt).
+# Extra flags are passed on (e.g. --dry_run true).
 set -euo pipefail
 
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}
@@ -22,4 +24,5 @@ megatron export \
     $DTYPE_FLAG \
     --max_shard_size "${MAX_SHARD_SIZE:-5GB}" \
     --test_convert_precision true \
-    --output_dir "$OUTPUT_DIR"
+    --output_dir "$OUTPUT_DIR" \
+    "$@"

@@ -6,6 +6,7 @@
 #
 #   bash scripts/export/precision_check.sh                            # Qwen/Qwen3-1.7B, TP=2
 #   MODEL=/path/to/hf_model TP=1 ATOL=1e-4 bash scripts/export/precision_check.sh
+# Extra flags are passed on (e.g. --test_convert_dtype bfloat16, --dry_run true).
 set -euo pipefail
 
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}
@@ -16,4 +17,5 @@ megatron export \
     --model "$MODEL" \
     --tensor_model_parallel_size "$TP" \
     --test_convert_precision true \
-    --test_convert_precision_atol "${ATOL:-1e-4}"
+    --test_convert_precision_atol "${ATOL:-1e-4}" \
+    "$@"

@@ -15,9 +15,9 @@ class ExportArguments:
     to_mcore: bool = arg(False, "Write a Megatron model directory (loaded in the layout of the "
                          "parallel flags; any layout can load it later) from --model or "
                          "--mcore_model, with --adapters / --mcore_adapter merged or kept.")
-    to_hf: bool = arg(False, "Write an HF checkpoint from --mcore_model (or --model) with "
-                      "--adapters / --mcore_adapter merged, or only the adapter in PEFT format "
-                      "(--merge_lora false).")
+    to_hf: bool = arg(False, "Write an HF checkpoint from --mcore_model, or from a base model "
+                      "with --adapters / --mcore_adapter merged (or only the adapter in PEFT "
+                      "format: --merge_lora false).")
     mcore_model: Optional[str] = arg(None, "A Megatron checkpoint of the full model: our model "
                                      "directory (--to_mcore true, or a --save directory), or an "
                                      "ms-swift Megatron checkpoint (iter_*/ + "

@@ -7,8 +7,8 @@ vocab padded to 128 x TP, a common.pt that needs ms-swift to unpickle): the dens
 with TP=2, the MoE model with EP=2, and a bfloat16 dense one with TP=1. Each loads with TP=1
 (DP=2) and with TP=2 (MoE: TP=2 x ETP=2) and exports every original HF tensor bit for bit, with
 logits matching transformers. Then `megatron export` on them as a single process: --to_hf
-(float32 and bfloat16, with the precision check), --to_mcore, and the checkpoint kinds that are
-refused or resolved without loading weights.
+(float32 and bfloat16) and --to_mcore with the precision check, in one process; and the
+checkpoint kinds that are refused or resolved without loading weights.
 """
 import json
 import os
@@ -51,10 +51,25 @@ def run(models, tmp_path_factory):
     return ckpt, run_workers("ms_swift_layouts.py", 2, out, ["--jobs", out / "jobs.json"])
 
 
-def export(*argv):
+@pytest.fixture(scope="module")
+def exports(run, models, tmp_path_factory):
+    """`megatron export` on the checkpoints, one process (tests/export_jobs.py): --to_hf of the
+    float32 and the bfloat16 one (the checkpoint's dtype, from args.json, is the default; the
+    precision check loads the bfloat16 weights in float32 and compares equally rounded
+    weights), --to_mcore of the MoE one."""
+    out = tmp_path_factory.mktemp("ms_swift_exports")
+    check = ["--test_convert_precision", "true"]
+    jobs = [["dense", ["--mcore_model", run[0]["dense"], "--to_hf", "true", *check]],
+            ["dense_bf16", ["--mcore_model", run[0]["dense_bf16"], "--to_hf", "true", *check]],
+            ["moe_mcore", ["--mcore_model", run[0]["moe"], "--to_mcore", "true",
+                           "--model", models["moe"], *check]]]
+    for name, argv in jobs:
+        argv += ["--output_dir", str(out / name)]
+    (out / "jobs.json").write_text(json.dumps(jobs))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), SWIFT_MEGATRON_NO_BAR="1")
-    command = [sys.executable, "-m", "swift_megatron.cli.main", "export", *map(str, argv)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tests.export_jobs", str(out / "jobs.json")],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    return out, proc
 
 
 # ---- the format ---------------------------------------------------------------------------
@@ -71,6 +86,11 @@ def test_the_fixture_has_ms_swifts_names_and_padding(run):
     assert {"decoder.layers.pre_mlp_layernorm.weight",
             "decoder.layers.mlp.experts.experts.linear_fc1.weight"} <= moe_keys
     assert dense.args["tensor_model_parallel_size"] == 2 and dense.tuner_type == "full"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shapes = FileSystemReader(dense.iter_dir).read_metadata().state_dict_metadata
+    vocab = json.loads(open(os.path.join(dense.args["model"], "config.json")).read())["vocab_size"]
+    assert shapes["embedding.word_embeddings.weight"].size[0] == -(-vocab // 256) * 256 > vocab
     with pytest.raises(ModuleNotFoundError, match="swift"):  # so the loader cannot have read it
         torch.load(os.path.join(dense.iter_dir, "common.pt"), weights_only=False)
 
@@ -95,29 +115,27 @@ def test_logits_match_transformers(run, job):
 # ---- megatron export on them --------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, dtype", [("dense", "float32"), ("dense_bf16", "bfloat16")])
-def test_export_to_hf_gives_the_original_tensors(run, models, kind, dtype, tmp_path):
-    """The checkpoint's dtype (args.json) is the default; bfloat16 weights are loaded in float32
-    for the precision check, which compares equally rounded weights."""
-    proc = export("--mcore_model", run[0][kind], "--to_hf", "true", "--output_dir",
-                  tmp_path / "hf", "--test_convert_precision", "true")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout[proc.stdout.find("precision check"):])
-    assert "-> PASS" in proc.stdout
-    original, exported = safetensors_of(models["dense"]), safetensors_of(tmp_path / "hf")
-    assert sorted(exported) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor.to(getattr(torch, dtype))), name
+def test_exports_succeed_with_the_precision_check(exports):
+    proc = exports[1]
+    assert proc.returncode == 0 and proc.stdout.count("-> PASS") == 3, \
+        proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "exit=2" not in proc.stdout
+    print("\n".join(line for line in proc.stdout.splitlines()
+                    if "max abs logit diff" in line or line.startswith("===")))
 
 
 @pytest.mark.slow
-def test_export_to_mcore_writes_our_model_directory(run, models, tmp_path):
-    out = tmp_path / "mcore"
-    proc = export("--mcore_model", run[0]["moe"], "--to_mcore", "true", "--output_dir", out,
-                  "--model", models["moe"], "--test_convert_precision", "true")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "-> PASS" in proc.stdout
-    assert sorted(os.listdir(out)) == ["hf", "model", "swift_megatron.json"]
+@pytest.mark.parametrize("name, dtype", [("dense", "float32"), ("dense_bf16", "bfloat16")])
+def test_to_hf_gives_the_original_tensors(exports, models, name, dtype):
+    original, exported = safetensors_of(models["dense"]), safetensors_of(exports[0] / name)
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor.to(getattr(torch, dtype))), key
+
+
+@pytest.mark.slow
+def test_to_mcore_writes_our_model_directory(exports):
+    assert sorted(os.listdir(exports[0] / "moe_mcore")) == ["hf", "model", "swift_megatron.json"]
 
 
 # ---- resolution (no weights loaded) -------------------------------------------------------
