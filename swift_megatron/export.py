@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, adapter_source,
-                                               mcore_source)
+                                               load_weights, mcore_source)
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 
@@ -287,16 +287,12 @@ class LoadedModel:
     dtype: "torch.dtype"
 
 
-def _load_weights(model, bridge: "Bridge", hf_dir: Optional[str], mcore_dir: Optional[str]):
-    from swift_megatron.checkpoint.layout import load_model_dir
-    from swift_megatron.checkpoint.ms_swift import is_ms_swift_checkpoint, load_ms_swift_model
+def _weights(hf_dir: Optional[str], mcore_dir: Optional[str]) -> WeightsSource:
+    from swift_megatron.checkpoint.ms_swift import is_ms_swift_checkpoint
 
     if hf_dir is not None:
-        bridge.load(model, hf_dir)
-    elif is_ms_swift_checkpoint(mcore_dir):
-        load_ms_swift_model([model], mcore_dir, bridge)
-    else:
-        load_model_dir([model], mcore_dir)
+        return WeightsSource("hf", hf_dir)
+    return WeightsSource("ms_swift" if is_ms_swift_checkpoint(mcore_dir) else "mcore", mcore_dir)
 
 
 def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
@@ -314,7 +310,7 @@ def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
     model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type,
                                        random_init=False)
     bridge = Bridge(hf_config, shape, config)
-    _load_weights(model, bridge, hf_dir, mcore_dir)
+    load_weights([model], _weights(hf_dir, mcore_dir), bridge)
     if adapter_dir is not None:
         from swift_megatron.lora import load_adapter
 

@@ -35,7 +35,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Set
+from typing import List, Optional, Sequence, Set
 
 import torch
 
@@ -149,16 +149,6 @@ def read_ms_swift_checkpoint(path: str) -> MsSwiftCheckpoint:
     return MsSwiftCheckpoint(os.path.abspath(directory), _iteration_dir(directory, path), args)
 
 
-def lora_settings(checkpoint: MsSwiftCheckpoint) -> dict:
-    """args.json's LoRA settings as our LoraConfig keyword arguments."""
-    a = checkpoint.args
-    targets = a.get("target_modules") or ["all-linear"]
-    return dict(r=int(a.get("lora_rank", 8)), lora_alpha=a.get("lora_alpha", 32),
-                lora_dropout=float(a.get("lora_dropout", 0.0)),
-                target_modules=tuple([targets] if isinstance(targets, str) else targets),
-                use_rslora=bool(a.get("use_rslora", False)))
-
-
 # ---- loading the sharded tensors ------------------------------------------------------------
 
 def stored_keys(iter_dir: str) -> Set[str]:
@@ -177,15 +167,19 @@ def candidate_keys(key: str) -> List[str]:
     return names
 
 
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def _rename(sharded: dict, available: Set[str]) -> List[str]:
     """Point every sharded tensor (and tensor factory) at the name the checkpoint stores it
-    under, drop every ShardedObject (`_extra_state`: nothing for our modules); returns the keys
-    found under no name."""
+    under; drop every ShardedObject (`_extra_state`: nothing for our modules) and the adapters
+    of a LoRA model (they are not base weights). Returns the keys found under no name."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     missing = []
     for name, value in list(sharded.items()):
-        if isinstance(value, ShardedObject):
+        if isinstance(value, ShardedObject) or _is_adapter(name):
             del sharded[name]
             continue
         found = next((k for k in candidate_keys(value.key) if k in available), None)
@@ -207,19 +201,16 @@ def _common_free_strategy():
     return ShardedOnly()
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 def load_sharded_model(model: torch.nn.Module, iter_dir: str) -> None:
-    """Load this stage's weights from the distributed checkpoint `iter_dir` (ms-swift's or
-    ours, any layout): storage keys mapped to the checkpoint's names, common.pt left unread.
-    UserError naming the tensors the checkpoint lacks. Collective."""
+    """Load this stage's base weights from the distributed checkpoint `iter_dir` (ms-swift's or
+    ours, any layout): storage keys mapped to the checkpoint's names, common.pt left unread,
+    LoRA adapters already on the model left as they are. UserError naming the tensors the
+    checkpoint lacks. Collective."""
     from megatron.core import dist_checkpointing
 
-    model = _unwrap(model)
+    from swift_megatron.checkpoint.dist import unwrap
+
+    model = unwrap(model)
     sharded = model.sharded_state_dict()
     available = stored_keys(iter_dir)
     missing = _rename(sharded, available)
@@ -230,7 +221,8 @@ def load_sharded_model(model: torch.nn.Module, iter_dir: str) -> None:
                         "checkpoint of this model?")
     state = dist_checkpointing.load(sharded, iter_dir, common_strategy=_common_free_strategy())
     result = model.load_state_dict(state, strict=False)
-    not_loaded = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    not_loaded = [k for k in result.missing_keys
+                  if not (k.endswith("._extra_state") or _is_adapter(k))]
     if not_loaded or result.unexpected_keys:
         raise ValueError(f"weights not loaded from {iter_dir}: {not_loaded or result.unexpected_keys}")
 

@@ -1,6 +1,7 @@
 """What a checkpoint path on the command line holds, found from its files without loading any
 weights: the base model's weights (`WeightsSource`) behind `--mcore_model`, and the LoRA adapter
-(`AdapterSource`) behind `--adapters` / `--mcore_adapter`.
+(`AdapterSource`) behind `--adapters` / `--mcore_adapter`; `load_weights` then loads a
+WeightsSource into a model of any layout.
 
     our model directory        DIR/swift_megatron.json (+ hf/, model/)   checkpoint/layout.py
     our save directory         SAVE/latest_checkpointed_iteration.txt + iter_*/swift_megatron.json
@@ -144,9 +145,26 @@ def adapter_source(path: str, flag: str) -> AdapterSource:
         checkpoint = ms_swift.read_ms_swift_checkpoint(path)
         if checkpoint.has_peft_adapter:
             return AdapterSource(checkpoint.directory, base_model=checkpoint.base_model)
+        if checkpoint.tuner_type == "full":
+            raise UserError(f"{flag} {path} is an ms-swift full-model checkpoint, not an adapter: "
+                            "pass it as --mcore_model")
         raise UserError(f"{flag} {path}: an ms-swift checkpoint without its PEFT adapter "
                         f"({', '.join(ms_swift.ADAPTER_FILES)}); reading LoRA tensors from its "
                         "distributed checkpoint is not supported: save it with ms-swift's "
                         "--save_safetensors true (its default)")
     raise UserError(f"{flag} {path}: not a PEFT adapter ({', '.join(ms_swift.ADAPTER_FILES)}) nor "
                     "a LoRA checkpoint")
+
+
+def load_weights(chunks, source: WeightsSource, bridge) -> None:
+    """Load the base weights `source` describes into this rank's model chunk (one chunk), in any
+    TP/PP/EP layout: HF safetensors through `bridge` (swift_megatron.bridge.Bridge of the model),
+    our model directory, or an ms-swift checkpoint. Collective."""
+    from swift_megatron.checkpoint.layout import load_model_dir
+
+    if source.kind == "hf":
+        bridge.load(chunks[0], source.path)
+    elif source.kind == "ms_swift":
+        ms_swift.load_ms_swift_model(chunks, source.path, bridge)
+    else:
+        load_model_dir(chunks, source.path)

@@ -6,7 +6,7 @@ GPTModel with Transformer Engine key names, {'model': ...} nesting, args.json, l
 vocab padded to 128 x TP, a common.pt that needs ms-swift to unpickle): the dense model saved
 with TP=2, the MoE model with EP=2, and a bfloat16 dense one with TP=1. Each loads with TP=1
 (DP=2) and with TP=2 (MoE: TP=2 x ETP=2) and exports every original HF tensor bit for bit, with
-logits matching transformers. Then `megatron export` on them as a single process: --to_hf
+logits matching transformers; the dense one also into a model already carrying LoRA adapters. Then `megatron export` on them as a single process: --to_hf
 (float32 and bfloat16) and --to_mcore with the precision check, in one process; and the
 checkpoint kinds that are refused or resolved without loading weights.
 """
@@ -47,6 +47,7 @@ def run(models, tmp_path_factory):
                  dtype="bfloat16")]
     jobs += [dict(name=name, hf_dir=models[kind], load=ckpt[kind], **layout)
              for name, (kind, layout) in LOADS.items()]
+    jobs.append(dict(name="dense_tp2_lora", hf_dir=models["dense"], lora_load=ckpt["dense"], tp=2))
     (out / "jobs.json").write_text(json.dumps(jobs))
     return ckpt, run_workers("ms_swift_layouts.py", 2, out, ["--jobs", out / "jobs.json"])
 
@@ -96,7 +97,7 @@ def test_the_fixture_has_ms_swifts_names_and_padding(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", list(LOADS))
+@pytest.mark.parametrize("job", [*LOADS, "dense_tp2_lora"])
 def test_every_layout_loads_the_original_tensors(run, job):
     for rank in run[1]:
         result = rank[job]["export"]

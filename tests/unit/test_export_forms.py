@@ -2,7 +2,7 @@
 (examples/megatron/export/{lora,merge_lora}.sh) and ours, on the tiny Qwen3 with an adapter
 peft itself made (rank 4 on all seven projections, random nonzero B), in float32.
 
-The forms run as one chain in one subprocess (tests/export_jobs.py, ~1 min):
+The forms run as one chain in one subprocess (tests/export_jobs.py, ~1.5 min):
 
     lora_ckpt      --model HF --adapters PEFT --to_mcore true            -> LoRA checkpoint L
     peft           --model HF --mcore_adapter L --to_hf true --merge_lora false -> PEFT
@@ -12,6 +12,7 @@ The forms run as one chain in one subprocess (tests/export_jobs.py, ~1 min):
     own_base       --adapters L --to_hf true --merge_lora true           (base: L's own weights)
     args_json      --adapters CKPT --to_hf true --merge_lora true        (base: CKPT/args.json)
     ours_merge     --model HF --adapters PEFT --merge_lora true          (our original form)
+    merged_mcore_tp2 (+ _hf)  merged_mcore with TP=2 (two processes), then --to_hf
 
 The first four also run the precision check (Megatron vs transformers + peft). The adapter
 survives every conversion bit for bit, the merged HF checkpoint equals peft's merge_and_unload
@@ -28,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.launch import REPO
+from tests.distributed.launch import REPO, free_port
 from tests.helpers import safetensors_of
 
 MERGE_ATOL = 1e-6
@@ -65,7 +66,7 @@ def ms_swift_lora_checkpoint(peft_dir: str, hf_dir: str, out_dir) -> str:
 def jobs(hf, peft_dir, ms_ckpt, root):
     out = {name: root / name for name in ("lora_ckpt", "peft", "merged_hf", "merged_mcore",
                                           "merged_mcore_hf", "own_base", "args_json",
-                                          "ours_merge")}
+                                          "ours_merge", "merged_mcore_tp2", "merged_mcore_tp2_hf")}
     check = ["--test_convert_precision", "true"]
     lora = ["--mcore_adapter", out["lora_ckpt"]]
     return out, [
@@ -78,6 +79,10 @@ def jobs(hf, peft_dir, ms_ckpt, root):
         ("own_base", ["--adapters", out["lora_ckpt"], "--to_hf", "true", "--merge_lora", "true"]),
         ("args_json", ["--adapters", ms_ckpt, "--to_hf", "true", "--merge_lora", "true"]),
         ("ours_merge", ["--model", hf, "--adapters", peft_dir, "--merge_lora", "true"]),
+        ("merged_mcore_tp2", ["--model", hf, *lora, "--to_mcore", "true", "--merge_lora", "true",
+                              "--tensor_model_parallel_size", 2],
+         {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}),
+        ("merged_mcore_tp2_hf", ["--mcore_model", out["merged_mcore_tp2"], "--to_hf", "true"]),
     ]
 
 
@@ -97,8 +102,9 @@ def forms(tiny_model_dir, tmp_path_factory):
     peft_dir = make_peft_adapter(hf, str(root / "peft_adapter"))
     ms_ckpt = ms_swift_lora_checkpoint(peft_dir, hf, root / "checkpoint-10")
     out, chain = jobs(hf, peft_dir, ms_ckpt, root)
-    chain = [(name, argv + (["--output_dir", out[name]] if name in out else [])) for name, argv in chain]
-    (root / "jobs.json").write_text(json.dumps([[n, list(map(str, a))] for n, a in chain]))
+    chain = [[name, list(map(str, argv + ["--output_dir", out[name]])), *env]
+             for name, argv, *env in chain]
+    (root / "jobs.json").write_text(json.dumps(chain))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), SWIFT_MEGATRON_NO_BAR="1")
     proc = subprocess.run([sys.executable, "-m", "tests.export_jobs", str(root / "jobs.json")],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
@@ -161,3 +167,14 @@ def test_every_merge_path_gives_the_same_tensors(forms, job):
     expected, got = safetensors_of(forms["out"]["merged_hf"]), safetensors_of(forms["out"][job])
     assert sorted(got) == sorted(expected)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_merging_with_tp2_gives_the_same_model(forms):
+    """Each rank merges its shard; the products B A are summed over r alone, so TP changes at
+    most the last bit."""
+    expected = safetensors_of(forms["out"]["merged_hf"])
+    got = safetensors_of(forms["out"]["merged_mcore_tp2_hf"])
+    assert sorted(got) == sorted(expected)
+    diff = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    print(f"merged with TP=2 vs TP=1: max abs diff {diff:.3e}")
+    assert diff <= MERGE_ATOL

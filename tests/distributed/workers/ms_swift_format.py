@@ -16,7 +16,6 @@ padded to a multiple of 128 x TP as ms-swift's make_vocab_size_divisible_by does
 common state pickles an object of a `swift.*` class, so that reading common.pt without ms-swift
 installed fails as it does with a real checkpoint. Collective.
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -82,17 +81,18 @@ def build_ms_swift_model(hf_dir: str, dtype, tp: int):
     return model, bridge
 
 
-def _args_json(hf_dir: str, state, dtype_name: str, tuner_type: str, lora: dict) -> dict:
+def _args_json(hf_dir: str, state, dtype_name: str) -> dict:
+    """The args.json keys the loader reads, and the layout it was saved with."""
     return dict(model=hf_dir, model_dir=hf_dir, model_type="qwen3", torch_dtype=dtype_name,
-                tuner_type=tuner_type, tensor_model_parallel_size=state.tp,
+                tuner_type="full", tensor_model_parallel_size=state.tp,
                 pipeline_model_parallel_size=state.pp, expert_model_parallel_size=state.ep,
-                expert_tensor_parallel_size=state.etp, save_safetensors=False, **lora)
+                expert_tensor_parallel_size=state.etp, save_safetensors=False)
 
 
 def _common_state(args: dict, state) -> dict:
+    import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    import torch
     rng = ShardedObject("rng_state", [{"torch_rng_state": torch.get_rng_state()}],
                         (state.pp, state.tp), (state.pp_rank, state.tp_rank),
                         replica_id=state.dp_rank)
@@ -100,23 +100,21 @@ def _common_state(args: dict, state) -> dict:
             "rng_state": rng}
 
 
-def write_ms_swift_checkpoint(model, hf_dir: str, out_dir: str, state, *, dtype_name: str,
-                              tuner_type: str = "full", lora: dict = None,
-                              model_state: dict = None) -> None:
-    """OUT/{args.json, latest_checkpointed_iteration.txt, iter_0000001/} (collective).
-    `model_state`: the sharded model state to save (default: the whole model's)."""
+def write_ms_swift_checkpoint(model, hf_dir: str, out_dir: str, state, *,
+                              dtype_name: str) -> None:
+    """OUT/{args.json, latest_checkpointed_iteration.txt, iter_0000001/} (collective)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     _fake_swift_module()
-    args = _args_json(hf_dir, state, dtype_name, tuner_type, lora or {})
+    args = _args_json(hf_dir, state, dtype_name)
     iter_dir = os.path.join(out_dir, "iter_0000001")
     if state.rank == 0:
         os.makedirs(iter_dir, exist_ok=True)
     dist.barrier()
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                "distrib_optim_sharding_type": "dp_reshardable"}
-    sharded = model_state if model_state is not None else model.sharded_state_dict(metadata=content)
+    sharded = model.sharded_state_dict(metadata=content)
     dist_checkpointing.save({"model": sharded, **_common_state(args, state)}, iter_dir,
                             content_metadata=content)
     if state.rank == 0:

@@ -12,6 +12,7 @@ re-created per job):
     write           write it there as an ms-swift checkpoint (float32 unless `dtype`)
     load            load this ms-swift checkpoint into our GPTModel, export it back (compared
                     with hf_dir bit for bit) and measure its logits against transformers
+    lora_load       the same into a model with fresh LoRA adapters (export only)
     tp, ep, etp     parallel degrees (default 1)
 
 torch and megatron are imported inside the functions: megatron's checkpoint writer starts a
@@ -48,12 +49,35 @@ def load_job(job: dict, state) -> dict:
             "precision": dataclasses.asdict(measure_precision(loaded, job["hf_dir"], state))}
 
 
+def lora_load_job(job: dict, state) -> dict:
+    """Base weights into a model that already carries (fresh, B = 0) adapters, as a LoRA run
+    would load them: the export (W + scale * B A) then gives the original tensors."""
+    import torch
+
+    from swift_megatron.bridge import Bridge
+    from swift_megatron.checkpoint.ms_swift import load_ms_swift_model
+    from swift_megatron.export import LoadedModel
+    from swift_megatron.lora import LoraConfig, apply_lora
+    from swift_megatron.model.build import build_model
+    from swift_megatron.model.config import load_hf_config
+
+    hf_config = load_hf_config(job["hf_dir"])
+    model, config, shape = build_model(hf_config, torch.float32, state.device, random_init=False)
+    bridge = Bridge(hf_config, shape, config)
+    apply_lora(model, LoraConfig(), bridge.mappings)
+    load_ms_swift_model([model], job["lora_load"], bridge)
+    return {"export": compare_export(LoadedModel(model, bridge, shape, torch.float32),
+                                     job["hf_dir"])}
+
+
 def run_job(job: dict) -> dict:
     from swift_megatron.parallel.state import ParallelState
 
     state = ParallelState.initialize(tp=job.get("tp", 1), ep=job.get("ep", 1),
                                      etp=job.get("etp", 1), device="cpu", seed=0)
-    return write_job(job, state) if "write" in job else load_job(job, state)
+    if "write" in job:
+        return write_job(job, state)
+    return lora_load_job(job, state) if "lora_load" in job else load_job(job, state)
 
 
 def main():
