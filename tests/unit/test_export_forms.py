@@ -172,6 +172,8 @@ def test_every_merge_path_gives_the_same_tensors(forms, job):
 def test_merging_with_tp2_gives_the_same_model(forms):
     """Each rank merges its shard; the products B A are summed over r alone, so TP changes at
     most the last bit."""
+    meta = json.loads((forms["out"]["merged_mcore_tp2"] / "swift_megatron.json").read_text())
+    assert meta["saved_with"]["tp"] == 2
     expected = safetensors_of(forms["out"]["merged_hf"])
     got = safetensors_of(forms["out"]["merged_mcore_tp2_hf"])
     assert sorted(got) == sorted(expected)
