@@ -381,13 +381,14 @@ def save_peft_dir(loaded: LoadedModel, out_dir: str, base_name: str, lora: "Lora
 def write_output(args: "ExportCommandArguments", inputs: ExportInputs,
                  state: "ParallelState") -> None:
     """Load the base (+ adapter) and write what the command asks for. Megatron and PEFT outputs
-    are loaded in the written dtype; an HF output is loaded in the source dtype and converted by
-    the bridge while writing. Collective."""
+    are loaded in the written dtype; an HF output is loaded in the source dtype (when supported)
+    and converted by the bridge while writing. Collective."""
     from swift_megatron.lora import merge_and_unload
     from swift_megatron.model.config import DTYPES
 
     e, start = args.export, time.perf_counter()
-    load_dtype = inputs.source_dtype if inputs.output == "hf" else inputs.dtype
+    hf_from_source = inputs.output == "hf" and inputs.source_dtype in DTYPES
+    load_dtype = inputs.source_dtype if hf_from_source else inputs.dtype
     loaded = load_inputs(inputs, DTYPES[load_dtype], state)
     if inputs.output == "mcore":
         if inputs.merge:
