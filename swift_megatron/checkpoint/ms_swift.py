@@ -19,8 +19,9 @@ The format (ms-swift's `save_mcore_checkpoint`, megatron-core 0.16):
 The distributed checkpoint nests the model as {'model': GPTModel.sharded_state_dict(), 'args':
 argparse.Namespace, 'iteration', 'checkpoint_version', optimizer, rng}. The tensors' storage
 keys are megatron-core GPTModel names with the layers stacked on a leading axis
-(`decoder.layers.self_attention.linear_qkv.weight` [L, qkv rows, hidden]) and the routed experts
-on a second one (`decoder.layers.mlp.experts.experts.linear_fc1.weight` [L, E, 2 x ffn, hidden];
+(`decoder.layers.self_attention.linear_qkv.weight` [L, qkv rows, hidden]; models whose layers
+differ, e.g. dense and MoE layers mixed, store `decoder.layers.<i>.` per layer instead, and are
+read so too) and the routed experts on a second one (`decoder.layers.mlp.experts.experts.linear_fc1.weight` [L, E, 2 x ffn, hidden];
 TEGroupedMLP and SequentialMLP write the same keys). ms-swift builds the Transformer Engine spec,
 which fuses two norms into the linear that follows them; our spec keeps them as modules
 (`NORM_NAMES`). Its vocabulary is padded to a multiple of 128 x TP, ours to a multiple of TP:
@@ -75,7 +76,8 @@ class MsSwiftCheckpoint:
     @property
     def has_hf_weights(self) -> bool:
         names = os.listdir(self.directory)
-        return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+        return "config.json" in names and any(n.endswith(".safetensors") and n not in
+                                              ADAPTER_FILES for n in names)
 
     @property
     def has_peft_adapter(self) -> bool:
@@ -211,8 +213,9 @@ def load_sharded_model(model: torch.nn.Module, iter_dir: str) -> None:
     from swift_megatron.checkpoint.dist import unwrap
 
     model = unwrap(model)
-    sharded = model.sharded_state_dict()
     available = stored_keys(iter_dir)
+    per_layer = any(re.match(r"decoder\.layers\.\d+\.", key) for key in available)
+    sharded = model.sharded_state_dict(metadata={"non_homogeneous_layers": per_layer})
     missing = _rename(sharded, available)
     if missing:
         shown = ", ".join(sorted(missing)[:4]) + (" ..." if len(missing) > 4 else "")

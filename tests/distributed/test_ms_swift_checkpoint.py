@@ -5,7 +5,8 @@ Qwen3-MoE checkpoints the way ms-swift does (workers/ms_swift_format.py: megatro
 GPTModel with Transformer Engine key names, {'model': ...} nesting, args.json, latest file,
 vocab padded to 128 x TP, a common.pt that needs ms-swift to unpickle): the dense model saved
 with TP=2, the MoE model with EP=2, and a bfloat16 dense one with TP=1. Each loads with TP=1
-(DP=2) and with TP=2 (MoE: TP=2 x ETP=2) and exports every original HF tensor bit for bit, with
+(DP=2) and with TP=2 (MoE: TP=2 x ETP=2; and an MoE checkpoint with its layers stored one by
+one, as megatron does for models whose layers differ) and exports every original HF tensor bit for bit, with
 logits matching transformers; the dense one also into a model already carrying LoRA adapters. Then `megatron export` on them as a single process: --to_hf
 (float32 and bfloat16) and --to_mcore with the precision check, in one process; and the
 checkpoint kinds that are refused or resolved without loading weights.
@@ -28,7 +29,8 @@ from tests.helpers import safetensors_of
 
 ATOL = 1e-4
 LOADS = {"dense_tp1": ("dense", {}), "dense_tp2": ("dense", dict(tp=2)),
-         "moe_tp1": ("moe", {}), "moe_tp2_etp2": ("moe", dict(tp=2, etp=2))}
+         "moe_tp1": ("moe", {}), "moe_tp2_etp2": ("moe", dict(tp=2, etp=2)),
+         "moe_per_layer_tp2": ("moe_per_layer", dict(tp=2))}
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +42,14 @@ def models(tiny_model_dir):
 def run(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("ms_swift")
     ckpt = {"dense": str(out / "dense_tp2"), "moe": str(out / "moe_ep2"),
-            "dense_bf16": str(out / "dense_bf16")}
+            "dense_bf16": str(out / "dense_bf16"), "moe_per_layer": str(out / "moe_per_layer")}
     jobs = [dict(name="write_dense", hf_dir=models["dense"], write=ckpt["dense"], tp=2),
             dict(name="write_moe", hf_dir=models["moe"], write=ckpt["moe"], ep=2),
             dict(name="write_dense_bf16", hf_dir=models["dense"], write=ckpt["dense_bf16"],
-                 dtype="bfloat16")]
-    jobs += [dict(name=name, hf_dir=models[kind], load=ckpt[kind], **layout)
+                 dtype="bfloat16"),
+            dict(name="write_moe_per_layer", hf_dir=models["moe"], write=ckpt["moe_per_layer"],
+                 per_layer=True)]
+    jobs += [dict(name=name, hf_dir=models[kind.split("_")[0]], load=ckpt[kind], **layout)
              for name, (kind, layout) in LOADS.items()]
     jobs.append(dict(name="dense_tp2_lora", hf_dir=models["dense"], lora_load=ckpt["dense"], tp=2))
     (out / "jobs.json").write_text(json.dumps(jobs))
@@ -86,6 +90,8 @@ def test_the_fixture_has_ms_swifts_names_and_padding(run):
     moe_keys = stored_keys(read_ms_swift_checkpoint(ckpt["moe"]).iter_dir)
     assert {"decoder.layers.pre_mlp_layernorm.weight",
             "decoder.layers.mlp.experts.experts.linear_fc1.weight"} <= moe_keys
+    per_layer = stored_keys(read_ms_swift_checkpoint(ckpt["moe_per_layer"]).iter_dir)
+    assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in per_layer
     assert dense.args["tensor_model_parallel_size"] == 2 and dense.tuner_type == "full"
     from torch.distributed.checkpoint import FileSystemReader
 

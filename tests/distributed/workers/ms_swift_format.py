@@ -100,9 +100,11 @@ def _common_state(args: dict, state) -> dict:
             "rng_state": rng}
 
 
-def write_ms_swift_checkpoint(model, hf_dir: str, out_dir: str, state, *,
-                              dtype_name: str) -> None:
-    """OUT/{args.json, latest_checkpointed_iteration.txt, iter_0000001/} (collective)."""
+def write_ms_swift_checkpoint(model, hf_dir: str, out_dir: str, state, *, dtype_name: str,
+                              per_layer: bool = False) -> None:
+    """OUT/{args.json, latest_checkpointed_iteration.txt, iter_0000001/} (collective).
+    `per_layer`: layers stored as `decoder.layers.<i>.` (megatron does so for models whose layers
+    differ, e.g. with moe_layer_freq) instead of stacked."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -114,7 +116,7 @@ def write_ms_swift_checkpoint(model, hf_dir: str, out_dir: str, state, *,
     dist.barrier()
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                "distrib_optim_sharding_type": "dp_reshardable"}
-    sharded = model.sharded_state_dict(metadata=content)
+    sharded = model.sharded_state_dict(metadata=dict(content, non_homogeneous_layers=per_layer))
     dist_checkpointing.save({"model": sharded, **_common_state(args, state)}, iter_dir,
                             content_metadata=content)
     if state.rank == 0:

@@ -9,7 +9,8 @@ jobs.json is a list of jobs, run in order in one process group (the model-parall
 re-created per job):
     name            result key
     hf_dir          the tiny HF checkpoint
-    write           write it there as an ms-swift checkpoint (float32 unless `dtype`)
+    write           write it there as an ms-swift checkpoint (float32 unless `dtype`; layers
+                    stored one by one with `per_layer`)
     load            load this ms-swift checkpoint into our GPTModel, export it back (compared
                     with hf_dir bit for bit) and measure its logits against transformers
     lora_load       the same into a model with fresh LoRA adapters (export only)
@@ -32,7 +33,8 @@ def write_job(job: dict, state) -> dict:
 
     dtype = job.get("dtype", "float32")
     model, _ = build_ms_swift_model(job["hf_dir"], getattr(torch, dtype), state.tp)
-    write_ms_swift_checkpoint(model, job["hf_dir"], job["write"], state, dtype_name=dtype)
+    write_ms_swift_checkpoint(model, job["hf_dir"], job["write"], state, dtype_name=dtype,
+                              per_layer=job.get("per_layer", False))
     return {"written": job["write"]}
 
 
