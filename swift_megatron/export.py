@@ -148,7 +148,15 @@ def _adapter_config(adapter: Optional[AdapterSource]) -> Optional["LoraConfig"]:
         return None
     from swift_megatron.lora import read_adapter_config  # imports megatron-core: only when needed
 
-    return read_adapter_config(adapter.peft_dir)
+    if adapter.peft_dir:
+        return read_adapter_config(adapter.peft_dir)
+    from swift_megatron.checkpoint import ms_swift_lora
+    from swift_megatron.checkpoint.ms_swift import read_ms_swift_checkpoint
+    from swift_megatron.lora.peft_io import config_from_peft
+
+    checkpoint = read_ms_swift_checkpoint(adapter.ms_swift)
+    config = ms_swift_lora.peft_config(checkpoint, ms_swift_lora.adapter_keys(checkpoint))
+    return config_from_peft(config, f"{adapter.ms_swift}/args.json")
 
 
 def _output(args: "ExportCommandArguments", adapter: Optional[AdapterSource]) -> Optional[str]:
@@ -209,7 +217,7 @@ def _check_output(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
         return
     check_output_dir(e.output_dir, e.exist_ok)
     out = os.path.realpath(e.output_dir)
-    adapter = inputs.adapter.peft_dir if inputs.adapter else None
+    adapter = inputs.adapter.path if inputs.adapter else None
     for source in (inputs.base.path, inputs.hf_files, adapter):
         if source and out == os.path.realpath(source):
             raise UserError(f"--output_dir {e.output_dir} is an input directory; choose another")
@@ -246,7 +254,7 @@ def _adapter_line(inputs: ExportInputs) -> str:
             "peft": "written alone in PEFT format", None: "applied"}[inputs.output]
     if inputs.merge and inputs.output == "mcore":
         what = "merged"
-    return (f"PEFT adapter {inputs.adapter.peft_dir} (r={lora.r}, alpha={lora.lora_alpha:g}, "
+    return (f"{inputs.adapter.describe()} (r={lora.r}, alpha={lora.lora_alpha:g}, "
             f"{', '.join(lora.projections())}): {what}")
 
 
@@ -603,8 +611,25 @@ def _run_precision(args: "ExportCommandArguments", inputs: ExportInputs,
 
 # ---- the command ----------------------------------------------------------------------------
 
+def _as_peft(inputs: ExportInputs, tmp_dir: str) -> ExportInputs:
+    """The inputs with an ms-swift adapter kept in its distributed checkpoint converted into a
+    PEFT directory under `tmp_dir` (each process its own: no shared file system needed)."""
+    if inputs.adapter is None or inputs.adapter.peft_dir:
+        return inputs
+    from swift_megatron.checkpoint.ms_swift import read_ms_swift_checkpoint
+    from swift_megatron.checkpoint.ms_swift_lora import write_peft_adapter
+
+    peft_dir = os.path.join(tmp_dir, "adapter")
+    write_peft_adapter(read_ms_swift_checkpoint(inputs.adapter.ms_swift), inputs.hf_config,
+                       peft_dir)
+    return dataclasses.replace(inputs, adapter=dataclasses.replace(inputs.adapter,
+                                                                   peft_dir=peft_dir))
+
+
 def run(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
     """Write and check what `args` ask for, in this process's share of the layout."""
+    import tempfile
+
     from swift_megatron.parallel.state import ParallelState
 
     p = args.parallel
@@ -613,9 +638,11 @@ def run(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
         ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
         device=args.model.device)
     try:
-        if inputs.output:
-            write_output(args, inputs, state)
-        if args.export.test_convert_precision:
-            _run_precision(args, inputs, state)
+        with tempfile.TemporaryDirectory(prefix="swift_megatron_export_") as tmp_dir:
+            inputs = _as_peft(inputs, tmp_dir)
+            if inputs.output:
+                write_output(args, inputs, state)
+            if args.export.test_convert_precision:
+                _run_precision(args, inputs, state)
     finally:
         ParallelState.destroy()

@@ -44,11 +44,23 @@ class WeightsSource:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterSource:
-    """A LoRA adapter in PEFT format and the base model it belongs to, as far as it says."""
+    """A LoRA adapter and the base model it belongs to, as far as it says. The adapter is a PEFT
+    directory, or (`ms_swift`) the LoRA tensors of an ms-swift distributed checkpoint, converted
+    to one by checkpoint/ms_swift_lora.py before loading."""
 
-    peft_dir: str
+    peft_dir: Optional[str]
     base: Optional[WeightsSource] = None   # our LoRA checkpoint: its own base weights
     base_model: Optional[str] = None       # else the base it names (args.json, adapter_config)
+    ms_swift: Optional[str] = None         # an ms-swift checkpoint holding the LoRA tensors
+
+    @property
+    def path(self) -> str:
+        return self.peft_dir or self.ms_swift
+
+    def describe(self) -> str:
+        if self.peft_dir:
+            return f"PEFT adapter {self.peft_dir}"
+        return f"ms-swift LoRA checkpoint {self.ms_swift} (converted to PEFT at load time)"
 
 
 def _read_json(path: str) -> dict:
@@ -148,10 +160,12 @@ def adapter_source(path: str, flag: str) -> AdapterSource:
         if checkpoint.tuner_type == "full":
             raise UserError(f"{flag} {path} is an ms-swift full-model checkpoint, not an adapter: "
                             "pass it as --mcore_model")
-        raise UserError(f"{flag} {path}: an ms-swift checkpoint without its PEFT adapter "
-                        f"({', '.join(ms_swift.ADAPTER_FILES)}); reading LoRA tensors from its "
-                        "distributed checkpoint is not supported: save it with ms-swift's "
-                        "--save_safetensors true (its default)")
+        if not checkpoint.has_sharded_weights:
+            raise UserError(f"{flag} {path}: an ms-swift LoRA checkpoint with neither its PEFT "
+                            f"files ({', '.join(ms_swift.ADAPTER_FILES)}) nor LoRA tensors in "
+                            f"{os.path.basename(checkpoint.iter_dir)}/")
+        return AdapterSource(None, base_model=checkpoint.base_model,
+                             ms_swift=checkpoint.directory)
     raise UserError(f"{flag} {path}: not a PEFT adapter ({', '.join(ms_swift.ADAPTER_FILES)}) nor "
                     "a LoRA checkpoint")
 

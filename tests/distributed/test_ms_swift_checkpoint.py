@@ -1,15 +1,20 @@
-"""ms-swift Megatron checkpoints (swift_megatron/checkpoint/ms_swift.py) load into our model.
+"""ms-swift Megatron checkpoints (swift_megatron/checkpoint/ms_swift.py, ms_swift_lora.py) load
+into our model. ~75 s in all.
 
-One run of two gloo processes (workers/ms_swift_layouts.py, ~40 s) writes tiny Qwen3 and
-Qwen3-MoE checkpoints the way ms-swift does (workers/ms_swift_format.py: megatron-core's
-GPTModel with Transformer Engine key names, {'model': ...} nesting, args.json, latest file,
-vocab padded to 128 x TP, a common.pt that needs ms-swift to unpickle): the dense model saved
-with TP=2, the MoE model with EP=2, and a bfloat16 dense one with TP=1. Each loads with TP=1
-(DP=2) and with TP=2 (MoE: TP=2 x ETP=2; and an MoE checkpoint with its layers stored one by
-one, as megatron does for models whose layers differ) and exports every original HF tensor bit for bit, with
-logits matching transformers; the dense one also into a model already carrying LoRA adapters. Then `megatron export` on them as a single process: --to_hf
-(float32 and bfloat16) and --to_mcore with the precision check, in one process; and the
-checkpoint kinds that are refused or resolved without loading weights.
+One run of two gloo processes (workers/ms_swift_layouts.py) writes tiny Qwen3 and Qwen3-MoE
+checkpoints the way ms-swift does (workers/ms_swift_format.py: megatron-core's GPTModel with
+Transformer Engine key names, {'model': ...} nesting, args.json, latest file, vocab padded to
+128 x TP, a common.pt that needs ms-swift to unpickle): the dense model saved with TP=2, the MoE
+model with EP=2 (and once with its layers stored one by one, as megatron does for models whose
+layers differ), a bfloat16 dense one with TP=1, and LoRA checkpoints (adapter tensors only, on
+the fused linears) with TP=2 and EP=2. Each full model loads with TP=1 (DP=2) and with TP=2 (MoE:
+TP=2 x ETP=2) and exports every original HF tensor bit for bit, with logits matching
+transformers; the dense one also loads into a model already carrying LoRA adapters.
+
+Then `megatron export` on them, in one process: --to_hf (float32, bfloat16), --to_mcore, and
+the LoRA checkpoints as --mcore_adapter (PEFT output, bit for bit the adapter they were written
+from; merged output), with the precision check; and the checkpoint kinds that are refused or
+resolved without loading weights.
 """
 import json
 import os
@@ -38,17 +43,62 @@ def models(tiny_model_dir):
     return {"dense": tiny_model_dir("qwen3"), "moe": tiny_model_dir("qwen3_moe")}
 
 
+def shared_a_adapter(hf_dir: str, out_dir) -> str:
+    """A PEFT adapter (rank 4) on every projection whose q, k, v and gate, up share one A, as
+    ms-swift's adapters on the fused linears do; random A and nonzero B."""
+    from safetensors.torch import save_file
+
+    from swift_megatron.lora import LoraConfig
+    from swift_megatron.lora.peft_io import peft_config_dict
+
+    c = json.loads(open(os.path.join(hf_dir, "config.json")).read())
+    h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], \
+        c["num_key_value_heads"] * c["head_dim"]
+    gen, tensors = torch.Generator().manual_seed(11), {}
+
+    def add(modules, a_in, outs):
+        a = torch.randn(4, a_in, generator=gen) * 0.1
+        for module, rows in zip(modules, outs):
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.clone()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = \
+                torch.randn(rows, 4, generator=gen) * 0.1
+
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        add([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"], h, [q, kv, kv])
+        add([p + "self_attn.o_proj"], q, [h])
+        mlps = [(p + f"mlp.experts.{e}.", c["moe_intermediate_size"])
+                for e in range(c["num_experts"])] if c.get("num_experts") else \
+            [(p + "mlp.", c["intermediate_size"])]
+        for mlp, ffn in mlps:
+            add([mlp + "gate_proj", mlp + "up_proj"], h, [ffn, ffn])
+            add([mlp + "down_proj"], ffn, [h])
+    os.makedirs(out_dir)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft_config_dict(LoraConfig(r=4, lora_alpha=8), targets, hf_dir)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    return str(out_dir)
+
+
 @pytest.fixture(scope="module")
 def run(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("ms_swift")
     ckpt = {"dense": str(out / "dense_tp2"), "moe": str(out / "moe_ep2"),
-            "dense_bf16": str(out / "dense_bf16"), "moe_per_layer": str(out / "moe_per_layer")}
+            "dense_bf16": str(out / "dense_bf16"), "moe_per_layer": str(out / "moe_per_layer"),
+            "lora_dense": str(out / "lora_dense_tp2"), "lora_moe": str(out / "lora_moe_ep2"),
+            "peft_dense": shared_a_adapter(models["dense"], out / "peft_dense"),
+            "peft_moe": shared_a_adapter(models["moe"], out / "peft_moe")}
     jobs = [dict(name="write_dense", hf_dir=models["dense"], write=ckpt["dense"], tp=2),
             dict(name="write_moe", hf_dir=models["moe"], write=ckpt["moe"], ep=2),
             dict(name="write_dense_bf16", hf_dir=models["dense"], write=ckpt["dense_bf16"],
                  dtype="bfloat16"),
             dict(name="write_moe_per_layer", hf_dir=models["moe"], write=ckpt["moe_per_layer"],
-                 per_layer=True)]
+                 per_layer=True),
+            dict(name="write_lora_dense", hf_dir=models["dense"], peft_dir=ckpt["peft_dense"],
+                 write_lora=ckpt["lora_dense"], tp=2),
+            dict(name="write_lora_moe", hf_dir=models["moe"], peft_dir=ckpt["peft_moe"],
+                 write_lora=ckpt["lora_moe"], ep=2)]
     jobs += [dict(name=name, hf_dir=models[kind.split("_")[0]], load=ckpt[kind], **layout)
              for name, (kind, layout) in LOADS.items()]
     jobs.append(dict(name="dense_tp2_lora", hf_dir=models["dense"], lora_load=ckpt["dense"], tp=2))
@@ -64,10 +114,17 @@ def exports(run, models, tmp_path_factory):
     weights), --to_mcore of the MoE one."""
     out = tmp_path_factory.mktemp("ms_swift_exports")
     check = ["--test_convert_precision", "true"]
-    jobs = [["dense", ["--mcore_model", run[0]["dense"], "--to_hf", "true", *check]],
-            ["dense_bf16", ["--mcore_model", run[0]["dense_bf16"], "--to_hf", "true", *check]],
-            ["moe_mcore", ["--mcore_model", run[0]["moe"], "--to_mcore", "true",
-                           "--model", models["moe"], *check]]]
+    ckpt = run[0]
+    jobs = [["dense", ["--mcore_model", ckpt["dense"], "--to_hf", "true", *check]],
+            ["dense_bf16", ["--mcore_model", ckpt["dense_bf16"], "--to_hf", "true", *check]],
+            ["moe_mcore", ["--mcore_model", ckpt["moe"], "--to_mcore", "true",
+                           "--model", models["moe"], *check]],
+            ["lora_dense_peft", ["--model", models["dense"], "--mcore_adapter", ckpt["lora_dense"],
+                                 "--to_hf", "true", "--merge_lora", "false", *check]],
+            ["lora_moe_peft", ["--model", models["moe"], "--mcore_adapter", ckpt["lora_moe"],
+                               "--to_hf", "true", "--merge_lora", "false"]],
+            ["lora_moe_merged", ["--model", models["moe"], "--mcore_adapter", ckpt["lora_moe"],
+                                 "--to_hf", "true", *check]]]
     for name, argv in jobs:
         argv += ["--output_dir", str(out / name)]
     (out / "jobs.json").write_text(json.dumps(jobs))
@@ -124,7 +181,7 @@ def test_logits_match_transformers(run, job):
 @pytest.mark.slow
 def test_exports_succeed_with_the_precision_check(exports):
     proc = exports[1]
-    assert proc.returncode == 0 and proc.stdout.count("-> PASS") == 3, \
+    assert proc.returncode == 0 and proc.stdout.count("-> PASS") == 5, \
         proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "exit=2" not in proc.stdout
     print("\n".join(line for line in proc.stdout.splitlines()
@@ -143,6 +200,21 @@ def test_to_hf_gives_the_original_tensors(exports, models, name, dtype):
 @pytest.mark.slow
 def test_to_mcore_writes_our_model_directory(exports):
     assert sorted(os.listdir(exports[0] / "moe_mcore")) == ["hf", "model", "swift_megatron.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_lora_tensors_convert_to_the_original_peft_adapter(run, exports, kind):
+    """Saved with TP=2 (dense: gate/up rows interleaved per rank) or EP=2 (MoE): A copied to
+    each projection of a fused linear and B's rows split give back the adapter bit for bit."""
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(run[0][f"peft_{kind}"], "adapter_model.safetensors"))
+    converted = load_file(str(exports[0] / f"lora_{kind}_peft" / "adapter_model.safetensors"))
+    assert sorted(converted) == sorted(original)
+    assert all(torch.equal(converted[k], original[k]) for k in original)
+    config = json.loads((exports[0] / f"lora_{kind}_peft" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8, 0.05)
 
 
 # ---- resolution (no weights loaded) -------------------------------------------------------
@@ -184,5 +256,5 @@ def test_a_lora_checkpoint_is_never_read_as_a_full_model(tmp_path):
     adapter = sources.adapter_source(path, "--mcore_adapter")
     assert (adapter.peft_dir, adapter.base_model) == (path, "m")
     os.remove(os.path.join(path, "adapter_model.safetensors"))
-    with pytest.raises(UserError, match="without its PEFT adapter"):
+    with pytest.raises(UserError, match="neither its PEFT files"):
         sources.adapter_source(path, "--mcore_adapter")

@@ -14,6 +14,8 @@ re-created per job):
     load            load this ms-swift checkpoint into our GPTModel, export it back (compared
                     with hf_dir bit for bit) and measure its logits against transformers
     lora_load       the same into a model with fresh LoRA adapters (export only)
+    write_lora      write the PEFT adapter `peft_dir` (q/k/v and gate/up sharing A) there as
+                    an ms-swift LoRA checkpoint (adapter tensors only)
     tp, ep, etp     parallel degrees (default 1)
 
 torch and megatron are imported inside the functions: megatron's checkpoint writer starts a
@@ -25,7 +27,8 @@ import json
 import os
 
 from bridge_layouts import compare_export
-from ms_swift_format import build_ms_swift_model, write_ms_swift_checkpoint
+from ms_swift_format import (build_ms_swift_model, write_ms_swift_checkpoint,
+                             write_ms_swift_lora_checkpoint)
 
 
 def write_job(job: dict, state) -> dict:
@@ -79,6 +82,9 @@ def run_job(job: dict) -> dict:
                                      etp=job.get("etp", 1), device="cpu", seed=0)
     if "write" in job:
         return write_job(job, state)
+    if "write_lora" in job:
+        write_ms_swift_lora_checkpoint(job["peft_dir"], job["hf_dir"], job["write_lora"], state)
+        return {"written": job["write_lora"]}
     return lora_load_job(job, state) if "lora_load" in job else load_job(job, state)
 
 
