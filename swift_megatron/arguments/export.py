@@ -24,9 +24,9 @@ class ExportArguments:
                                      "latest_checkpointed_iteration.txt). Its weights win over "
                                      "--model's.")
     mcore_adapter: Optional[str] = arg(None, "A LoRA checkpoint: ours (a --save iteration "
-                                       "directory of a --train_type lora run) or ms-swift's "
-                                       "(with its PEFT files). The base weights come from "
-                                       "--mcore_model, --model, or else the checkpoint.")
+                                       "directory of a --train_type lora run) or ms-swift's. The "
+                                       "base weights come from --mcore_model, --model, or else "
+                                       "the checkpoint.")
     merge_lora: Optional[bool] = arg(None, "Merge the adapter into the base weights. Default: "
                                      "true with --to_hf, false with --to_mcore (as ms-swift). "
                                      "Without --to_hf/--to_mcore, --merge_lora true writes "

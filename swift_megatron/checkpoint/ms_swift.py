@@ -30,7 +30,7 @@ megatron loads embedding and output rows with a shape mismatch allowed.
 common.pt (pickled argparse args, scheduler state) is never read: it may need ms-swift's own
 classes to unpickle. Only the sharded tensors are loaded, in any TP/PP/EP layout, whatever the
 layout they were saved with. A LoRA run's distributed checkpoint holds only the adapters
-(`_filter_adapter_state_dict`); it is read through the PEFT adapter beside it.
+(`_filter_adapter_state_dict`): checkpoint/ms_swift_lora.py reads them (or the PEFT files beside).
 """
 import dataclasses
 import json

@@ -11,8 +11,9 @@ WeightsSource into a model of any layout.
     a PEFT adapter             adapter_config.json + adapter_model.safetensors
 
 A LoRA checkpoint is never read as a full model (that would drop its adapter): ours holds the
-adapter in DIR/adapter (PEFT) beside the base weights, ms-swift's the PEFT files beside its
-distributed checkpoint (which holds only the adapter tensors).
+adapter in DIR/adapter (PEFT) beside the base weights; ms-swift's holds only the adapter tensors
+in its distributed checkpoint (converted by checkpoint/ms_swift_lora.py), and usually the same
+adapter as PEFT files beside it (read first).
 """
 import dataclasses
 import json
