@@ -26,9 +26,10 @@ class ParallelArguments:
                                   "and dropout run on sequence shards.")
     use_distributed_optimizer: bool = arg(True, "Shard optimizer state across data-parallel "
                                           "ranks (Megatron's distributed optimizer).")
-    recompute_granularity: Optional[str] = arg(None, "Activation recomputation: full (whole "
-                                               "layers) or selective (attention core only).",
-                                               choices=["full", "selective"])
+    recompute_granularity: Optional[str] = arg("selective", "Activation recomputation: full "
+                                               "(whole layers), selective (the attention core "
+                                               "only) or none.",
+                                               choices=["full", "selective", "none"])
     recompute_method: Optional[str] = arg(None, "With --recompute_granularity full: uniform or "
                                           "block.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "With --recompute_granularity full: layers "
@@ -42,7 +43,11 @@ class ParallelArguments:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise UserError("--sequence_parallel true needs --tensor_model_parallel_size > 1")
+            self.adjustments = ["--sequence_parallel true needs --tensor_model_parallel_size > 1: "
+                                "turned off (as ms-swift does)"]
+            self.sequence_parallel = False
+        if self.recompute_granularity == "none":
+            self.recompute_granularity = None
         if self.recompute_granularity == "full" and self.recompute_method is None:
             self.recompute_method, self.recompute_num_layers = "uniform", self.recompute_num_layers or 1
         if self.recompute_method and self.recompute_granularity != "full":

@@ -26,8 +26,9 @@ def grpo_flags(model: str, dataset: str, out: str, train_iters: int) -> List[str
             "--reward_funcs", "digit_ratio", "contains_answer", "--reward_weights", "1", "0",
             "--num_generations", "8", "--global_batch_size", "64", "--micro_batch_size", "8",
             "--max_completion_length", "12", "--train_iters", str(train_iters), "--beta", "0",
-            "--lr", "3e-3", "--lr_decay_style", "constant", "--report_to", "none",
-            "--output_dir", out]
+            "--lr", "3e-3", "--lr_decay_style", "constant", "--temperature", "1.0",
+            "--report_to", "none", "--logging_steps", "1", "--output_dir", out,
+            "--add_version", "false"]
 
 
 def _megatron(argv: List[str]) -> None:

@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
 from swift_megatron.parallel.layout import num_experts
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED = SUPPORTED_MODEL_TYPES
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -62,10 +63,20 @@ def rope_parameters(hf: Mapping) -> Dict[str, Any]:
     return params
 
 
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
+
+
 def _check_supported(hf: Mapping, model_type: str) -> None:
     if model_type not in SUPPORTED:
         raise UserError(f"model_type '{model_type}' is not supported; supported: "
                         f"{', '.join(SUPPORTED)}")
+    required = _REQUIRED + (_REQUIRED_MOE if model_type == "qwen3_moe" else ())
+    missing = [key for key in required if hf.get(key) is None]
+    if missing:
+        raise UserError(f"config.json lacks {', '.join(missing)} (needed for a {model_type} "
+                        f"model); is the checkpoint complete?")
     rope = rope_parameters(hf)
     if rope["rope_type"] not in ("default", "llama3"):
         raise UserError(f"rope type '{rope['rope_type']}' is not supported (default, llama3)")

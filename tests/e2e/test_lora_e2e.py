@@ -33,7 +33,7 @@ def run(tiny_model_dir, math_dataset_path, tmp_path_factory):
              "--lora_rank", 4, "--lora_alpha", 8, "--external_plugins", PLUGIN,
              "--reward_funcs", "digit_ratio", "--num_generations", 4, "--global_batch_size", 16,
              "--micro_batch_size", 4, "--max_completion_length", 16, "--train_iters", 2,
-             "--beta", 0.04, "--lr", 5e-3, "--report_to", "none", "--save", root / "ckpt",
+             "--beta", 0.04, "--lr", 5e-3, "--report_to", "none", "--add_version", "false", "--save", root / "ckpt",
              "--output_dir", root / "out")
     return model, root
 

@@ -36,7 +36,7 @@ def base(tiny_model_dir, math_dataset_path):
             "--external_plugins", PLUGIN, "--reward_funcs", "digit_ratio", "contains_answer",
             "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
             "--max_completion_length", "16", "--beta", "0.1", "--lr", "1e-3", "--report_to", "none",
-            "--log_interval", "1"]
+            "--logging_steps", "1", "--add_version", "false"]
 
 
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):

@@ -178,7 +178,7 @@ def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
            os.path.join(REPO, "swift_megatron", "demo", "rewards.py"),
            "--reward_funcs", "digit_ratio", "--num_generations", "4", "--global_batch_size", "16",
            "--micro_batch_size", "2", "--max_completion_length", "16", "--lr", "1e-3",
-           "--train_iters", "2", "--report_to", "none", "--log_interval", "1",
+           "--train_iters", "2", "--report_to", "none", "--log_interval", "1", "--add_version", "false",
            "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
            "--vllm_server_port", port, "--weight_sync_bucket_mb", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",

@@ -15,12 +15,16 @@ import torch
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.bridge import Bridge
+from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
+from swift_megatron.checkpoint.layout import load_model_dir
+from swift_megatron.checkpoint.start import Start
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
 from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
 from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
+from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
@@ -73,12 +77,18 @@ def _config_overrides(args: RlhfArguments) -> dict:
                 recompute_num_layers=p.recompute_num_layers)
 
 
-def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype):
+def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype,
+                weights_dir: Optional[str]):
+    """The model of this stage with the base weights: from `weights_dir` (a Megatron model
+    directory, --mcore_model) or else from the HF checkpoint through the bridge."""
     model, config, shape = build_model(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=args.model.model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
-    bridge.load(model, model_dir)
+    if weights_dir:
+        load_model_dir([model], weights_dir)
+    else:
+        bridge.load(model, model_dir)
     return model, config, bridge
 
 
@@ -89,23 +99,25 @@ def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
     return max(batches, 1) * plan.steps_per_generation
 
 
-def attach_lora(args: RlhfArguments, model, bridge: Bridge) -> Optional[LoraConfig]:
-    """--train_type lora: wrap the targeted linears with adapters (new, or --adapters' PEFT
-    adapter to continue) and freeze everything else; before DDP wrapping."""
+def attach_lora(args: RlhfArguments, model, bridge: Bridge,
+                adapter_dir: Optional[str]) -> Optional[LoraConfig]:
+    """--train_type lora: wrap the targeted linears with adapters (new, or the PEFT adapter of
+    --adapters / --mcore_adapter to continue) and freeze everything else; before DDP wrapping."""
     if args.training.train_type != "lora":
         return None
-    if args.lora.adapters:
-        return load_adapter(model, args.lora.adapters[0], bridge.mappings)
+    if adapter_dir:
+        return load_adapter(model, adapter_dir, bridge.mappings)
     config = LoraConfig.from_arguments(args.lora, seed=args.training.seed)
     apply_lora(model, config, bridge.mappings)
     return config
 
 
-def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int) -> Policy:
+def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int,
+           start: Start) -> Policy:
     hf_config = load_hf_config(model_dir)
     dtype = training_dtype(args, hf_config, state.device)
-    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype)
-    lora = attach_lora(args, model, bridge)
+    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, start.weights_dir)
+    lora = attach_lora(args, model, bridge, start.adapter_dir)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
     t = args.training
     settings = OptimizerSettings(
@@ -118,12 +130,15 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
-def reference(args: RlhfArguments, state: ParallelState, pol: Policy) -> Optional[List[torch.nn.Module]]:
-    """A frozen copy of the initial policy, only when the KL term needs it (beta > 0) and the
-    policy is not LoRA (then the reference is the policy with its adapters disabled)."""
+def reference(args: RlhfArguments, state: ParallelState, pol: Policy,
+              start: Start) -> Optional[List[torch.nn.Module]]:
+    """A frozen copy of the initial weights (--model or --mcore_model), only when the KL term
+    needs it (beta > 0) and the policy is not LoRA (then the reference is the policy with its
+    adapters disabled)."""
     if args.grpo.beta == 0 or pol.lora is not None:
         return None
-    model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype)
+    model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype,
+                              start.weights_dir)
     model.eval().requires_grad_(False)
     return [model]
 
@@ -224,15 +239,39 @@ def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:
 
 
 def output_dir(args: RlhfArguments, state: ParallelState) -> str:
-    """--output_dir, else --save, else output/<model>-<time> (chosen on rank 0, shared)."""
+    """--output_dir (default megatron_output/<model name>), inside a new v<N>-<time> directory
+    unless --add_version false, as ms-swift; chosen on rank 0 and shared."""
     import torch.distributed as dist
 
-    chosen = [args.training.output_dir or args.training.save or os.path.join(
-        "output", f"{os.path.basename(os.path.normpath(args.model.model))}-{time.strftime('%Y%m%d-%H%M%S')}")]
+    t = args.training
+    base = t.output_dir or os.path.join("megatron_output", _model_name(args))
+    chosen = [versioned(base) if t.add_version else base]
     dist.broadcast_object_list(chosen, src=0)
     if state.rank == 0:
         os.makedirs(chosen[0], exist_ok=True)
     return chosen[0]
+
+
+def _model_name(args: RlhfArguments) -> str:
+    source = args.model.model or args.training.mcore_model
+    return os.path.basename(os.path.normpath(source))
+
+
+def versioned(base: str) -> str:
+    """base/v<N>-<YYYYMMDD-HHMMSS>, N one more than the highest existing version."""
+    versions = [int(name[1:].split("-")[0]) for name in os.listdir(base)
+                if name.startswith("v") and name[1:].split("-")[0].isdigit()] \
+        if os.path.isdir(base) else []
+    return os.path.join(base, f"v{max(versions, default=-1) + 1}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def eval_steps(args: RlhfArguments, has_validation: bool) -> Optional[int]:
+    """--eval_steps, by default --save_steps when there are validation prompts (ms-swift)."""
+    t = args.training
+    if t.eval_steps and not has_validation:
+        raise UserError("--eval_steps needs validation prompts: pass --val_dataset or "
+                        "--split_dataset_ratio")
+    return t.eval_steps or (t.save_steps if has_validation else None)
 
 
 def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dict):
@@ -242,5 +281,12 @@ def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dic
     return metrics, completions
 
 
-def model_dir(args: RlhfArguments) -> str:
-    return resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+def model_dir(args: RlhfArguments, start: Start) -> str:
+    """The HF directory of config and tokenizer: --model (downloaded for a hub id; checked with
+    --check_model), else the HF files kept in --mcore_model's directory."""
+    if args.model.model is None:
+        return layout_hf_dir(start.weights_dir)
+    directory = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+    if args.model.check_model and start.weights_dir is None:
+        check_model_dir(directory)
+    return directory

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.checkpoint.trainer import (adam_step, load_checkpoint, resolve_load_dir,
-                                               save_checkpoint)
-from swift_megatron.errors import UserError, WeightSyncError
+from swift_megatron.checkpoint import run as run_checkpoint
+from swift_megatron.checkpoint.start import plan_start
+from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
+from swift_megatron.errors import WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
@@ -44,16 +45,15 @@ class GRPOTrainer:
     def __init__(self, args: RlhfArguments, plan: BatchPlan):
         self.args, self.plan = args, plan
         self.state = build.parallel_state(args)
-        model_dir = build.model_dir(args)
+        start = plan_start(args.training, args.lora)
+        model_dir = build.model_dir(args, start)
         self.tokenizer = build.tokenizer(model_dir)
         hf_config = load_hf_config(model_dir)
         self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config)
-        if args.training.eval_interval and not self.val_prompts:
-            raise UserError("--eval_interval needs validation prompts: pass --val_dataset or "
-                            "--split_dataset_ratio")
+        self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
-        self.policy = build.policy(args, self.state, model_dir, self.train_iters)
-        self.reference = build.reference(args, self.state, self.policy)
+        self.policy = build.policy(args, self.state, model_dir, self.train_iters, start)
+        self.reference = build.reference(args, self.state, self.policy, start)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
         self.offloaders = build.offloaders(args, self.state, self.policy, self.reference)
@@ -62,11 +62,12 @@ class GRPOTrainer:
                                          self.reward_funcs, fresh)
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
+        self.save_dir = args.training.save or self.output_dir
         self.metrics_log, self.completions_log = build.loggers(args, self.state, self.output_dir,
                                                                {"plan": vars(plan)})
         self.step = 0
-        if args.training.load:
-            self._resume(args.training.load)
+        if start.resume_dir:
+            self._resume(start.resume_dir)
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> Dict[str, float]:
@@ -78,16 +79,16 @@ class GRPOTrainer:
         t = self.args.training
         for _ in progress(range(batches), desc="GRPO"):
             metrics = self.train_rollout_batch()
-            if self._crossed(t.eval_interval):
+            if self._crossed(self.eval_steps):
                 metrics.update(self.evaluate())
-            if self._crossed(t.log_interval):
+            if self._crossed(t.logging_steps):
                 self.metrics_log.log(self.step, metrics)
-            if t.save and self._crossed(t.save_interval):
-                self.save()
+            if self._crossed(t.save_steps):
+                self.save(metrics)
             if t.exit_interval and self.step >= t.exit_interval:
                 break
-        if t.save and self._saved_step != self.step:
-            self.save()
+        if self._saved_step != self.step:
+            self.save(metrics)
         if self.step >= self.train_iters:
             self.export_final()
         self.close()
@@ -294,7 +295,9 @@ class GRPOTrainer:
     # ---- checkpoints -----------------------------------------------------------------------
     _saved_step = -1
 
-    def save(self) -> None:
+    def save(self, metrics: Dict[str, float]) -> None:
+        """A resumable checkpoint, the HF copies --save_safetensors asks for, then the rotation
+        of --save_total_limit (checkpoint/run.py). Collective."""
         t, pol = self.args.training, self.policy
         state = {"step": self.step, "train_iters": self.train_iters,
                  "adam_step": adam_step(pol.optimizer),
@@ -302,17 +305,35 @@ class GRPOTrainer:
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
                                "etp": self.state.etp}}
-        path = save_checkpoint(t.save, self.step, pol.chunks, pol.optimizer, state,
+        path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
                                write_extra=self._save_adapter)
+        if t.save_safetensors:
+            self._save_hf_copies()
+        reward = metrics.get("reward/mean")
+        run_checkpoint.on_rank0(lambda: (run_checkpoint.record_best(self.save_dir, self.step, reward),
+                                         run_checkpoint.rotate(self.save_dir, t.save_total_limit)))
         self._saved_step = self.step
         logger.info(f"saved checkpoint {path}")
 
-    def _resume(self, load: str) -> None:
-        directory = resolve_load_dir(load)
-        pol = self.policy
-        state = load_checkpoint(directory, pol.chunks, pol.optimizer)
+    def _save_hf_copies(self) -> None:
+        """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
+        checkpoint-<step>-merged with --merge_lora)."""
+        pol, chunk = self.policy, self.policy.chunks[0]
+        directory = run_checkpoint.hf_dir(self.save_dir, self.step)
+        if pol.lora is None:
+            pol.bridge.save_hf(chunk, directory, source_dir=pol.model_dir, exist_ok=True)
+            return
+        save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
+        if self.args.training.merge_lora:
+            pol.bridge.save_hf(chunk, run_checkpoint.hf_dir(self.save_dir, self.step, merged=True),
+                               source_dir=pol.model_dir, exist_ok=True)
+
+    def _resume(self, directory: str) -> None:
+        t, pol = self.args.training, self.policy
+        state = load_checkpoint(directory, pol.chunks, pol.optimizer,
+                                load_optim=not t.no_load_optim, load_rng=not t.no_load_rng)
         if state is None:
             logger.info(f"initialised the policy from {directory} (weights only)")
             return
@@ -330,13 +351,23 @@ class GRPOTrainer:
 
     def export_final(self) -> None:
         """The trained policy as an HF checkpoint: {output_dir}/final_hf (adapters merged), and
-        with LoRA also the adapter in PEFT format: {output_dir}/final_adapter."""
+        with LoRA also the adapter in PEFT format: {output_dir}/final_adapter. Files the final
+        save already wrote are hard-linked, not written twice."""
         pol = self.policy
-        pol.bridge.save_hf(pol.chunks[0], os.path.join(self.output_dir, "final_hf"),
-                           source_dir=pol.model_dir, exist_ok=True)
-        if pol.lora is not None:
-            save_adapter(unwrap(pol.chunks[0]), os.path.join(self.output_dir, "final_adapter"),
-                         pol.model_dir, pol.lora)
+        merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=pol.lora is not None)
+        final_hf = os.path.join(self.output_dir, "final_hf")
+        if self._saved_step == self.step and os.path.isdir(merged):
+            run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
+        else:
+            pol.bridge.save_hf(pol.chunks[0], final_hf, source_dir=pol.model_dir, exist_ok=True)
+        if pol.lora is None:
+            return
+        adapter = run_checkpoint.hf_dir(self.save_dir, self.step)
+        final_adapter = os.path.join(self.output_dir, "final_adapter")
+        if self._saved_step == self.step and os.path.isdir(adapter):
+            run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(adapter, final_adapter))
+        else:
+            save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora)
 
     def close(self) -> None:
         self.metrics_log.close()
