@@ -82,25 +82,35 @@ def register_reward(name):
     function's own name. Built-in names cannot be taken."""
     if callable(name) and not isinstance(name, str):
         return register_reward(name.__name__)(name)
-    if not isinstance(name, str) or not name.strip():
-        raise UserError(f"register_reward needs a non-empty name, got {name!r}")
+    _check_name(name, "register_reward")
 
     def decorator(obj):
-        if not callable(obj):
-            raise UserError(f"@register_reward({name!r}) must decorate a function or class, "
-                            f"got {type(obj).__name__}")
-        _ensure_builtins()
-        if name in _BUILTINS:
-            raise UserError(f"@register_reward({name!r}): {name!r} is a built-in reward; "
-                            f"register yours under another name")
-        old = _REGISTERED.get(name)
-        if old is not None and old is not obj and _source(old) != _source(obj):
-            logger.warning(f"reward {name!r} registered again (by {_source(obj)}); it replaces "
-                           f"the one from {_source(old)}")
-        _REGISTERED[name] = obj
+        add_reward(name, obj, f"@register_reward({name!r})")
         return obj
 
     return decorator
+
+
+def add_reward(name: str, obj: Any, how: str) -> None:
+    """Register `obj` (a function, or a class whose instances are callable) under `name`; `how`
+    says how the plugin asked (e.g. "@register_reward('x')" or "orms['x']") in errors. Built-in
+    names cannot be taken; registering a name again replaces it, with a warning."""
+    _check_name(name, how)
+    if not callable(obj):
+        raise UserError(f"{how}: expected a function or a class, got {type(obj).__name__}")
+    _ensure_builtins()
+    if name in _BUILTINS:
+        raise UserError(f"{how}: {name!r} is a built-in reward; register yours under another name")
+    old = _REGISTERED.get(name)
+    if old is not None and old is not obj and _source(old) != _source(obj):
+        logger.warning(f"reward {name!r} registered again (by {_source(obj)}); it replaces "
+                       f"the one from {_source(old)}")
+    _REGISTERED[name] = obj
+
+
+def _check_name(name: Any, how: str) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"{how} needs a non-empty name, got {name!r}")
 
 
 def _register_builtin(name: str):
