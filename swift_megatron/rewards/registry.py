@@ -20,6 +20,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from swift_megatron.compat.ms_swift.shim import explain_late_import
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 
@@ -188,7 +189,13 @@ def instantiate_reward(name: str, obj: Any, config: RewardConfig,
                             f"parameter {p.name!r} is not one swift-megatron provides (config, "
                             f"{', '.join(f.name for f in fields(RewardConfig))}"
                             f"{''.join(', ' + k for k in init_kwargs)}) and has no default")
-    instance = obj(**kwargs)
+    try:
+        instance = obj(**kwargs)
+    except ImportError as error:
+        explained = explain_late_import(error, f"reward {name!r}: creating {obj.__name__}")
+        if explained is None:
+            raise
+        raise explained from error
     if not callable(instance):
         raise UserError(f"reward {name!r}: instances of {obj.__name__} are not callable; define "
                         f"__call__(self, completions, **kwargs)")

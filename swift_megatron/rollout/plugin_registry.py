@@ -36,8 +36,7 @@ class PluginRegistry:
         if not inspect.isclass(cls):
             raise UserError(f"{source}: {self.what} {name!r} must be a class, got "
                             f"{type(cls).__name__}")
-        old = self._classes.get(name)
-        if old is not None and old is not cls:
+        if name in self._classes and self._sources[name] != source:
             logger.warning(f"{self.what} {name!r} registered again (by {source}); it replaces "
                            f"the one from {self._sources[name]}")
         self._classes[name], self._sources[name] = cls, source

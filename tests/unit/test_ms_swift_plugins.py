@@ -163,6 +163,20 @@ def test_missing_name_is_explained(tmp_path):
     assert swift_modules() == {}
 
 
+def test_import_of_swift_after_loading_is_explained(tmp_path):
+    modules = load_plugins([write(tmp_path, "late.py", """
+        from swift.rewards import ORM, orms
+        class Late(ORM):
+            def __init__(self, args=None, **kwargs):
+                super().__init__(args)
+                from swift.rewards.orm import ORM as again
+        orms["late"] = Late
+    """)])
+    with pytest.raises(UserError, match=r"^reward 'late': creating Late failed: No module named "
+                                        r"'swift'\. .*import it at the top of the plugin file"):
+        resolve_reward_funcs(["late"], modules, RewardConfig())
+
+
 def test_failed_import_leaves_no_swift_and_registers_nothing(tmp_path):
     path = write(tmp_path, "fails.py", """
         from swift.rewards import ORM, orms

@@ -20,7 +20,7 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, Optional
 
 from swift_megatron.compat.ms_swift import protocol, rewards, rollout, runtime, utils
 from swift_megatron.errors import UserError
@@ -153,6 +153,16 @@ def plugin_api(source: str) -> Iterator[None]:
     register_additions({key: {name: obj for name, obj in registry.items()
                               if before[key].get(name) is not obj}
                         for key, registry in registries.items()}, source)
+
+
+def explain_late_import(error: ImportError, what: str) -> Optional[UserError]:
+    """A UserError for `what` (e.g. "reward 'x': creating X") failing to import part of ms-swift
+    after its plugin was loaded, when the stand-in is gone; None for other import errors."""
+    if not _is_swift(error.name or "") or ms_swift_installed():
+        return None
+    return UserError(f"{what} failed: {error}. Without ms-swift, its plugin API exists only while "
+                     f"plugin files are imported: import it at the top of the plugin file, or "
+                     f"install ms-swift")
 
 
 def register_additions(added: Registries, source: str) -> None:
