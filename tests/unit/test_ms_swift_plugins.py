@@ -163,6 +163,23 @@ def test_missing_name_is_explained(tmp_path):
     assert swift_modules() == {}
 
 
+def test_rlhf_flags_reach_orm_as_args(tmp_path):
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.rlhf.grpo import components
+
+    path = write(tmp_path, "every_name.py", EVERY_NAME)
+    args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", "--external_plugins", path,
+                                         "--reward_funcs", "length", "slow",
+                                         "--max_completion_length", "8", "--num_generations", "2"],
+                         "megatron rlhf")
+    (_, length), (_, slow) = components.rewards(args)
+    assert (length.args.max_completion_length, length.args.num_generations) == (8, 2)
+    assert (length.args.model, length.args.external_plugins) == ("m", [path])
+    assert vars(slow.args) == vars(length.args)
+    assert compute_rewards([("length", length)], ["abcd"]) == [[0.5]]
+
+
 def test_import_of_swift_after_loading_is_explained(tmp_path):
     modules = load_plugins([write(tmp_path, "late.py", """
         from swift.rewards import ORM, orms
