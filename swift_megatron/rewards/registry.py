@@ -312,8 +312,8 @@ def compute_rewards(funcs: Sequence[Any], completions: List[str],
     for key, value in columns.items():
         if isinstance(value, (list, tuple)) and len(value) != n:
             raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
-    named = [item if isinstance(item, (tuple, list)) else (getattr(item, "__name__", repr(item)), item)
-             for item in funcs]
+    named = [item if isinstance(item, (tuple, list))
+             else (getattr(item, "__name__", repr(item)), item) for item in funcs]
     outputs, pending = {}, {}
     try:
         for index, (name, fn) in enumerate(named):

@@ -129,7 +129,8 @@ def test_every_name_imports_and_registrations_reach_our_registries(tmp_path):
     assert GYM_ENVS.lookup("echo") is module.Echo
     assert SCHEDULERS.lookup("tips") is module.Tips
     assert RM_PLUGINS.lookup("judge") is module.JudgePlugin
-    assert issubclass(module.Echo, rollout.Env) and issubclass(module.Tips, rollout.MultiTurnScheduler)
+    assert issubclass(module.Echo, rollout.Env)
+    assert issubclass(module.Tips, rollout.MultiTurnScheduler)
     assert module.orms["length"] is module.LengthReward  # the plugin keeps its references
     assert isinstance(module.logger, logging.Logger)
 
@@ -169,10 +170,9 @@ def test_rlhf_flags_reach_orm_as_args(tmp_path):
     from swift_megatron.rlhf.grpo import components
 
     path = write(tmp_path, "every_name.py", EVERY_NAME)
-    args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", "--external_plugins", path,
-                                         "--reward_funcs", "length", "slow",
-                                         "--max_completion_length", "8", "--num_generations", "2"],
-                         "megatron rlhf")
+    argv = ["--model", "m", "--dataset", "d", "--external_plugins", path, "--reward_funcs",
+            "length", "slow", "--max_completion_length", "8", "--num_generations", "2"]
+    args = parse_command(RlhfArguments, argv, "megatron rlhf")
     (_, length), (_, slow) = components.rewards(args)
     assert (length.args.max_completion_length, length.args.num_generations) == (8, 2)
     assert (length.args.model, length.args.external_plugins) == ("m", [path])
@@ -219,7 +219,8 @@ def test_builtin_name_and_bad_registrations(tmp_path):
         from swift.rollout.gym_env import envs
         envs["bad"] = lambda config: None
     """)
-    with pytest.raises(UserError, match=r"not_class\.py.*gym env 'bad' must be a class, got function"):
+    with pytest.raises(UserError, match=r"not_class\.py.*gym env 'bad' must be a class, got "
+                                        r"function"):
         load_plugins([not_class])
     not_callable = write(tmp_path, "not_callable.py", """
         from swift.rewards import orms
@@ -265,7 +266,8 @@ def test_scheduler_defaults_and_run_needs_multi_turn_support():
         pass
 
     scheduler = Tips(max_turns=2, tokenizer="tok")
-    choice = protocol.ChatCompletionResponseChoice(0, protocol.ChatMessage("assistant", "hi"), "stop")
+    message = protocol.ChatMessage("assistant", "hi")
+    choice = protocol.ChatCompletionResponseChoice(0, message, "stop")
     request = protocol.RolloutInferRequest(messages=[{"role": "user", "content": "q"}])
     assert scheduler.tokenizer == "tok" and scheduler.engine is None
     assert [scheduler.check_finished(request, choice, turn) for turn in (1, 2)] == [False, True]
@@ -344,22 +346,22 @@ def test_reward_columns_carry_ms_swift_names(tmp_path):
                                 [{"role": "user", "content": "2+2?"},
                                  {"role": "assistant", "content": "4"}]]
     assert seen["trainer_state"] == TrainerState(3, 10)
-    assert {k: seen[k] for k in ("prompt_id", "finish_reason", "is_truncated", "truncated",
-                                 "response_token_ids", "completion_ids", "prompts", "solution")} == {
+    seen["messages"][0][0]["content"] = "changed"  # a reward cannot alter the prompt
+    assert prompts[0].messages[0]["content"] == "2+2?"
+    del seen["messages"], seen["trainer_state"]
+    assert seen == {
         "prompt_id": [30, 30], "finish_reason": ["stop", "length"],
         "is_truncated": [False, True], "truncated": [False, True],
         "response_token_ids": [[[5, 6]], [[7]]], "completion_ids": [[5, 6], [7]],
         "prompts": ["<q>", "<q>"], "solution": ["4", "4"]}
-    seen["messages"][0][0]["content"] = "changed"  # a reward cannot alter the prompt
-    assert prompts[0].messages[0]["content"] == "2+2?"
 
 
 def test_function_without_kwargs_gets_only_its_columns():
     def exact(completions, solution):
         return [float(c == s) for c, s in zip(completions, solution)]
 
-    columns = reward_columns([Prompt(0, "q", [1], [{"role": "user", "content": "q"}], {"solution": "4"})],
-                             [0], [Completion([1], None, "stop")], ["4"], TrainerState())
+    prompt = Prompt(0, "q", [1], [{"role": "user", "content": "q"}], {"solution": "4"})
+    columns = reward_columns([prompt], [0], [Completion([1], None, "stop")], ["4"], TrainerState())
     assert compute_rewards([("exact", exact)], ["4"], **columns) == [[1.0]]
 
 
@@ -590,7 +592,8 @@ def math_verify_or_fallback(monkeypatch):
         monkeypatch.setitem(sys.modules, "math_verify", stub)
 
 
-@pytest.mark.skipif(not os.path.isfile(MS_SWIFT_PLUGIN), reason="ms-swift's example plugin is absent")
+@pytest.mark.skipif(not os.path.isfile(MS_SWIFT_PLUGIN),
+                    reason="ms-swift's example plugin is absent")
 def test_ms_swift_example_plugin(math_verify_or_fallback):
     modules = load_plugins([MS_SWIFT_PLUGIN])
     assert swift_modules() == {}

@@ -75,8 +75,8 @@ class RolloutScheduler(ABC):
 class MultiTurnScheduler(RolloutScheduler, ABC):
     """A multi-turn scheduler: override `step` (and optionally `check_finished`), or `run`."""
 
-    def step(self, infer_request: RolloutInferRequest, response_choice: ChatCompletionResponseChoice,
-             current_turn: int) -> Dict[str, Any]:
+    def step(self, infer_request: RolloutInferRequest,
+             response_choice: ChatCompletionResponseChoice, current_turn: int) -> Dict[str, Any]:
         """The next turn's request: {"infer_request": ..., optional "response_token_ids",
         "response_loss_mask", "rollout_logprobs", "rollout_infos"}."""
         raise NotImplementedError(f"{type(self).__name__} must implement step() or override run()")

@@ -167,6 +167,7 @@ def explain_late_import(error: ImportError, what: str) -> Optional[UserError]:
 
 def register_additions(added: Registries, source: str) -> None:
     """Register the entries a plugin added, per ms-swift registry name, with ours."""
+    # imported here: the reward registry imports this module
     from swift_megatron.rewards.registry import add_reward
     from swift_megatron.rollout.plugin_registry import GYM_ENVS, RM_PLUGINS, SCHEDULERS
 

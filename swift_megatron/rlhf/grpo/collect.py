@@ -164,8 +164,8 @@ def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completi
     columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
     truncated = [c.truncated for c in completions]
     return dict(
-        columns, prompts=[p.text for p in prompts], completion_ids=[c.token_ids for c in completions],
-        truncated=truncated, is_truncated=list(truncated),
+        columns, prompts=[p.text for p in prompts],
+        completion_ids=[c.token_ids for c in completions], truncated=truncated, is_truncated=list(truncated),
         messages=[[dict(m) for m in p.messages] + [{"role": "assistant", "content": text}]
                   for p, text in zip(prompts, texts)],
         prompt_id=list(group_ids), finish_reason=[c.finish_reason for c in completions],
