@@ -9,7 +9,7 @@ tensor, keyed by group id, so nothing depends on rank order.
 """
 import dataclasses
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,16 @@ class CollectSettings:
     max_resample_times: int
 
 
+@dataclasses.dataclass
+class TrainerState:
+    """What reward functions see of the trainer (ms-swift's `trainer_state` keyword argument):
+    optimizer steps done before this rollout, and the steps of the whole run. The trainer keeps
+    them current (`collector.trainer_state.global_step = step`)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
 class RolloutCollector:
     def __init__(self, engine: RolloutEngine, reward_funcs: Sequence[Tuple[str, Callable]],
                  tokenizer, settings: CollectSettings, mp_group, dp_group,
@@ -43,6 +53,7 @@ class RolloutCollector:
         self.engine, self.reward_funcs, self.tokenizer = engine, list(reward_funcs), tokenizer
         self.settings, self.mp_group, self.dp_group = settings, mp_group, dp_group
         self.resample_source, self.device = resample_source, device
+        self.trainer_state = TrainerState()
 
     # ---- generation and scoring, shared by the ranks of one model replica ----------------
     def _share(self, count: int) -> slice:
@@ -72,11 +83,8 @@ class RolloutCollector:
             return []
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions],
                                             skip_special_tokens=True)
-        columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
-        per_func = compute_rewards(
-            self.reward_funcs, texts, prompts=[p.text for p in prompts],
-            completion_ids=[c.token_ids for c in completions],
-            truncated=[c.truncated for c in completions], **columns)
+        per_func = compute_rewards(self.reward_funcs, texts, **reward_columns(
+            prompts, group_ids, completions, texts, self.trainer_state))
         samples = []
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             rewards = [values[row] for values in per_func]
@@ -143,6 +151,25 @@ class RolloutCollector:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.all_reduce(tensor, op=op, group=group)
         return int(tensor.item())
+
+
+def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completions,
+                   texts: Sequence[str], trainer_state: TrainerState) -> Dict[str, Any]:
+    """The keyword arguments of the reward functions, one list entry per completion: the dataset
+    columns; our names (prompts, completion_ids, truncated); ms-swift's names (messages: the
+    prompt's chat turns plus the completion as the last assistant turn, prompt_id: the group id
+    shared by one prompt's completions, finish_reason, is_truncated, response_token_ids: the
+    token ids per turn, here one turn), and trainer_state, one object for the batch. Names the
+    trainer provides win over dataset columns of the same name."""
+    columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
+    truncated = [c.truncated for c in completions]
+    return dict(
+        columns, prompts=[p.text for p in prompts],
+        completion_ids=[c.token_ids for c in completions], truncated=truncated, is_truncated=list(truncated),
+        messages=[[dict(m) for m in p.messages] + [{"role": "assistant", "content": text}]
+                  for p, text in zip(prompts, texts)],
+        prompt_id=list(group_ids), finish_reason=[c.finish_reason for c in completions],
+        response_token_ids=[[list(c.token_ids)] for c in completions], trainer_state=trainer_state)
 
 
 def _request_seed(seed: int, group_id: int, sample: int) -> int:

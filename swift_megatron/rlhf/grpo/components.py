@@ -18,6 +18,7 @@ from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
 from swift_megatron.checkpoint.layout import load_model_dir
 from swift_megatron.checkpoint.start import Start
+from swift_megatron.compat.ms_swift import flat_args
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
@@ -205,11 +206,15 @@ def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference
 
 
 def rewards(args: RlhfArguments):
+    """--reward_funcs as [(name, callable)], after importing --external_plugins. Reward classes
+    get, besides their RewardConfig values, `args`: every flag of the run as an attribute (what
+    ms-swift's ORM classes receive)."""
     g = args.grpo
     if not g.reward_funcs:
         raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
     plugins = load_plugins(g.external_plugins)
-    return resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g))
+    return resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
+                                init_kwargs={"args": flat_args(args)})
 
 
 def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
