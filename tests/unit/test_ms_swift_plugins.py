@@ -312,12 +312,38 @@ def test_utils_get_logger_and_to_device(tmp_path):
 
 
 def test_flat_args():
-    groups = SimpleNamespace(grpo=SimpleNamespace(beta=0.1, num_generations=4),
-                             model=SimpleNamespace(model="dir"))
-    assert vars(flat_args(groups)) == {"beta": 0.1, "num_generations": 4, "model": "dir"}
-    groups.data = SimpleNamespace(beta=1)
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Grpo:
+        beta: float = 0.1
+        num_generations: int = 4
+
+    @dataclasses.dataclass
+    class Model:
+        model: str = "dir"
+
+    @dataclasses.dataclass
+    class Command:
+        grpo: Grpo
+        model: Model
+        explicit: frozenset = dataclasses.field(default=frozenset(), init=False)
+
+    command = Command(Grpo(), Model())
+    command.grpo.adjustments = ["not a flag"]
+    assert vars(flat_args(command)) == {"beta": 0.1, "num_generations": 4, "model": "dir"}
+
+    @dataclasses.dataclass
+    class Data:
+        beta: int = 1
+
+    @dataclasses.dataclass
+    class Clash:
+        grpo: Grpo
+        data: Data
+
     with pytest.raises(ValueError, match="flag 'beta' is defined by two argument groups"):
-        flat_args(groups)
+        flat_args(Clash(Grpo(), Data()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +380,12 @@ def test_reward_columns_carry_ms_swift_names(tmp_path):
         "is_truncated": [False, True], "truncated": [False, True],
         "response_token_ids": [[[5, 6]], [[7]]], "completion_ids": [[5, 6], [7]],
         "prompts": ["<q>", "<q>"], "solution": ["4", "4"]}
+
+
+def test_dataset_columns_win_over_ms_swift_names_as_in_ms_swift():
+    prompt = Prompt(0, "q", [1], [{"role": "user", "content": "q"}], {"prompt_id": "row-17"})
+    columns = reward_columns([prompt], [5], [Completion([1], None, "stop")], ["4"], TrainerState())
+    assert columns["prompt_id"] == ["row-17"] and columns["completion_ids"] == [[1]]
 
 
 def test_function_without_kwargs_gets_only_its_columns():

@@ -155,21 +155,24 @@ class RolloutCollector:
 
 def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completions,
                    texts: Sequence[str], trainer_state: TrainerState) -> Dict[str, Any]:
-    """The keyword arguments of the reward functions, one list entry per completion: the dataset
-    columns; our names (prompts, completion_ids, truncated); ms-swift's names (messages: the
-    prompt's chat turns plus the completion as the last assistant turn, prompt_id: the group id
-    shared by one prompt's completions, finish_reason, is_truncated, response_token_ids: the
-    token ids per turn, here one turn), and trainer_state, one object for the batch. Names the
-    trainer provides win over dataset columns of the same name."""
-    columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
+    """The keyword arguments of the reward functions, one list entry per completion: ms-swift's
+    names (messages: the prompt's chat turns plus the completion as the last assistant turn,
+    prompt_id: the group id shared by one prompt's completions, finish_reason, is_truncated,
+    response_token_ids: the token ids per turn, here one turn, and trainer_state, one object for
+    the batch), then the dataset columns, which win over ms-swift's names as in ms-swift, then
+    our names (prompts, completion_ids, truncated), which datasets may not use
+    (data/prompts.py RESERVED_COLUMNS)."""
     truncated = [c.truncated for c in completions]
-    return dict(
-        columns, prompts=[p.text for p in prompts],
-        completion_ids=[c.token_ids for c in completions], truncated=truncated, is_truncated=list(truncated),
+    ms_swift = dict(
         messages=[[dict(m) for m in p.messages] + [{"role": "assistant", "content": text}]
                   for p, text in zip(prompts, texts)],
         prompt_id=list(group_ids), finish_reason=[c.finish_reason for c in completions],
-        response_token_ids=[[list(c.token_ids)] for c in completions], trainer_state=trainer_state)
+        is_truncated=list(truncated), response_token_ids=[[list(c.token_ids)] for c in completions],
+        trainer_state=trainer_state)
+    columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
+    ours = dict(prompts=[p.text for p in prompts], truncated=truncated,
+                completion_ids=[c.token_ids for c in completions])
+    return {**ms_swift, **columns, **ours}
 
 
 def _request_seed(seed: int, group_id: int, sample: int) -> int:

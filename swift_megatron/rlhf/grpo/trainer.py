@@ -60,6 +60,7 @@ class GRPOTrainer:
         self.reward_funcs = build.rewards(args)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh)
+        self.collector.trainer_state.max_steps = self.train_iters
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
         self.save_dir = args.training.save or self.output_dir
@@ -137,6 +138,7 @@ class GRPOTrainer:
     def collect(self):
         group_ids = self.sampler.batch_sample_ids()  # stream positions: unique over the run
         prompts = [self.train_prompts[i] for i in next(self.sampler)]
+        self.collector.trainer_state.global_step = self.step
         with self.generating():
             return self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
 
@@ -188,6 +190,7 @@ class GRPOTrainer:
         mine = self.val_prompts[self.state.dp_rank::self.state.dp]
         group_ids = [EVAL_GROUP_OFFSET + i for i in range(self.state.dp_rank, len(self.val_prompts),
                                                           self.state.dp)]
+        self.collector.trainer_state.global_step = self.step
         with self.generating():
             samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed)
         names = [name for name, _ in self.reward_funcs]
