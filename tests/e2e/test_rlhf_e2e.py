@@ -42,11 +42,13 @@ def base(tiny_model_dir, math_dataset_path):
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
     rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
-         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true")
+         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true",
+         "--num_generations_eval", 2)
     rows = logged(out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert "eval/reward/mean" in rows[1] and "eval/reward/mean" not in rows[0]
     assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
+    assert rows[1]["eval/num_completions"] == 7 * 2  # ceil(0.1 x 64) prompts x num_generations_eval
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["grad_norm"] > 0      # the rewards had signal: the first step updated
     assert rows[0]["kl"] == 0.0          # reference == policy before the first update
@@ -67,6 +69,10 @@ def test_resume_continues_bit_identically(base, tmp_path):
     assert open(save / "latest_checkpointed_iteration.txt").read() == "2"
     assert {"model", "optimizer", "rng", "hf", "trainer_state.json", "swift_megatron.json"} <= \
         set(os.listdir(save / "iter_0000002"))
+    assert os.path.isfile(save / "checkpoint-2" / "model.safetensors")  # --save_safetensors
+    # without --save the output directory holds the checkpoints; final_hf links the last one
+    assert os.path.samefile(straight / "checkpoint-4" / "model.safetensors",
+                            straight / "final_hf" / "model.safetensors")
     rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "resumed", "--load", save)
     expected, resumed = logged(straight)[2:], logged(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [3, 4]

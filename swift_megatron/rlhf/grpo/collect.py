@@ -9,7 +9,7 @@ tensor, keyed by group id, so nothing depends on rank order.
 """
 import dataclasses
 import math
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,10 +63,11 @@ class RolloutCollector:
         return slice(start, start + per + (1 if rank < extra else 0))
 
     def generate_and_score(self, prompts: Sequence[Prompt], group_ids: Sequence[int],
-                           seed: int) -> List[Sample]:
-        """num_generations scored samples per prompt, identical on every rank of the replica and
-        independent of the parallel layout (per-request seeds)."""
-        g = self.settings.num_generations
+                           seed: int, num_generations: Optional[int] = None) -> List[Sample]:
+        """num_generations (default: the training setting) scored samples per prompt, identical
+        on every rank of the replica and independent of the parallel layout (per-request
+        seeds)."""
+        g = num_generations or self.settings.num_generations
         requests = [(i, k) for i in range(len(prompts)) for k in range(g)]
         mine = requests[self._share(len(requests))]
         seeds = [_request_seed(seed, group_ids[i], k) for i, k in mine]

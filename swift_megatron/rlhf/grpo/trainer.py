@@ -192,7 +192,8 @@ class GRPOTrainer:
                                                           self.state.dp)]
         self.collector.trainer_state.global_step = self.step
         with self.generating():
-            samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed)
+            samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed,
+                                                        self.args.grpo.num_generations_eval)
         names = [name for name, _ in self.reward_funcs]
         totals = torch.tensor([sum(s.reward for s in samples), len(samples),
                                sum(len(s.completion_ids) for s in samples)]
@@ -202,7 +203,8 @@ class GRPOTrainer:
         dist.all_reduce(totals, group=self.state.dp_group)
         count = max(totals[1].item(), 1.0)
         metrics = {"eval/reward/mean": totals[0].item() / count,
-                   "eval/completion_length_mean": totals[2].item() / count}
+                   "eval/completion_length_mean": totals[2].item() / count,
+                   "eval/num_completions": totals[1].item()}
         metrics.update({f"eval/reward/{name}/mean": totals[3 + j].item() / count
                         for j, name in enumerate(names)})
         return metrics
