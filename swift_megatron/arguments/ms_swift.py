@@ -47,16 +47,10 @@ NOT_SUPPORTED: Dict[str, str] = {
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
                "--vllm_mode colocate (colocate_groups) or server (a `megatron rollout` server)",
     "colocate_groups": "a Ray launcher setting (see use_ray)",
-    "reward_model": "reward models are not supported: use --reward_funcs (built-ins or "
-                    "--external_plugins)",
-    "reward_model_plugin": "reward models are not supported: use --reward_funcs",
-    "sync_ref_model": "syncing the reference model is not supported",
-    "ref_model_sync_steps": "syncing the reference model is not supported",
-    "ref_model_mixup_alpha": "syncing the reference model is not supported",
-    "ref_model": "the reference model is always the initial policy",
-    "ref_adapters": "the reference model is always the initial policy",
-    "mcore_ref_model": "the reference model is always the initial policy",
-    "mcore_ref_adapter": "the reference model is always the initial policy",
+    **{name: "reward models are " + _ALGORITHMS for name in ("reward_model", "reward_model_plugin")},
+    **{name: "reference-model options are " + _ALGORITHMS for name in (
+        "sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "ref_model",
+        "ref_adapters", "mcore_ref_model", "mcore_ref_adapter")},
     "router_replay_mode": "MoE router replay is not supported",
     "bridge_backend": "swift-megatron has its own bridge (swift_megatron/bridge)",
     "optimizer": "only Adam(W) is supported",
