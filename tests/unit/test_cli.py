@@ -254,3 +254,12 @@ def test_sleep_level_2_becomes_1_on_cuda_with_a_notice():
                   "--global_batch_size", "8")
     preflight_rlhf(on_cpu, world_size=1)
     assert on_cpu.rollout.sleep_level == 2
+
+
+def test_expert_tensor_parallel_follows_tp_without_expert_parallelism():
+    """megatron-core reduces expert gradients over expert-parallel groups only when EP > 1: with
+    EP 1, experts replicated over TP ranks would drift apart, so ETP follows TP (measured: the
+    packed-vs-padded test's expert gradients differed per TP rank with ETP 1)."""
+    assert rlhf("--tensor_model_parallel_size", "2").parallel.expert_tensor_parallel_size == 2
+    args = rlhf("--tensor_model_parallel_size", "2", "--expert_model_parallel_size", "2")
+    assert args.parallel.expert_tensor_parallel_size == 1

@@ -131,14 +131,15 @@ def test_adapters_imply_lora_with_its_learning_rate():
 
 
 def test_silent_adjustments_and_ignored_flags_are_noticed():
-    args = rlhf("--sequence_parallel", "true", "--attention_backend", "flash", "--padding_free",
-                "true")
+    args = rlhf("--sequence_parallel", "true", "--gradient_accumulation_fusion", "true",
+                "--moe_permute_fusion", "true")
     assert args.parallel.sequence_parallel is False
     lines = notices(args)
     assert any("--sequence_parallel true needs --tensor_model_parallel_size > 1" in line
                for line in lines)
     ignored = [line for line in lines if line.startswith("accepted without effect")]
-    assert len(ignored) == 1 and "--attention_backend" in ignored[0] and "--padding_free" in ignored[0]
+    assert len(ignored) == 1 and "--gradient_accumulation_fusion" in ignored[0]
+    assert "--moe_permute_fusion" in ignored[0] and "--padding_free" not in ignored[0]
     assert notices(rlhf()) == []
 
 

@@ -71,11 +71,15 @@ def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -
 
 
 def _config_overrides(args: RlhfArguments) -> dict:
+    from megatron.core.transformer.enums import AttnBackend
+
     p = args.parallel
-    if not p.recompute_granularity:
-        return {}
-    return dict(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-                recompute_num_layers=p.recompute_num_layers)
+    overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
+    if p.recompute_granularity:
+        overrides.update(recompute_granularity=p.recompute_granularity,
+                         recompute_method=p.recompute_method,
+                         recompute_num_layers=p.recompute_num_layers)
+    return overrides
 
 
 def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype,

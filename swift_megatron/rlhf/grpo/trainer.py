@@ -149,16 +149,21 @@ class GRPOTrainer:
         pad = self.tokenizer.eos_token_id if pad is None else pad
         micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size, pad_id=pad,
                                     pad_to_multiple=tp_multiple,
-                                    overlong_filter=self.args.grpo.overlong_filter)
+                                    overlong_filter=self.args.grpo.overlong_filter,
+                                    packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
 
     @torch.no_grad()
     def fill_logprobs(self, micro: List[dict]) -> None:
         """Old-policy logprobs when several optimizer steps reuse one rollout, and reference
-        logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage)."""
+        logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage).
+        The first optimizer step's micro-batches need no old-policy pass: their old logprobs
+        are their own forward's, detached (the policy has not moved yet), as the loss takes
+        them when `old_logprobs` is absent; only the later steps' micro-batches get one."""
         collect = partial(collect_logprobs, self.loss_settings)
-        if self.plan.steps_per_generation > 1:
-            for mb, out in zip(micro, forward_backward(self.policy.chunks, micro, collect, True)):
+        later = micro[self.plan.grad_accum_steps:]
+        if later:
+            for mb, out in zip(later, forward_backward(self.policy.chunks, later, collect, True)):
                 mb["old_logprobs"] = out["logprobs"]
         if self.args.grpo.beta > 0:
             for mb, out in zip(micro, self._reference_pass(micro, collect)):
