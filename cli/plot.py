@@ -8,8 +8,8 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.arguments.parser import parse_command
 
 DESCRIPTION = ("Write OUTPUT_DIR/report: PNG plots of the logged metrics, summary.md and "
-               "completions.html, from OUTPUT_DIR/logging.jsonl (and completions.jsonl, args.json). "
-               "Usage: megatron plot OUTPUT_DIR [--metrics PATTERN ...].")
+               "completions.html, from OUTPUT_DIR/logging.jsonl (and completions.jsonl, "
+               "args.json). Usage: megatron plot OUTPUT_DIR [--metrics PATTERN ...].")
 
 
 @dataclass

@@ -9,10 +9,12 @@ PAGE = """<!DOCTYPE html>
 <title>Completions: @TITLE@</title>
 <style>
 body { font-family: system-ui, sans-serif; margin: 1em 2em; color: #222; }
-#controls { position: sticky; top: 0; background: #fff; padding: .5em 0; border-bottom: 1px solid #ccc; }
+#controls { position: sticky; top: 0; background: #fff; padding: .5em 0;
+            border-bottom: 1px solid #ccc; }
 #controls label { margin-right: 1em; }
 table { border-collapse: collapse; width: 100%; margin-top: .5em; }
-th, td { border-bottom: 1px solid #e4e4e4; padding: .3em .5em; vertical-align: top; text-align: left; font-size: 13px; }
+th, td { border-bottom: 1px solid #e4e4e4; padding: .3em .5em; vertical-align: top;
+         text-align: left; font-size: 13px; }
 th { background: #f4f4f4; position: sticky; top: 2.6em; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 tr.prompt td { background: #f0f4fa; border-top: 2px solid #9ab; }
@@ -28,7 +30,8 @@ summary { cursor: pointer; }
 <div id="controls">
 <label>step <select id="step"></select></label>
 <label>search <input id="search" type="search" placeholder="text in prompt or completion"></label>
-<label>per page <select id="size"><option>20</option><option>50</option><option>100</option></select></label>
+<label>per page <select id="size">
+<option>20</option><option>50</option><option>100</option></select></label>
 <button id="prev" type="button">&larr; previous</button>
 <span id="info"></span>
 <button id="next" type="button">next &rarr;</button>
@@ -45,7 +48,8 @@ summary { cursor: pointer; }
   var byId = function (id) { return document.getElementById(id); };
   var stepSelect = byId("step"), search = byId("search"), size = byId("size");
   var body = byId("rows"), view = data.rows, page = 0;
-  var columns = ["step", "reward"].concat(data.funcs, ["advantage", "length", "truncated", "completion"]);
+  var columns = ["step", "reward"].concat(data.funcs,
+                                           ["advantage", "length", "truncated", "completion"]);
 
   function element(tag, text, className) {
     var node = document.createElement(tag);
@@ -81,7 +85,8 @@ summary { cursor: pointer; }
     var adv = element("td", number(r.advantage), "num");
     adv.style.background = advantageColor(r.advantage);
     tr.appendChild(adv);
-    tr.appendChild(element("td", r.length === null || r.length === undefined ? "" : String(r.length), "num"));
+    var length = r.length === null || r.length === undefined ? "" : String(r.length);
+    tr.appendChild(element("td", length, "num"));
     tr.appendChild(element("td", r.truncated ? "yes" : ""));
     var cell = element("td");
     cell.appendChild(element("pre", r.completion));
@@ -98,7 +103,8 @@ summary { cursor: pointer; }
       if (key !== last) { body.appendChild(promptRow(r)); last = key; }
       body.appendChild(completionRow(r));
     });
-    byId("info").textContent = "page " + (page + 1) + " of " + pages + " (" + view.length + " completions)";
+    byId("info").textContent = "page " + (page + 1) + " of " + pages + " (" + view.length +
+      " completions)";
     byId("prev").disabled = page === 0;
     byId("next").disabled = page >= pages - 1;
   }
@@ -119,7 +125,9 @@ summary { cursor: pointer; }
       counts[r.step] += 1;
     });
     stepSelect.appendChild(new Option("all " + steps.length + " steps", ""));
-    steps.forEach(function (s) { stepSelect.appendChild(new Option(s + " (" + counts[s] + ")", String(s))); });
+    steps.forEach(function (s) {
+      stepSelect.appendChild(new Option(s + " (" + counts[s] + ")", String(s)));
+    });
     columns.forEach(function (c) { byId("head").appendChild(element("th", c)); });
     size.value = String(data.page_size);
     byId("note").textContent = data.rows.length === data.total ?

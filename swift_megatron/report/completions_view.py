@@ -136,7 +136,8 @@ def render_page(data: dict) -> str:
     return re.sub("@TITLE@|@DATA@", lambda match: fill[match.group(0)], PAGE)
 
 
-def write_completions_view(output_dir: str, html_path: str, title: str) -> Optional[Tuple[int, int]]:
+def write_completions_view(output_dir: str, html_path: str,
+                           title: str) -> Optional[Tuple[int, int]]:
     """Write the page from output_dir's completions.jsonl; (shown, total), or None when the run
     logged no completions."""
     path = os.path.join(output_dir, COMPLETIONS_FILE)

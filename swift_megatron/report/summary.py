@@ -34,7 +34,7 @@ def status_lines(log: MetricLog, record: Optional[dict]) -> List[str]:
     total = (record or {}).get("train_iters")
     line = f"{len(log.records)} logged steps, step {first} to {last}"
     if total:
-        line += " of " + (f"{total}: finished" if last >= total else f"{total}: stopped or still running")
+        line += f" of {total}: " + ("finished" if last >= total else "stopped or still running")
     lines = [f"- {line}"]
     wall = wall_time_s(log)
     if wall is not None:
@@ -67,7 +67,8 @@ def metric_tables(log: MetricLog, groups: Sequence[Tuple[Group, List[str]]]) -> 
     for group, keys in groups:
         if not group.in_summary:
             continue
-        lines += [f"### {group.title}", "", "| metric | first | last | min | max | best (step) | null |",
+        lines += [f"### {group.title}", "",
+                  "| metric | first | last | min | max | best (step) | null |",
                   "|---|---|---|---|---|---|---|"]
         lines += [metric_row(log, key) for key in keys] + [""]
     return lines
@@ -92,8 +93,8 @@ def table_cell(text: str) -> str:
 
 def flags_section(record: Optional[dict]) -> List[str]:
     if record is None:
-        return ["## Flags", "", "Not recorded: args.json is missing (the run writes it at its first "
-                "checkpoint save and at the end).", ""]
+        return ["## Flags", "", "Not recorded: args.json is missing (the run writes it at its "
+                "first checkpoint save and at the end).", ""]
     flags = record["flags"]
     command = " \\\n    ".join([record.get("command", "megatron")] +
                                [" ".join(flag_words(n, flags[n])) for n in record.get("changed", [])

@@ -41,7 +41,8 @@ def completion_line(step: int, group: int, k: int) -> dict:
     reward = 0.25 * k
     return {"step": step, "prompt_id": group, "prompt": f"What is {group} + 1?",
             "completion": f"It is </script><script>alert({k})</script> & {k}", "reward": reward,
-            "rewards": {"digit_ratio": reward, "contains_answer": None}, "advantage": reward - 0.375,
+            "rewards": {"digit_ratio": reward, "contains_answer": None},
+            "advantage": reward - 0.375,
             "length": 12, "truncated": k == 0}
 
 
@@ -127,7 +128,8 @@ def test_sampling_keeps_every_step_and_whole_groups():
     assert lines == [0, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23]
     # a share smaller than one group: its best, worst and middle completions
     picked = sample(entries, limit=9)
-    assert [(e.step, e.reward) for e in picked] == [(s, r) for s in range(3) for r in (0.0, 1.0, 3.0)]
+    assert [(e.step, e.reward) for e in picked] == \
+        [(s, r) for s in range(3) for r in (0.0, 1.0, 3.0)]
     assert spread(10, 4) == [0, 3, 6, 9] and spread(3, 5) == [0, 1, 2]
 
 
