@@ -79,7 +79,7 @@ def write_report(output_dir: str, metrics: Sequence[str] = (),
                             f"`megatron plot {output_dir}`).")
         logger.warning(f"report: matplotlib is not installed, so no plots ({INSTALL_HINT})")
     remove_stale_plots(report.directory, report.plots)
-    report.completions = completions_page(output_dir, report)
+    report.completions = add_completions_view(output_dir, report)
     title = os.path.basename(os.path.abspath(output_dir))
     report.summary = os.path.join(report.directory, SUMMARY_FILE)
     with open(report.summary, "w", encoding="utf-8") as f:
@@ -88,7 +88,7 @@ def write_report(output_dir: str, metrics: Sequence[str] = (),
     return report
 
 
-def completions_page(output_dir: str, report: Report) -> Optional[str]:
+def add_completions_view(output_dir: str, report: Report) -> Optional[str]:
     """Write completions.html and add a note on what it shows; its path, or None."""
     path = os.path.join(report.directory, COMPLETIONS_PAGE)
     counts = write_completions_view(output_dir, path,
