@@ -249,7 +249,7 @@ def check_structure(text):
     class Tags(HTMLParser):
         def __init__(self):
             super().__init__()
-            self.ids, self.open = set(), []
+            self.ids = set()
 
         def handle_starttag(self, tag, attrs):
             self.ids.update(value for name, value in attrs if name == "id")
