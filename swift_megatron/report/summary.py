@@ -2,8 +2,8 @@
 
 Sections: status (steps logged, of how many, finished or not, wall time, last logged at), the
 plots, one table per metric group (first / last / min / max, the best value and its step for
-higher-is-better metrics, how many steps logged null), the flags that differ from their
-defaults as a command line (every flag in a collapsed table), the batch plan, and notes.
+higher-is-better metrics, how many steps logged null), the flags the user gave as a command
+line (every flag's value in a collapsed table), the batch plan, and notes.
 """
 import datetime
 import json
@@ -97,11 +97,11 @@ def flags_section(record: Optional[dict]) -> List[str]:
                 "first checkpoint save and at the end).", ""]
     flags = record["flags"]
     command = " \\\n    ".join([record.get("command", "megatron")] +
-                               [" ".join(flag_words(n, flags[n])) for n in record.get("changed", [])
+                               [" ".join(flag_words(n, flags[n])) for n in record.get("given", [])
                                 if n in flags])
     rows = [f"| `--{name}` | `{table_cell(json.dumps(value))}` |" for name, value in flags.items()]
-    return ["## Flags", "", "Flags that differ from their defaults:", "", "```bash", command, "```",
-            "", f"<details><summary>all {len(flags)} flags</summary>", "", "| flag | value |",
+    return ["## Flags", "", "The flags given (command line or config file):", "", "```bash",
+            command, "```", "", f"<details><summary>all {len(flags)} flags</summary>", "", "| flag | value |",
             "|---|---|", *rows, "", "</details>", ""]
 
 

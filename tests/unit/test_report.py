@@ -149,7 +149,7 @@ def rlhf_args():
 def test_record_run_writes_flat_flags_and_changes(run_dir):
     record_run(str(run_dir), "megatron rlhf", rlhf_args(), None, train_iters=20)
     record = read_run_record(str(run_dir))
-    assert record["changed"] == ["model", "dataset", "beta", "reward_funcs"]
+    assert record["given"] == ["model", "dataset", "beta", "reward_funcs"]
     assert record["flags"]["reward_funcs"] == list(FUNCS) and record["train_iters"] == 20
     assert record["flags"]["micro_batch_size"] == 1 and record["batch_plan"] is None
 
