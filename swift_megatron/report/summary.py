@@ -93,8 +93,8 @@ def table_cell(text: str) -> str:
 
 def flags_section(record: Optional[dict]) -> List[str]:
     if record is None:
-        return ["## Flags", "", "Not recorded: args.json is missing (the run writes it at its "
-                "first checkpoint save and at the end).", ""]
+        return ["## Flags", "", "Not recorded: args.json is missing (the run writes it at each "
+                "checkpoint save; this one has not reached its first).", ""]
     flags = record["flags"]
     command = " \\\n    ".join([record.get("command", "megatron")] +
                                [" ".join(flag_words(n, flags[n])) for n in record.get("given", [])
