@@ -1,6 +1,7 @@
 """`megatron rlhf` as a subprocess on the tiny model: the first step's KL is exactly 0 (the
 reference equals the policy), checkpoints resume bit-identically, the final HF export loads in
-transformers, completions are logged, and user mistakes exit 2 without a traceback."""
+transformers, completions are logged, the run report is written (at the end and at a save), and
+user mistakes exit 2 without a traceback."""
 import json
 import os
 import subprocess
@@ -55,6 +56,9 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     assert rows[1]["kl"] > 0.0
     completions = [json.loads(line) for line in open(out / "completions.jsonl")]
     assert len(completions) == 2 * 16 and {"prompt", "completion", "reward", "advantage"} <= set(completions[0])
+    report = set(os.listdir(out / "report"))
+    assert {"overview.png", "eval.png", "engine_gap.png", "summary.md", "completions.html"} <= report
+    assert "- 2 logged steps, step 1 to 2 of 2: finished" in open(out / "report" / "summary.md").read()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
@@ -67,6 +71,8 @@ def test_resume_continues_bit_identically(base, tmp_path):
     rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "first", "--save", save,
          "--save_interval", 2, "--exit_interval", 2)
     assert open(save / "latest_checkpointed_iteration.txt").read() == "2"
+    summary = open(tmp_path / "first" / "report" / "summary.md").read()  # written at the save
+    assert "- 2 logged steps, step 1 to 2 of 4: stopped or still running" in summary
     assert {"model", "optimizer", "rng", "hf", "trainer_state.json", "swift_megatron.json"} <= \
         set(os.listdir(save / "iter_0000002"))
     assert os.path.isfile(save / "checkpoint-2" / "model.safetensors")  # --save_safetensors

@@ -28,6 +28,7 @@ from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import disabled, save_adapter
 from swift_megatron.model.config import load_hf_config
+from swift_megatron.report import write_run_report
 from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
@@ -89,7 +90,7 @@ class GRPOTrainer:
             if t.exit_interval and self.step >= t.exit_interval:
                 break
         if self._saved_step != self.step:
-            self.save(metrics)
+            self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
             self.export_final()
         self.close()
@@ -326,6 +327,8 @@ class GRPOTrainer:
                                          run_checkpoint.rotate(self.save_dir, t.save_total_limit)))
         self._saved_step = self.step
         logger.info(f"saved checkpoint {path}")
+        if self.state.rank == 0:
+            write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
 
     def _save_hf_copies(self) -> None:
         """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
