@@ -376,6 +376,16 @@ def warn_notices(command) -> None:
         get_logger(__name__).warning(line)
 
 
+def flat_values(command) -> Dict[str, Any]:
+    """{flag name: value} over every group of a parsed command (one entry per flag; the flag
+    names are unique across groups, which build_parser's argparse enforces)."""
+    values: Dict[str, Any] = {}
+    for attr, group_cls in command_groups(type(command)):
+        group = getattr(command, attr)
+        values.update({spec.name: getattr(group, spec.name) for spec in group_specs(group_cls)})
+    return values
+
+
 def no_effect_flags(command) -> List[Tuple[str, str]]:
     """(flag, reason) for each flag the user set that is accepted without effect here."""
     explicit = getattr(command, "explicit", frozenset())

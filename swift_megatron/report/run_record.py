@@ -17,12 +17,9 @@ ARGS_FILE = "args.json"
 
 def flat_flags(args) -> Dict[str, Any]:
     """{flag name: value} over every group of a command dataclass (e.g. RlhfArguments)."""
-    from swift_megatron.arguments.parser import command_groups
+    from swift_megatron.arguments.parser import flat_values
 
-    flags: Dict[str, Any] = {}
-    for attr, _ in command_groups(type(args)):
-        flags.update(dataclasses.asdict(getattr(args, attr)))
-    return flags
+    return flat_values(args)
 
 
 def given_flags(args) -> List[str]:

@@ -312,38 +312,14 @@ def test_utils_get_logger_and_to_device(tmp_path):
 
 
 def test_flat_args():
-    import dataclasses
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
 
-    @dataclasses.dataclass
-    class Grpo:
-        beta: float = 0.1
-        num_generations: int = 4
-
-    @dataclasses.dataclass
-    class Model:
-        model: str = "dir"
-
-    @dataclasses.dataclass
-    class Command:
-        grpo: Grpo
-        model: Model
-        explicit: frozenset = dataclasses.field(default=frozenset(), init=False)
-
-    command = Command(Grpo(), Model())
-    command.grpo.adjustments = ["not a flag"]
-    assert vars(flat_args(command)) == {"beta": 0.1, "num_generations": 4, "model": "dir"}
-
-    @dataclasses.dataclass
-    class Data:
-        beta: int = 1
-
-    @dataclasses.dataclass
-    class Clash:
-        grpo: Grpo
-        data: Data
-
-    with pytest.raises(ValueError, match="flag 'beta' is defined by two argument groups"):
-        flat_args(Clash(Grpo(), Data()))
+    args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", "--beta", "0.1",
+                                         "--num_generations", "4"], "megatron rlhf")
+    flat = flat_args(args)
+    assert (flat.beta, flat.num_generations, flat.model, flat.dataset) == (0.1, 4, "m", ["d"])
+    assert not hasattr(flat, "explicit") and not hasattr(flat, "adjustments")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from swift_megatron.logging.progress import progress
 from swift_megatron.lora import disabled, save_adapter
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.report import write_run_report
+from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
@@ -67,6 +68,8 @@ class GRPOTrainer:
         self.save_dir = args.training.save or self.output_dir
         self.metrics_log, self.completions_log = build.loggers(args, self.state, self.output_dir,
                                                                {"plan": vars(plan)})
+        if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
+            record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
         if start.resume_dir:
             self._resume(start.resume_dir)
