@@ -34,7 +34,7 @@ from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
 from swift_megatron.training.offload import model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
-                                           wrap_ddp)
+                                           check_settings, wrap_ddp)
 
 logger = get_logger(__name__)
 
@@ -112,21 +112,32 @@ def attach_lora(args: RlhfArguments, model, bridge: Bridge,
     return config
 
 
+def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
+    t = args.training
+    return OptimizerSettings(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+        optimizer_cpu_offload=t.optimizer_cpu_offload,
+        optimizer_offload_fraction=t.optimizer_offload_fraction,
+        use_precision_aware_optimizer=t.use_precision_aware_optimizer, train_iters=iters,
+        lr_decay_style=t.lr_decay_style, lr_decay_iters=t.lr_decay_iters,
+        lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
+        lr_warmup_init=t.lr_warmup_init, lr_wsd_decay_style=t.lr_wsd_decay_style,
+        lr_wsd_decay_iters=t.lr_wsd_decay_iters)
+
+
 def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int,
            start: Start) -> Policy:
     hf_config = load_hf_config(model_dir)
     dtype = training_dtype(args, hf_config, state.device)
+    settings = optimizer_settings(args, iters)
+    check_settings(settings, state.device, dtype)
     model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, start.weights_dir)
     lora = attach_lora(args, model, bridge, start.adapter_dir)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
-    t = args.training
-    settings = OptimizerSettings(
-        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
-        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
-        lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters, train_iters=iters)
     optimizer = build_optimizer([ddp], config, settings)
-    scheduler = build_scheduler(optimizer, settings, t.lr_warmup_fraction)
+    scheduler = build_scheduler(optimizer, settings)
     return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
