@@ -70,11 +70,18 @@ def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -
 
 
 def _config_overrides(args: RlhfArguments) -> dict:
-    p = args.parallel
-    if not p.recompute_granularity:
-        return {}
-    return dict(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-                recompute_num_layers=p.recompute_num_layers)
+    """TransformerConfig settings from the flags, the same for the policy and the reference."""
+    p, capacity = args.parallel, args.model.moe_expert_capacity_factor
+    overrides = {}
+    if p.recompute_granularity:
+        overrides.update(recompute_granularity=p.recompute_granularity,
+                         recompute_method=p.recompute_method,
+                         recompute_num_layers=p.recompute_num_layers)
+    if capacity is not None:
+        # tokens past an expert's capacity are dropped, lowest router probability first (the
+        # drop policy ms-swift and megatron default to)
+        overrides.update(moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
+    return overrides
 
 
 def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype,
