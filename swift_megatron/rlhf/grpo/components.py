@@ -21,6 +21,7 @@ from swift_megatron.checkpoint.start import Start
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
+from swift_megatron.logging.metrics import SinkSettings
 from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
 from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
@@ -293,8 +294,11 @@ def eval_steps(args: RlhfArguments, has_validation: bool) -> Optional[int]:
 
 
 def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dict):
-    enabled = state.rank == 0
-    metrics = MetricsLogger(out, args.training.report_to, run_config=run_config, enabled=enabled)
+    t, enabled = args.training, state.rank == 0
+    sinks = SinkSettings(tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
+                         wandb_exp_name=t.wandb_exp_name, swanlab_project=t.swanlab_project,
+                         swanlab_exp_name=t.swanlab_exp_name)
+    metrics = MetricsLogger(out, t.report_to, run_config=run_config, enabled=enabled, sinks=sinks)
     completions = CompletionsLogger(out, enabled=enabled and args.grpo.log_completions)
     return metrics, completions
 
