@@ -2,12 +2,16 @@
 params for bf16, optional distributed optimizer, optional host offload of its state) and its
 warmup + decay learning-rate schedule (megatron's OptimizerParamScheduler).
 
-What megatron-core 0.16.1 needs, checked up front by `check_settings` (a UserError
-naming the flags instead of an assertion deep inside megatron):
+What megatron-core 0.16.1 needs, checked up front by `check_settings` (a UserError naming the
+flags instead of an assertion or a KeyError deep inside megatron); measured on an H100 with
+tests/gpu/test_optimizer_offload_gpu.py:
 - `--optimizer_cpu_offload` (megatron's HybridDeviceOptimizer) offloads the state of CUDA
-  parameters only (on a CPU run there is nothing to offload: the optimizer already runs on the
-  host), and only the distributed optimizer hands it shards it can take: bf16/fp16 training,
-  since float32 shards are views of the model's parameters, which a torch optimizer refuses.
+  parameters only (a CPU run has nothing to offload: the optimizer already runs on the host).
+  It needs the distributed optimizer (the bf16 optimizer without it swaps in parameters the
+  hybrid optimizer does not know: KeyError at the first step), bf16/fp16 training (float32
+  shards are views of the model's parameters, which a torch optimizer refuses), and
+  `--use_precision_aware_optimizer`, as Megatron-LM requires: only then do the float32 main
+  parameters move to the host too, and only then does a checkpointed state load back.
 - `--use_precision_aware_optimizer` needs the distributed optimizer, and Transformer Engine's
   FusedAdam unless the hybrid (offload) optimizer takes its place; swift-megatron does not use
   Transformer Engine. megatron-core 0.16.1 also asks Transformer Engine's version for every
@@ -100,6 +104,11 @@ def _check_cpu_offload(settings: OptimizerSettings, device: torch.device,
         raise UserError("--optimizer_cpu_offload needs bf16 or fp16 training (--torch_dtype "
                         "bfloat16): megatron-core 0.16.1's hybrid optimizer cannot take the "
                         "distributed optimizer's float32 parameter shards")
+    if not settings.use_precision_aware_optimizer:
+        raise UserError("--optimizer_cpu_offload needs --use_precision_aware_optimizer true, as "
+                        "Megatron-LM requires: without it megatron-core 0.16.1 keeps the float32 "
+                        "main parameters on the GPU and cannot reload the offloaded state from a "
+                        "checkpoint")
 
 
 def _check_precision_aware(settings: OptimizerSettings) -> None:

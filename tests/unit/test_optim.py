@@ -160,17 +160,20 @@ def test_defaults_keep_the_plain_optimizer():
 
 
 DIST = dict(use_distributed_optimizer=True)
+OFFLOAD = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, **DIST)
 
 
 @pytest.mark.parametrize("settings, device, dtype, message", [
-    (dict(optimizer_cpu_offload=True, **DIST), CPU, torch.float32,
-     r"^--optimizer_cpu_offload needs CUDA"),
-    (dict(optimizer_cpu_offload=True), CUDA, torch.bfloat16,
+    (OFFLOAD, CPU, torch.float32, r"^--optimizer_cpu_offload needs CUDA"),
+    (dict(OFFLOAD, use_distributed_optimizer=False), CUDA, torch.bfloat16,
      r"^--optimizer_cpu_offload needs --use_distributed_optimizer true$"),
-    (dict(optimizer_cpu_offload=True, **DIST), CUDA, torch.float32,
+    (OFFLOAD, CUDA, torch.float32,
      r"^--optimizer_cpu_offload needs bf16 or fp16 training \(--torch_dtype bfloat16\)"),
-    (dict(use_precision_aware_optimizer=True, optimizer_cpu_offload=True), CUDA, torch.bfloat16,
-     r"--use_distributed_optimizer true$"),
+    (dict(OFFLOAD, use_precision_aware_optimizer=False), CUDA, torch.bfloat16,
+     r"^--optimizer_cpu_offload needs --use_precision_aware_optimizer true, as Megatron-LM "
+     r"requires"),
+    (dict(use_precision_aware_optimizer=True), CUDA, torch.bfloat16,
+     r"^--use_precision_aware_optimizer needs --use_distributed_optimizer true$"),
     (dict(use_precision_aware_optimizer=True, **DIST), CUDA, torch.bfloat16,
      r"^--use_precision_aware_optimizer needs Transformer Engine's FusedAdam .* works with "
      r"--optimizer_cpu_offload true"),
@@ -180,11 +183,30 @@ def test_what_megatron_core_cannot_run_is_a_user_error(settings, device, dtype, 
         check_settings(OptimizerSettings(lr=LR, **settings), device, dtype)
 
 
-@pytest.mark.parametrize("settings", [
-    dict(optimizer_cpu_offload=True, **DIST),
-    dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, **DIST),
-    dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, **DIST),
-])
-def test_offload_configurations_that_run_on_cuda_pass(settings):
-    check_settings(OptimizerSettings(lr=LR, **settings), CUDA, torch.bfloat16)
-    check_settings(OptimizerSettings(lr=LR, **settings), CUDA, torch.float16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_offload_configurations_that_run_on_cuda_pass(dtype, fraction):
+    check_settings(OptimizerSettings(lr=LR, optimizer_offload_fraction=fraction, **OFFLOAD),
+                   CUDA, dtype)
+
+
+@pytest.mark.parametrize("extra, saved_optimizer, fails", [
+    ([], True, True), (["--no_load_optim", "true"], True, False), ([], False, False)])
+def test_resuming_the_offloaded_optimizer_state_is_a_user_error(tmp_path, extra, saved_optimizer,
+                                                                fails):
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.checkpoint.start import Start
+    from swift_megatron.rlhf.grpo.components import _check_offload_resume
+
+    if saved_optimizer:
+        (tmp_path / "optimizer").mkdir()
+    args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d",
+                                         "--optimizer_cpu_offload", "true", *extra], "x")
+    start = Start(weights_dir=None, adapter_dir=None, resume_dir=str(tmp_path))
+    if not fails:
+        _check_offload_resume(args, start)
+        return
+    with pytest.raises(UserError, match=r"^--optimizer_cpu_offload: resuming the optimizer state "
+                                        r".* pass --no_load_optim"):
+        _check_offload_resume(args, start)

@@ -135,12 +135,24 @@ def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
         lr_wsd_decay_iters=t.lr_wsd_decay_iters)
 
 
+def _check_offload_resume(args: RlhfArguments, start: Start) -> None:
+    """checkpoint/trainer.py cannot load the state of megatron's hybrid (host-offloaded)
+    optimizer yet (its empty-state initialiser breaks the hybrid optimizer's load hook)."""
+    t = args.training
+    saved = start.resume_dir and os.path.isdir(os.path.join(start.resume_dir, "optimizer"))
+    if t.optimizer_cpu_offload and saved and not t.no_load_optim:
+        raise UserError("--optimizer_cpu_offload: resuming the optimizer state of megatron's "
+                        "hybrid optimizer is not supported yet; pass --no_load_optim (weights, "
+                        "step, RNG and data position still resume)")
+
+
 def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int,
            start: Start) -> Policy:
     hf_config = load_hf_config(model_dir)
     dtype = training_dtype(args, hf_config, state.device)
     settings = optimizer_settings(args, iters)
     check_settings(settings, state.device, dtype)
+    _check_offload_resume(args, start)
     model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, start.weights_dir)
     lora = attach_lora(args, model, bridge, start.adapter_dir)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)

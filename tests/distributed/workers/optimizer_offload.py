@@ -7,11 +7,11 @@ A tiny Qwen3-shaped model in bf16 with the distributed optimizer trains 4 Adam s
 next-token cross-entropy from the same initial weights in each variant:
 
     plain            the optimizer on the GPU (fp32 main params, torch AdamW)
-    offload          --optimizer_cpu_offload (fraction 1)
-    offload_half     --optimizer_cpu_offload --optimizer_offload_fraction 0.5
-    precision_aware  --optimizer_cpu_offload --use_precision_aware_optimizer (ms-swift's example)
-    precision_aware_colocate  the same, with --offload_optimizer's offload/reload around every
-                     step (what colocate mode does while vLLM generates)
+    offload          --optimizer_cpu_offload --use_precision_aware_optimizer (fraction 1,
+                     ms-swift's example)
+    offload_half     the same with --optimizer_offload_fraction 0.5
+    offload_colocate the same as offload, with --offload_optimizer's offload/reload around
+                     every step (what colocate mode does while vLLM generates)
 
 Each variant reports its losses, grad norms, the bytes of the Adam moments and of the float32
 master params on the GPU and on the host, and the max |param - plain's param| at the end;
@@ -36,13 +36,12 @@ HF = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size
           rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128,
           tie_word_embeddings=False)
 BATCH, SEQ, STEPS = 4, 32, 4
+OFFLOAD = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True)
 VARIANTS = {
     "plain": dict(),
-    "offload": dict(optimizer_cpu_offload=True),
-    "offload_half": dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
-    "precision_aware": dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True),
-    "precision_aware_colocate": dict(optimizer_cpu_offload=True,
-                                     use_precision_aware_optimizer=True),
+    "offload": OFFLOAD,
+    "offload_half": dict(OFFLOAD, optimizer_offload_fraction=0.5),
+    "offload_colocate": OFFLOAD,
 }
 
 
