@@ -52,3 +52,10 @@ def test_half_offload_splits_the_state(report):
     for kind in ("moments", "master_params"):
         assert half[kind]["cpu"] > 0 and half[kind]["cuda"] > 0
         assert half[kind]["cpu"] + half[kind]["cuda"] == plain[kind]["cuda"]
+
+
+def test_offload_optimizer_moves_gpu_memory_only(report):
+    moved = report["offload_colocate"]["offloaded_bytes"]
+    # the bf16 parameter shards the hybrid optimizer updates (on the GPU); not the host state
+    assert len(moved) == 4 and len(set(moved)) == 1
+    assert 0 < moved[0] < report["offload_colocate"]["moments"]["cpu"]

@@ -118,7 +118,8 @@ def test_keys_vllm_does_not_take_are_user_errors():
     check_engine_kwargs({"max_num_batched_tokens": 1, "block_size": 16}, accepted)
     with pytest.raises(UserError, match=r"^--vllm_engine_kwargs: vLLM's engine takes no "
                                         r"max_num_batch_tokens \(did you mean "
-                                        r"max_num_batched_tokens\?\), colour; see vLLM.s EngineArgs"):
+                                        r"max_num_batched_tokens\?\), colour; see vLLM's "
+                                        r"EngineArgs"):
         check_engine_kwargs({"max_num_batch_tokens": 1, "block_size": 16, "colour": 1}, accepted)
 
 

@@ -11,7 +11,8 @@ next-token cross-entropy from the same initial weights in each variant:
                      ms-swift's example)
     offload_half     the same with --optimizer_offload_fraction 0.5
     offload_colocate the same as offload, with --offload_optimizer's offload/reload around
-                     every step (what colocate mode does while vLLM generates)
+                     every step (what colocate mode does while vLLM generates); reports the
+                     bytes each offload moved (GPU memory only: the host state stays put)
 
 Each variant reports its losses, grad norms, the bytes of the Adam moments and of the float32
 master params on the GPU and on the host, and the max |param - plain's param| at the end;
@@ -91,10 +92,10 @@ def train(state, name, flags):
     optimizer = build_optimizer([ddp], config, settings)
     scheduler = build_scheduler(optimizer, settings)
     offloader = optimizer_offloader(optimizer) if name.endswith("colocate") else None
-    losses, norms = [], []
+    losses, norms, moved = [], [], []
     for micro in batches(state.device):
         if offloader is not None:
-            offloader.offload()
+            moved.append(offloader.offload())
             offloader.reload()
         zero_grads([ddp], optimizer)
         outputs = forward_backward([ddp], micro, loss_fn)
@@ -102,7 +103,8 @@ def train(state, name, flags):
         losses.append(float(outputs[0]["loss"]))
         norms.append(norm)
     params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
-    return dict(losses=losses, grad_norms=norms, **state_bytes(optimizer)), params
+    return dict(losses=losses, grad_norms=norms, offloaded_bytes=moved,
+                **state_bytes(optimizer)), params
 
 
 def main():
