@@ -121,6 +121,7 @@ def attach_lora(args: RlhfArguments, model, bridge: Bridge,
 
 
 def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
+    """The optimizer and schedule flags, for a run of `iters` optimizer steps."""
     t = args.training
     return OptimizerSettings(
         lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
