@@ -7,7 +7,9 @@ embeddings):
   llama / mistral  optional attention bias; llama3 rope scaling (factor, low/high freq)
   qwen2            q/k/v bias
   qwen3            q/k RMSNorm per head
-  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob)
+  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); with
+                   --moe_expert_capacity_factor, megatron's token dropping (a components.py
+                   override; dense models reject it)
 
 Both transformers 4.x config styles (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`)
 are read. Unsupported model types or features fail with a message listing what is supported.
@@ -159,5 +161,13 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
     if model_type == "qwen3_moe":
         kwargs.update(_moe_kwargs(hf, ep, etp))
+    _check_moe_overrides(overrides, model_type)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _check_moe_overrides(overrides: Mapping, model_type: str) -> None:
+    """Token dropping only exists in MoE layers: asking it of a dense model is a mistake."""
+    if overrides.get("moe_expert_capacity_factor") is not None and model_type != "qwen3_moe":
+        raise UserError(f"--moe_expert_capacity_factor applies to MoE models; this {model_type} "
+                        "model has no experts (drop the flag)")

@@ -62,6 +62,7 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         tensor_parallel_size=v.vllm_tensor_parallel_size,
         gpu_memory_utilization=v.vllm_gpu_memory_utilization,
         max_model_len=v.vllm_max_model_len or args.data.max_length,
-        enforce_eager=v.vllm_enforce_eager, enable_prefix_caching=v.vllm_enable_prefix_caching,
-        sleep_level=args.rollout.sleep_level, bucket_bytes=bucket_bytes)
+        max_num_seqs=v.vllm_max_num_seqs, enforce_eager=v.vllm_enforce_eager,
+        enable_prefix_caching=v.vllm_enable_prefix_caching, sleep_level=args.rollout.sleep_level,
+        bucket_bytes=bucket_bytes, engine_kwargs=dict(v.vllm_engine_kwargs or {}))
     return ColocateEngine(settings, eos_token_ids)

@@ -22,6 +22,7 @@ from swift_megatron.compat.ms_swift import flat_args
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
+from swift_megatron.logging.metrics import SinkSettings
 from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
 from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
@@ -35,7 +36,7 @@ from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
 from swift_megatron.training.offload import model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
-                                           wrap_ddp)
+                                           check_settings, wrap_ddp)
 
 logger = get_logger(__name__)
 
@@ -71,14 +72,19 @@ def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -
 
 
 def _config_overrides(args: RlhfArguments) -> dict:
+    """TransformerConfig settings from the flags, the same for the policy and the reference."""
     from megatron.core.transformer.enums import AttnBackend
 
-    p = args.parallel
+    p, capacity = args.parallel, args.model.moe_expert_capacity_factor
     overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
     if p.recompute_granularity:
         overrides.update(recompute_granularity=p.recompute_granularity,
                          recompute_method=p.recompute_method,
                          recompute_num_layers=p.recompute_num_layers)
+    if capacity is not None:
+        # tokens past an expert's capacity are dropped, lowest router probability first (the
+        # drop policy ms-swift and megatron default to)
+        overrides.update(moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
     return overrides
 
 
@@ -117,21 +123,45 @@ def attach_lora(args: RlhfArguments, model, bridge: Bridge,
     return config
 
 
+def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
+    """The optimizer and schedule flags, for a run of `iters` optimizer steps."""
+    t = args.training
+    return OptimizerSettings(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+        optimizer_cpu_offload=t.optimizer_cpu_offload,
+        optimizer_offload_fraction=t.optimizer_offload_fraction,
+        use_precision_aware_optimizer=t.use_precision_aware_optimizer, train_iters=iters,
+        lr_decay_style=t.lr_decay_style, lr_decay_iters=t.lr_decay_iters,
+        lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
+        lr_warmup_init=t.lr_warmup_init, lr_wsd_decay_style=t.lr_wsd_decay_style,
+        lr_wsd_decay_iters=t.lr_wsd_decay_iters)
+
+
+def _check_offload_resume(args: RlhfArguments, start: Start) -> None:
+    """checkpoint/trainer.py cannot load the state of megatron's hybrid (host-offloaded)
+    optimizer yet (its empty-state initialiser breaks the hybrid optimizer's load hook)."""
+    t = args.training
+    saved = start.resume_dir and os.path.isdir(os.path.join(start.resume_dir, "optimizer"))
+    if t.optimizer_cpu_offload and saved and not t.no_load_optim:
+        raise UserError("--optimizer_cpu_offload: resuming the optimizer state of megatron's "
+                        "hybrid optimizer is not supported yet; pass --no_load_optim (weights, "
+                        "step, RNG and data position still resume)")
+
+
 def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int,
            start: Start) -> Policy:
     hf_config = load_hf_config(model_dir)
     dtype = training_dtype(args, hf_config, state.device)
+    settings = optimizer_settings(args, iters)
+    check_settings(settings, state.device, dtype)
+    _check_offload_resume(args, start)
     model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, start.weights_dir)
     lora = attach_lora(args, model, bridge, start.adapter_dir)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
-    t = args.training
-    settings = OptimizerSettings(
-        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
-        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
-        lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters, train_iters=iters)
     optimizer = build_optimizer([ddp], config, settings)
-    scheduler = build_scheduler(optimizer, settings, t.lr_warmup_fraction)
+    scheduler = build_scheduler(optimizer, settings)
     return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
@@ -284,8 +314,11 @@ def eval_steps(args: RlhfArguments, has_validation: bool) -> Optional[int]:
 
 
 def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dict):
-    enabled = state.rank == 0
-    metrics = MetricsLogger(out, args.training.report_to, run_config=run_config, enabled=enabled)
+    t, enabled = args.training, state.rank == 0
+    sinks = SinkSettings(tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
+                         wandb_exp_name=t.wandb_exp_name, swanlab_project=t.swanlab_project,
+                         swanlab_exp_name=t.swanlab_exp_name)
+    metrics = MetricsLogger(out, t.report_to, run_config=run_config, enabled=enabled, sinks=sinks)
     completions = CompletionsLogger(out, enabled=enabled and args.grpo.log_completions)
     return metrics, completions
 
