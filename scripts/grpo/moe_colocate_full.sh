@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # ms-swift's examples/megatron/grpo/moe_colocate_full.sh: full-parameter GRPO of Qwen3-30B-A3B on
 # one node with 8 GPUs, TP 4 x EP 4 x PP 2 with sequence parallelism, vLLM in colocate mode with
-# TP 8; GSPO (--importance_sampling_level sequence) with tight clipping; the optimizer state is
-# offloaded to host memory while training (--optimizer_cpu_offload) and while vLLM generates
-# (--offload_optimizer).
+# TP 8; GSPO (--importance_sampling_level sequence) with tight clipping; the optimizer state and
+# float32 main parameters live in host memory and are updated on the CPU (--optimizer_cpu_offload
+# with --use_precision_aware_optimizer, megatron-core's hybrid optimizer).
 #
 #   bash scripts/grpo/moe_colocate_full.sh [extra megatron rlhf flags]
 #
@@ -53,6 +53,7 @@ megatron rlhf \
     --offload_model true \
     --offload_optimizer true \
     --optimizer_cpu_offload true \
+    --use_precision_aware_optimizer true \
     --logging_steps 1 \
     --recompute_granularity selective \
     --finetune \

@@ -43,10 +43,25 @@ class RlhfArguments:
             self.training.adjustments = ["--adapters/--mcore_adapter given: --train_type lora"]
         if self.training.lr is None:
             self.training.lr = 1e-4 if self.training.train_type == "lora" else 1e-5
+        self._check_optimizer_flags()
         if self.model.model is None and not (self.training.dry_run or self.training.mcore_model):
             raise UserError("--model is required (a local HF directory or a hub id)")
         if not self.data.dataset and not self.training.dry_run:
             raise UserError("--dataset is required (a local file, HF datasets name or ModelScope id)")
+
+
+    def _check_optimizer_flags(self) -> None:
+        """Combinations megatron-core 0.16.1's optimizer cannot run (training/optim.py checks
+        the device and dtype rules once the model's are known)."""
+        t, distributed = self.training, self.parallel.use_distributed_optimizer
+        if t.optimizer_cpu_offload and not t.use_precision_aware_optimizer:
+            raise UserError("--optimizer_cpu_offload needs --use_precision_aware_optimizer true, "
+                            "as Megatron-LM requires: without it megatron-core 0.16.1 keeps the "
+                            "float32 main parameters on the GPU and cannot reload the offloaded "
+                            "state from a checkpoint")
+        if (t.optimizer_cpu_offload or t.use_precision_aware_optimizer) and not distributed:
+            raise UserError("--optimizer_cpu_offload and --use_precision_aware_optimizer need "
+                            "--use_distributed_optimizer true")
 
 
 @dataclass

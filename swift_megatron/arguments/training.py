@@ -41,12 +41,16 @@ class TrainingArguments:
     optimizer_cpu_offload: bool = arg(False, "Keep the optimizer state (a fraction of it, "
                                       "--optimizer_offload_fraction) in host memory and run its "
                                       "update on the CPU (megatron-core's hybrid optimizer; "
-                                      "needs --use_distributed_optimizer true).")
+                                      "needs CUDA, --use_distributed_optimizer true, "
+                                      "--use_precision_aware_optimizer true and bf16/fp16 "
+                                      "training).")
     optimizer_offload_fraction: float = arg(1.0, "Fraction of the optimizer state offloaded by "
                                             "--optimizer_cpu_offload.")
     use_precision_aware_optimizer: bool = arg(False, "megatron-core's precision-aware optimizer: "
                                               "main parameters and gradients in the distributed "
-                                              "optimizer instead of the model.")
+                                              "optimizer instead of the model. Works together "
+                                              "with --optimizer_cpu_offload true (alone it needs "
+                                              "Transformer Engine's FusedAdam).")
     # Length of the run
     train_iters: Optional[int] = arg(None, "Optimizer steps to run. Default: --num_train_epochs "
                                      "passes over the prompts.")

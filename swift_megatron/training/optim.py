@@ -94,26 +94,19 @@ def check_settings(settings: OptimizerSettings, device: torch.device, dtype: tor
 
 def _check_cpu_offload(settings: OptimizerSettings, device: torch.device,
                        dtype: torch.dtype) -> None:
+    """The device and dtype rules (the flag combinations are checked with the flags:
+    arguments/commands.py)."""
     if device.type != "cuda":
         raise UserError("--optimizer_cpu_offload needs CUDA: megatron-core's hybrid optimizer "
                         "moves the optimizer state of GPU parameters to host memory, and on a "
                         "CPU run it already is there; drop the flag")
-    if not settings.use_distributed_optimizer:
-        raise UserError("--optimizer_cpu_offload needs --use_distributed_optimizer true")
     if dtype == torch.float32:
         raise UserError("--optimizer_cpu_offload needs bf16 or fp16 training (--torch_dtype "
                         "bfloat16): megatron-core 0.16.1's hybrid optimizer cannot take the "
                         "distributed optimizer's float32 parameter shards")
-    if not settings.use_precision_aware_optimizer:
-        raise UserError("--optimizer_cpu_offload needs --use_precision_aware_optimizer true, as "
-                        "Megatron-LM requires: without it megatron-core 0.16.1 keeps the float32 "
-                        "main parameters on the GPU and cannot reload the offloaded state from a "
-                        "checkpoint")
 
 
 def _check_precision_aware(settings: OptimizerSettings) -> None:
-    if not settings.use_distributed_optimizer:
-        raise UserError("--use_precision_aware_optimizer needs --use_distributed_optimizer true")
     if not settings.optimizer_cpu_offload and not _te_fused_adam_available():
         raise UserError("--use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
                         "(megatron-core 0.16.1), and swift-megatron does not use Transformer "

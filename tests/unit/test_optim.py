@@ -165,15 +165,8 @@ OFFLOAD = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, *
 
 @pytest.mark.parametrize("settings, device, dtype, message", [
     (OFFLOAD, CPU, torch.float32, r"^--optimizer_cpu_offload needs CUDA"),
-    (dict(OFFLOAD, use_distributed_optimizer=False), CUDA, torch.bfloat16,
-     r"^--optimizer_cpu_offload needs --use_distributed_optimizer true$"),
     (OFFLOAD, CUDA, torch.float32,
      r"^--optimizer_cpu_offload needs bf16 or fp16 training \(--torch_dtype bfloat16\)"),
-    (dict(OFFLOAD, use_precision_aware_optimizer=False), CUDA, torch.bfloat16,
-     r"^--optimizer_cpu_offload needs --use_precision_aware_optimizer true, as Megatron-LM "
-     r"requires"),
-    (dict(use_precision_aware_optimizer=True), CUDA, torch.bfloat16,
-     r"^--use_precision_aware_optimizer needs --use_distributed_optimizer true$"),
     (dict(use_precision_aware_optimizer=True, **DIST), CUDA, torch.bfloat16,
      r"^--use_precision_aware_optimizer needs Transformer Engine's FusedAdam .* works with "
      r"--optimizer_cpu_offload true"),
@@ -181,6 +174,23 @@ OFFLOAD = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, *
 def test_what_megatron_core_cannot_run_is_a_user_error(settings, device, dtype, message):
     with pytest.raises(UserError, match=message):
         check_settings(OptimizerSettings(lr=LR, **settings), device, dtype)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer_cpu_offload", "true"],
+     r"^--optimizer_cpu_offload needs --use_precision_aware_optimizer true, as Megatron-LM "
+     r"requires"),
+    (["--use_precision_aware_optimizer", "true", "--use_distributed_optimizer", "false"],
+     r"^--optimizer_cpu_offload and --use_precision_aware_optimizer need "
+     r"--use_distributed_optimizer true$"),
+])
+def test_optimizer_flag_combinations_fail_at_parse_time(argv, message):
+    """Before anything starts (the dry run too): these need no model or device to judge."""
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+
+    with pytest.raises(UserError, match=message):
+        parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *argv], "megatron rlhf")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -202,7 +212,8 @@ def test_resuming_the_offloaded_optimizer_state_is_a_user_error(tmp_path, extra,
     if saved_optimizer:
         (tmp_path / "optimizer").mkdir()
     args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d",
-                                         "--optimizer_cpu_offload", "true", *extra], "x")
+                                         "--optimizer_cpu_offload", "true",
+                                         "--use_precision_aware_optimizer", "true", *extra], "x")
     start = Start(weights_dir=None, adapter_dir=None, resume_dir=str(tmp_path))
     if not fails:
         _check_offload_resume(args, start)
