@@ -61,8 +61,10 @@ OTHER_ISSUES = {"tau_pos": "issue 14", "tau_neg": "issue 14", "teacher_model": "
 def test_every_example_flag_is_accepted(flag):
     value = ACCEPTED[flag]
     argv = [f"--{flag}"] + ([] if value is None else [str(value)])
-    if flag in ("recompute_method",):
+    if flag == "recompute_method":
         argv = ["--recompute_granularity", "full", "--recompute_method", "uniform"]
+    if flag == "optimizer_cpu_offload":  # as ms-swift's moe_colocate_full.sh passes it
+        argv += ["--use_precision_aware_optimizer"]
     rlhf(*argv)
 
 
