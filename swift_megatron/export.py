@@ -87,6 +87,10 @@ def _hf_inputs(args: "ExportCommandArguments"):
 
     m = args.model
     hf_dir = resolve_model_dir(m.model, m.use_hf, m.model_revision)
+    if m.check_model:
+        from swift_megatron.model.files import check_model_dir
+
+        check_model_dir(hf_dir)
     from swift_megatron.bridge.io import HFReader  # heavy imports after the cheap path check
     from swift_megatron.model.config import load_hf_config, model_shape
 

@@ -35,9 +35,6 @@ class ModelArguments:
     device: str = arg("auto", "Where to run: auto (CUDA when available, else CPU), cuda or cpu. "
                       "CPU runs Megatron-core through swift_megatron.platform.cpu (dev, CI, demo).",
                       choices=["auto", "cuda", "cpu"])
-    moe_expert_capacity_factor: Optional[float] = arg(
-        None, "MoE: capacity of each expert as a multiple of its even share of the tokens; tokens "
-        "past it are dropped (lowest router probability first). Default: no dropping.")
 
     def __post_init__(self):
         if self.model_type in MS_SWIFT_MODEL_TYPES:
@@ -46,9 +43,6 @@ class ModelArguments:
             raise UserError(f"--model_type {self.model_type} is not supported; supported: "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         self._resolve_precision_flags()
-        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
-            raise UserError(f"--moe_expert_capacity_factor must be > 0, got "
-                            f"{self.moe_expert_capacity_factor}")
 
     def _resolve_precision_flags(self) -> None:
         """--bf16 / --fp16 true set --torch_dtype; contradictions are errors."""

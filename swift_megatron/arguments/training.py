@@ -51,6 +51,9 @@ class TrainingArguments:
                                               "optimizer instead of the model. Works together "
                                               "with --optimizer_cpu_offload true (alone it needs "
                                               "Transformer Engine's FusedAdam).")
+    moe_expert_capacity_factor: Optional[float] = arg(
+        None, "MoE: capacity of each expert as a multiple of its even share of the tokens; tokens "
+        "past it are dropped (lowest router probability first). Default: no dropping.")
     # Length of the run
     train_iters: Optional[int] = arg(None, "Optimizer steps to run. Default: --num_train_epochs "
                                      "passes over the prompts.")
@@ -127,6 +130,9 @@ class TrainingArguments:
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
             raise UserError("--lr_decay_style WSD needs --lr_wsd_decay_iters (the steps of the "
                             "final decay)")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise UserError(f"--moe_expert_capacity_factor must be > 0, got "
+                            f"{self.moe_expert_capacity_factor}")
         if not 0 < self.optimizer_offload_fraction <= 1:
             raise UserError(f"--optimizer_offload_fraction must be in (0, 1], got "
                             f"{self.optimizer_offload_fraction}")
@@ -151,8 +157,17 @@ class BatchArguments:
     micro_batch_size: int = arg(1, "Completions per forward/backward pass on one data-parallel rank.")
     global_batch_size: int = arg(16, "Completions per optimizer step over all data-parallel ranks: "
                                  "micro_batch_size x dp_size x gradient accumulation steps.")
+    max_tokens_per_micro_batch: Optional[int] = arg(
+        None, "Form each optimizer step's micro-batches by a token budget instead of "
+        "--micro_batch_size completions: consecutive completions whose prompt + completion tokens "
+        "add up to at most this many (a longer one alone), as verl's dynamic batch size. Fewer, "
+        "fuller micro-batches when completions are short; the loss is the same, except bnpo's, "
+        "which is a per-micro-batch mean.")
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise UserError(f"--max_tokens_per_micro_batch must be >= 1, got "
+                            f"{self.max_tokens_per_micro_batch}")

@@ -464,6 +464,10 @@ def serve(args) -> None:
     serve_args, engine = args.serve, args.vllm
     _check_port_free(serve_args.host, serve_args.port)
     model_dir = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+    if args.model.check_model:
+        from swift_megatron.model.files import check_model_dir
+
+        check_model_dir(model_dir)
     vllm_compat.check_model_supported(model_dir)
     settings = engine_settings(args, model_dir)
     vllm_compat.check_engine_settings(settings)

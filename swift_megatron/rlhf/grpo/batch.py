@@ -95,14 +95,34 @@ def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(index >= 0, packed[index.clamp(min=0)], packed.new_zeros(()))
 
 
-def split_micro_batches(samples: Sequence[Sample], micro_batch_size: int, **collate_kwargs
+def split_micro_batches(samples: Sequence[Sample], micro_batch_size: int,
+                        max_tokens: Optional[int] = None, **collate_kwargs
                         ) -> List[Dict[str, torch.Tensor]]:
-    """Consecutive groups of micro_batch_size samples, each collated."""
+    """Consecutive groups of micro_batch_size samples, each collated; with `max_tokens`, groups of
+    as many consecutive samples as fit that many tokens (prompt + completion; at least one)."""
+    if max_tokens is not None:
+        return [collate(group, **collate_kwargs) for group in token_groups(samples, max_tokens)]
     if len(samples) % micro_batch_size:
         raise ValueError(f"{len(samples)} samples do not split into micro-batches of "
                          f"{micro_batch_size}")
     return [collate(samples[i:i + micro_batch_size], **collate_kwargs)
             for i in range(0, len(samples), micro_batch_size)]
+
+
+def token_groups(samples: Sequence[Sample], max_tokens: int) -> List[List[Sample]]:
+    """Consecutive samples whose tokens (prompt + completion - 1, what the model reads) add up
+    to at most max_tokens; a longer sample forms a group of its own."""
+    groups: List[List[Sample]] = []
+    total = 0
+    for sample in samples:
+        length = len(sample.prompt_ids) + len(sample.completion_ids) - 1
+        if groups and total + length <= max_tokens:
+            groups[-1].append(sample)
+            total += length
+        else:
+            groups.append([sample])
+            total = length
+    return groups
 
 
 def to_device(micro_batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ def _config_overrides(args: RlhfArguments) -> dict:
     """TransformerConfig settings from the flags, the same for the policy and the reference."""
     from megatron.core.transformer.enums import AttnBackend
 
-    p, capacity = args.parallel, args.model.moe_expert_capacity_factor
+    p, capacity = args.parallel, args.training.moe_expert_capacity_factor
     overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
     if p.recompute_granularity:
         overrides.update(recompute_granularity=p.recompute_granularity,

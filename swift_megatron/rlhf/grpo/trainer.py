@@ -104,14 +104,12 @@ class GRPOTrainer:
         start = time.perf_counter()
         samples, metrics = self.collect()
         timings["time/rollout_s"] = time.perf_counter() - start
-        micro = self.micro_batches(samples)
+        steps = self.step_micro_batches(samples)
         start = time.perf_counter()
-        self.fill_logprobs(micro)
+        self.fill_logprobs(steps)
         timings["time/logprobs_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        ga = self.plan.grad_accum_steps
-        train_metrics = [self.optimizer_step(micro[k * ga:(k + 1) * ga])
-                         for k in range(self.plan.steps_per_generation)]
+        train_metrics = [self.optimizer_step(micro) for micro in steps]
         timings["time/train_s"] = time.perf_counter() - start
         start = time.perf_counter()
         metrics.update(self.sync_weights())
@@ -146,26 +144,36 @@ class GRPOTrainer:
         with self.generating():
             return self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
 
-    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None
-                      ) -> List[dict]:
+    def step_micro_batches(self, samples: List[Sample]) -> List[List[dict]]:
+        """This DP rank's micro-batches of each optimizer step of the rollout batch: the step's
+        completions split by --micro_batch_size, or by --max_tokens_per_micro_batch."""
+        per_step = len(samples) // self.plan.steps_per_generation
+        return [self.micro_batches(samples[k * per_step:(k + 1) * per_step],
+                                   max_tokens=self.args.batch.max_tokens_per_micro_batch)
+                for k in range(self.plan.steps_per_generation)]
+
+    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
+                      max_tokens: Optional[int] = None) -> List[dict]:
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
-        micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size, pad_id=pad,
+        micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size,
+                                    max_tokens=max_tokens, pad_id=pad,
                                     pad_to_multiple=tp_multiple,
                                     overlong_filter=self.args.grpo.overlong_filter,
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
 
     @torch.no_grad()
-    def fill_logprobs(self, micro: List[dict]) -> None:
+    def fill_logprobs(self, steps: List[List[dict]]) -> None:
         """Old-policy logprobs when several optimizer steps reuse one rollout, and reference
         logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage).
         The first optimizer step's micro-batches need no old-policy pass: their old logprobs
         are their own forward's, detached (the policy has not moved yet), as the loss takes
         them when `old_logprobs` is absent; only the later steps' micro-batches get one."""
         collect = partial(collect_logprobs, self.loss_settings)
-        later = micro[self.plan.grad_accum_steps:]
+        micro = [mb for step in steps for mb in step]
+        later = [mb for step in steps[1:] for mb in step]
         if later:
             for mb, out in zip(later, forward_backward(self.policy.chunks, later, collect, True)):
                 mb["old_logprobs"] = out["logprobs"]
@@ -257,11 +265,14 @@ class GRPOTrainer:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _step_constants(self, micro: List[dict]) -> StepConstants:
-        tokens = torch.stack([mb["completion_mask"].sum() for mb in micro]).sum().reshape(1)
-        dist.all_reduce(tokens, group=self.state.dp_group)
+        """The step's totals over every DP rank (ranks may hold different numbers of
+        micro-batches with --max_tokens_per_micro_batch)."""
+        totals = torch.stack([torch.stack([mb["completion_mask"].sum() for mb in micro]).sum(),
+                              torch.tensor(float(len(micro)), device=self.state.device)])
+        dist.all_reduce(totals, group=self.state.dp_group)
         return StepConstants(
-            num_sequences=self.plan.global_batch_size, num_tokens=float(tokens.item()),
-            num_micro_batches=len(micro) * self.state.dp,
+            num_sequences=self.plan.global_batch_size, num_tokens=float(totals[0].item()),
+            num_micro_batches=int(totals[1].item()),
             contribution_scale=contribution_scale(len(micro), self.state.dp))
 
     def _from_last_stage(self, outputs: List[dict]) -> Dict[str, float]:

@@ -1,6 +1,7 @@
 """Worker: the GRPO loss, its metrics, the gradients and the logprobs of one optimizer step's
 micro-batches, computed on padded and on packed (THD) micro-batches of the same completions of
-very different lengths, for a dense and a MoE tiny model; writes both to {out_dir}/rank{R}.json.
+very different lengths, and on packed micro-batches formed by a token budget (a different number
+of micro-batches), for a dense and a MoE tiny model; writes all to {out_dir}/rank{R}.json.
 --tp 2 runs tensor parallel with sequence parallelism (the packed row padded to a multiple of TP).
 """
 import argparse
@@ -74,13 +75,14 @@ def run(hf, tp, sp):
                             max_completion_length=32, vocab_size=shape.vocab_size,
                             rollout_correction="token_truncate")
     result = {}
-    for layout in ("padded", "packed"):
+    for layout in ("padded", "packed", "budget"):
         micro = split_micro_batches(samples(), 3, pad_id=0, pad_to_multiple=tp if sp else 1,
-                                    packed=layout == "packed")
+                                    packed=layout != "padded",
+                                    max_tokens=48 if layout == "budget" else None)
         outputs, grads, logprobs = step(ddp, micro, settings)
         masks = [mb["completion_mask"] for mb in micro]
         result[layout] = dict(
-            loss=sum(float(o["loss"]) for o in outputs),
+            micro_batches=len(micro), loss=sum(float(o["loss"]) for o in outputs),
             entropy=[float(o["entropy"]) for o in outputs],
             clip=[float(o["clip_ratio/high"]) for o in outputs],
             logprobs=[(lp * m).tolist() for lp, m in zip(logprobs, masks)],
