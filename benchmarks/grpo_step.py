@@ -63,8 +63,9 @@ def main():
            "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations", "8",
            "--micro_batch_size", "8", "--global_batch_size", "64", "--steps_per_generation", "2",
            "--max_completion_length", str(a.completion_length), "--beta", "0.04",
-           "--train_iters", str(a.steps), "--report_to", "none", "--output_dir", out,
-           *a.rlhf_args]
+           "--train_iters", str(a.steps), "--report_to", "none", "--logging_steps", "1",
+           "--output_dir", out, "--add_version", "false", "--no_save_optim", "true",
+           "--save_safetensors", "false", *a.rlhf_args]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=dict(os.environ, SWIFT_MEGATRON_NO_BAR="1"))
     with open(os.path.join(out, "logging.jsonl")) as f:

@@ -192,22 +192,35 @@ def logprob_mismatch(engine, model_dir: str, dtype) -> None:
          vs_transformers=report)
 
 
+def model_checksums(engine) -> dict:
+    """{name: (sum, abs sum)} of every parameter and buffer of the engine's model (in-process)."""
+    def checksums(model):
+        tensors = list(model.named_parameters()) + list(model.named_buffers())
+        return {name: (t.double().sum().item(), t.double().abs().sum().item())
+                for name, t in tensors}
+
+    return engine.llm.apply_model(checksums)[0]
+
+
 def measure_sleep(engine, weights: dict, level: int) -> None:
     import torch
 
     def free_gib():
         return round(torch.cuda.mem_get_info()[0] / 2**30, 2) if device() == "cuda" else None
 
-    before_tokens = greedy(engine)
+    before_tokens, before_sums = greedy(engine), model_checksums(engine)
     engine.settings.sleep_level = level
     awake = free_gib()
     engine.sleep()
     asleep = free_gib()
     engine.update_weights(iter(weights.items()))   # the trainer syncs while vLLM sleeps
     engine.wake_up()
+    after_sums = model_checksums(engine)
+    changed = sorted(name for name in before_sums if before_sums[name] != after_sums.get(name))
     emit(f"sleep.level{level}", free_gib_awake=awake, free_gib_asleep=asleep,
          freed_gib=None if awake is None else round(asleep - awake, 2),
-         free_gib_after_wake=free_gib(), greedy_unchanged=greedy(engine) == before_tokens)
+         free_gib_after_wake=free_gib(), greedy_unchanged=greedy(engine) == before_tokens,
+         tensors_changed=len(changed), changed_examples=changed[:12])
 
 
 def run_colocate(a, model_dir: str) -> None:

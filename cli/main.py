@@ -1,8 +1,9 @@
 """`megatron <command> [flags]`: route to a command module; user errors exit 2 without traceback.
 
 Commands: rlhf (GRPO training), export (HF <-> Megatron conversion), rollout (vLLM server),
-demo (the tiny end-to-end job on an embedded model and dataset). Importing this module and
-parsing flags never imports torch, so every `--help` is instant.
+demo (the tiny end-to-end job on an embedded model and dataset), plot (a run's report from its
+logs). Importing this module and parsing flags never imports torch, so every `--help` is
+instant.
 """
 import importlib
 import sys
@@ -14,6 +15,7 @@ COMMANDS = {
     "export": ("swift_megatron.cli.export", "convert HF <-> Megatron checkpoints, merge LoRA"),
     "rollout": ("swift_megatron.cli.rollout", "serve vLLM rollouts for server-mode training"),
     "demo": ("swift_megatron.cli.demo", "the main job on an embedded tiny model and dataset"),
+    "plot": ("swift_megatron.cli.plot", "a run's report: metric plots, summary, completions page"),
 }
 
 USAGE = "usage: megatron {" + ",".join(COMMANDS) + "} [flags]   (megatron <command> --help)\n\n" + \

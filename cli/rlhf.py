@@ -1,24 +1,28 @@
-"""`megatron rlhf --rlhf_type grpo ...`: parse and check the flags, print the plan (--dry_run),
-relaunch under torchrun when NPROC_PER_NODE is set, then run the trainer."""
+"""`megatron rlhf --rlhf_type grpo ...`: parse and check the flags, print the plan and what was
+checked (--dry_run), relaunch under torchrun when NPROC_PER_NODE or NNODES is set, then run the
+trainer."""
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.arguments.parser import parse_command
+from swift_megatron.arguments.parser import parse_command, warn_notices
 from swift_megatron.launch import planned_world_size, relaunch, torchrun_argv
-from swift_megatron.preflight import preflight_rlhf
+from swift_megatron.preflight import dry_run_checks, preflight_rlhf, print_dry_run
 
 DESCRIPTION = ("GRPO training of a Hugging Face causal LM on Megatron-core. Batch sizes count "
                "completions. Launch several processes with NPROC_PER_NODE=N (and NNODES, "
-               "NODE_RANK, MASTER_ADDR, MASTER_PORT for several nodes).")
+               "NODE_RANK, MASTER_ADDR, MASTER_PORT for several nodes). A YAML/JSON file of "
+               "flags may come first: megatron rlhf run.yaml [flags].")
 
 
 def main(argv) -> int:
     args = parse_command(RlhfArguments, argv, prog="megatron rlhf", description=DESCRIPTION)
-    plan, _ = preflight_rlhf(args, planned_world_size())
+    plan, hf_config = preflight_rlhf(args, planned_world_size())
     if args.training.dry_run:
-        print(plan.table())
+        warn_notices(args)
+        print_dry_run(plan, dry_run_checks(args, hf_config))
         return 0
     cmd = torchrun_argv("rlhf", argv)
     if cmd:
         return relaunch(cmd)
+    warn_notices(args)
     from swift_megatron.rlhf.grpo.trainer import run_grpo
 
     run_grpo(args, plan)

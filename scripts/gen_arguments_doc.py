@@ -12,9 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from swift_megatron.arguments.commands import (ExportCommandArguments, RlhfArguments,  # noqa: E402
                                                RolloutCommandArguments)
 from swift_megatron.arguments.parser import command_groups, group_specs  # noqa: E402
+from swift_megatron.cli.demo import DemoCommand  # noqa: E402
+from swift_megatron.cli.plot import PlotCommand  # noqa: E402
 
 COMMANDS = [("megatron rlhf", RlhfArguments), ("megatron export", ExportCommandArguments),
-            ("megatron rollout", RolloutCommandArguments)]
+            ("megatron rollout", RolloutCommandArguments), ("megatron plot", PlotCommand),
+            ("megatron demo", DemoCommand)]
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
                    "arguments.md")
 

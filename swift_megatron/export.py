@@ -230,6 +230,10 @@ def prepare(args: "ExportCommandArguments", world_size: int) -> ExportInputs:
     flag = "--adapters" if args.lora.adapters else "--mcore_adapter"
     adapter = adapter_source(args.adapter, flag) if args.adapter else None
     model_dir = _resolve_hf(args, args.model.model, "--model") if args.model.model else None
+    if model_dir and args.model.check_model:
+        from swift_megatron.model.files import check_model_dir
+
+        check_model_dir(model_dir)
     base = _base(args, adapter, model_dir)
     hf_files = _hf_files(args, base, model_dir)
     hf_config, model_type, source_dtype = _model_description(args, base, hf_files)

@@ -1,6 +1,8 @@
-"""Multi-process launching, as ms-swift does it: when NPROC_PER_NODE is set (with optional
-NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT), a command re-executes itself under
+"""Multi-process launching, as ms-swift does it: when NPROC_PER_NODE or NNODES is set (with
+optional NODE_RANK, MASTER_ADDR, MASTER_PORT), a command re-executes itself under
 `python -m torch.distributed.run` with those values; otherwise it runs as one process.
+NPROC_PER_NODE may be a number, `gpu` (one process per visible GPU) or `auto` (per GPU, else
+per CPU core), as torchrun takes it.
 """
 import os
 import subprocess
@@ -10,6 +12,7 @@ from typing import List, Mapping, Optional, Sequence
 from swift_megatron.errors import UserError
 
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+NPROC_WORDS = ("gpu", "auto")
 
 
 def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
@@ -25,6 +28,34 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
     return number
 
 
+def _device_count() -> int:
+    import torch  # only for NPROC_PER_NODE=gpu|auto
+
+    return torch.cuda.device_count()
+
+
+def nproc_per_node(env: Mapping[str, str] = os.environ) -> int:
+    """Processes per node: NPROC_PER_NODE as a number, or resolved like torchrun's gpu / auto."""
+    value = (env.get("NPROC_PER_NODE") or "").strip()
+    if value.lower() not in NPROC_WORDS:
+        return _int_env(env, "NPROC_PER_NODE", 1)
+    gpus = _device_count()
+    if value.lower() == "gpu" and gpus == 0:
+        raise UserError("NPROC_PER_NODE=gpu but no GPU is visible; give a number of processes")
+    return gpus or os.cpu_count() or 1
+
+
+def check_launch_env(env: Mapping[str, str] = os.environ) -> None:
+    """UserError for launch variables torchrun would reject (checked by the dry run too)."""
+    nnodes = _int_env(env, "NNODES", 1)
+    node_rank = _int_env(env, "NODE_RANK", 0)
+    if node_rank >= nnodes:
+        raise UserError(f"NODE_RANK={node_rank} must be smaller than NNODES={nnodes}")
+    _int_env(env, "MASTER_PORT", 29500)
+    if (env.get("NPROC_PER_NODE") or "").strip().lower() not in NPROC_WORDS:
+        _int_env(env, "NPROC_PER_NODE", 1)
+
+
 def under_launcher(env: Mapping[str, str] = os.environ) -> bool:
     """True inside a torchrun-launched worker."""
     return "LOCAL_RANK" in env and "WORLD_SIZE" in env
@@ -34,22 +65,28 @@ def planned_world_size(env: Mapping[str, str] = os.environ) -> int:
     """The world size this command runs with: the launcher's, or NPROC_PER_NODE x NNODES."""
     if under_launcher(env):
         return _int_env(env, "WORLD_SIZE", 1)
-    return _int_env(env, "NPROC_PER_NODE", 1) * _int_env(env, "NNODES", 1)
+    check_launch_env(env)
+    return nproc_per_node(env) * _int_env(env, "NNODES", 1)
+
+
+def wants_launcher(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the command relaunches itself under torchrun (NPROC_PER_NODE or NNODES set)."""
+    return not under_launcher(env) and bool(env.get("NPROC_PER_NODE") or env.get("NNODES"))
 
 
 def torchrun_argv(command: str, argv: Sequence[str],
                   env: Mapping[str, str] = os.environ) -> Optional[List[str]]:
     """The torchrun command line that relaunches `megatron <command> argv`, or None when this
-    process should run the command itself (no NPROC_PER_NODE, or already a launched worker)."""
-    if under_launcher(env) or not env.get("NPROC_PER_NODE"):
+    process should run the command itself (neither NPROC_PER_NODE nor NNODES, or already a
+    launched worker)."""
+    if not wants_launcher(env):
         return None
-    nnodes = _int_env(env, "NNODES", 1)
-    node_rank = _int_env(env, "NODE_RANK", 0)
-    if node_rank >= nnodes:
-        raise UserError(f"NODE_RANK={node_rank} must be smaller than NNODES={nnodes}")
+    check_launch_env(env)
+    nproc = (env.get("NPROC_PER_NODE") or "1").strip()
     launcher = [sys.executable, "-m", "torch.distributed.run",
-                f"--nproc_per_node={_int_env(env, 'NPROC_PER_NODE', 1)}",
-                f"--nnodes={nnodes}", f"--node_rank={node_rank}",
+                f"--nproc_per_node={nproc.lower() if nproc.lower() in NPROC_WORDS else int(nproc)}",
+                f"--nnodes={_int_env(env, 'NNODES', 1)}",
+                f"--node_rank={_int_env(env, 'NODE_RANK', 0)}",
                 f"--master_addr={env.get('MASTER_ADDR') or '127.0.0.1'}",
                 f"--master_port={_int_env(env, 'MASTER_PORT', 29500)}"]
     return launcher + ["-m", "swift_megatron.cli.main", command, *argv]

@@ -1,18 +1,28 @@
-"""Every check of an rlhf command that needs no model weights and no heavy import.
+"""Every check of an rlhf command that needs no model weights.
 
-Runs before any process is launched or model built: the batch plan for the world size that
-will run, and, when --model is a readable local directory, the model-dependent rules (experts
-vs EP, heads vs TP, layers vs PP). `--dry_run true` prints what this returns.
+`preflight_rlhf` runs in every process before anything is launched or built: the launch
+variables, the batch plan for the world size that will run, and, when --model is a readable
+local directory, the model-dependent rules (family, experts vs EP, heads vs TP, layers vs PP);
+it also applies the adjustments ms-swift makes silently, as notices. `dry_run_checks` adds what
+only `--dry_run true` pays for: the full model-config check (imports torch), the weight files,
+the datasets' rows, the plugin files and reward names. Both raise UserError naming the culprit.
 """
 import importlib.util
-import json
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from swift_megatron.arguments.batch_plan import BatchPlan, make_batch_plan
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
+from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
+from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
+from swift_megatron.launch import check_launch_env
 from swift_megatron.parallel.layout import check_layout, num_experts
+
+# Measured on an H100 with vLLM 0.26 (tests/gpu/test_vllm_gpu.py): after sleep(level=2), a full
+# weight update and wake_up(), greedy output differed from before the sleep (level 1: identical).
+LEVEL2_ADJUSTED = ("--sleep_level 2 changed vLLM 0.26's outputs on CUDA after a weight reload: "
+                   "using --sleep_level 1 (KV cache freed, weights offloaded to host memory)")
 
 
 def vllm_installed() -> bool:
@@ -29,23 +39,36 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
     """config.json of a local model directory, or None for hub ids / missing paths."""
     if not model or not os.path.isdir(model):
         return None
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        raise UserError(f"--model {model}: no config.json in that directory")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--model {model}: config.json is not valid JSON ({exc})") from None
+    from swift_megatron.model.files import read_config
+
+    return read_config(model)
+
+
+def check_model_family(hf_config: dict, model_type: Optional[str], source: str) -> None:
+    """UserError when the checkpoint's family (or --model_type) is not one we support."""
+    family = model_type or hf_config.get("model_type")
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"--model {source}: model_type {family!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def _adjust_sleep_level(args: RlhfArguments, colocate: bool) -> None:
+    r = args.rollout
+    if colocate and r.sleep_level == 2 and args.model.device != "cpu":
+        r.sleep_level = 1
+        r.adjustments = getattr(r, "adjustments", []) + [LEVEL2_ADJUSTED]
 
 
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
     """The batch plan and (when readable) the model's HF config; raises UserError on any rule."""
+    check_launch_env()
     hf_config = read_local_hf_config(args.model.model)
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
+    _adjust_sleep_level(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
+        check_model_family(hf_config, args.model.model_type, args.model.model)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size)
@@ -53,4 +76,60 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
             raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
                             "--sequence_parallel true (megatron-core refuses to train MoE with "
                             "TP but without sequence parallelism)")
+    system_prompt(args.data.system)
     return plan, hf_config
+
+
+# ---- --dry_run only ------------------------------------------------------------------------
+
+def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict]) -> List[str]:
+    """The checks only the dry run pays for; returns a line per thing checked."""
+    done = []
+    if hf_config is not None:
+        from swift_megatron.model.config import model_shape
+        from swift_megatron.model.files import check_model_dir
+
+        model_shape(hf_config, model_type=args.model.model_type)
+        if args.model.check_model:
+            check_model_dir(args.model.model)
+        done.append(f"model: {args.model.model} ({args.model.model_type or hf_config['model_type']})")
+    done += [_check_dataset(spec, args) for spec in args.data.dataset + args.data.val_dataset]
+    done += _check_rewards(args)
+    return done
+
+
+def _check_dataset(spec: str, args: RlhfArguments) -> str:
+    """A local dataset: every row must hold a prompt (hub ids are only recognised)."""
+    import numpy as np
+
+    from swift_megatron.data.prompts import RowError, rename_columns, row_messages
+    from swift_megatron.data.sources import load_rows, parse_spec
+
+    if parse_spec(spec).kind == "hub":
+        return f"dataset {spec}: hub id (downloaded at start)"
+    rows = load_rows(spec, random_state=np.random.RandomState(args.data.data_seed),
+                     shuffle=args.data.dataset_shuffle)
+    for number, row in enumerate(rows, 1):
+        try:
+            row_messages(rename_columns(row, args.data.columns))
+        except RowError as error:
+            raise UserError(f"dataset {spec} row {number}: {error}") from None
+    return f"dataset {spec}: {len(rows)} rows"
+
+
+def _check_rewards(args: RlhfArguments) -> List[str]:
+    from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
+
+    g = args.grpo
+    if not g.reward_funcs:
+        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
+    modules = load_plugins(g.external_plugins)
+    resolve_reward_funcs(g.reward_funcs, modules, RewardConfig.from_args(g))
+    return [f"plugin: {path}" for path in g.external_plugins] + \
+        [f"rewards: {', '.join(g.reward_funcs)}"]
+
+
+def print_dry_run(plan: BatchPlan, checked: List[str]) -> None:
+    print(plan.table())
+    for line in checked:
+        print(f"checked {line}")

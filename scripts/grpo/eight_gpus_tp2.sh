@@ -35,5 +35,5 @@ megatron rlhf --rlhf_type grpo \
     --beta 0 \
     --lr 1e-6 --lr_warmup_iters 10 \
     --num_train_epochs 1 \
-    --save output/grpo_8gpu_tp2 --save_interval 50 \
+    --save output/grpo_8gpu_tp2 --save_steps 50 \
     "$@"

@@ -30,5 +30,5 @@ megatron rlhf --rlhf_type grpo \
     --beta 0.04 \
     --lr 1e-4 \
     --train_iters 200 \
-    --save output/grpo_lora --save_interval 50 \
+    --save output/grpo_lora --save_steps 50 \
     "$@"

@@ -27,6 +27,6 @@ megatron rlhf --rlhf_type grpo \
     --beta 0.04 \
     --lr 1e-6 --lr_warmup_fraction 0.05 \
     --train_iters 200 \
-    --save output/grpo_one_gpu --save_interval 50 \
+    --save output/grpo_one_gpu --save_steps 50 \
     --log_completions true \
     "$@"

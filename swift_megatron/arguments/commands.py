@@ -4,13 +4,14 @@
 `megatron rollout` -> RolloutCommandArguments. Cross-group checks that need no model live here;
 the batch plan is built by `batch_inputs()` + arguments/batch_plan.py.
 """
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import FrozenSet, Optional
 
 from swift_megatron.arguments.batch_plan import BatchInputs
 from swift_megatron.arguments.data import DataArguments
 from swift_megatron.arguments.export import ExportArguments
 from swift_megatron.arguments.grpo import GRPOArguments
+from swift_megatron.arguments.kernels import KernelArguments
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.model import ModelArguments
 from swift_megatron.arguments.parallel import ParallelArguments
@@ -32,12 +33,35 @@ class RlhfArguments:
     rollout: RolloutArguments
     vllm: VllmEngineArguments
     lora: LoraArguments
+    kernels: KernelArguments
+    # the flag names the user set (command line or config file); filled in by parse_command
+    explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self):
-        if self.model.model is None and not self.training.dry_run:
+        if (self.lora.adapters or self.training.mcore_adapter) and self.training.train_type == "full":
+            self.training.train_type = "lora"  # as ms-swift: adapters to continue mean LoRA
+            self.training.adjustments = ["--adapters/--mcore_adapter given: --train_type lora"]
+        if self.training.lr is None:
+            self.training.lr = 1e-4 if self.training.train_type == "lora" else 1e-5
+        self._check_optimizer_flags()
+        if self.model.model is None and not (self.training.dry_run or self.training.mcore_model):
             raise UserError("--model is required (a local HF directory or a hub id)")
         if not self.data.dataset and not self.training.dry_run:
             raise UserError("--dataset is required (a local file, HF datasets name or ModelScope id)")
+
+
+    def _check_optimizer_flags(self) -> None:
+        """Combinations megatron-core 0.16.1's optimizer cannot run (training/optim.py checks
+        the device and dtype rules once the model's are known)."""
+        t, distributed = self.training, self.parallel.use_distributed_optimizer
+        if t.optimizer_cpu_offload and not t.use_precision_aware_optimizer:
+            raise UserError("--optimizer_cpu_offload needs --use_precision_aware_optimizer true, "
+                            "as Megatron-LM requires: without it megatron-core 0.16.1 keeps the "
+                            "float32 main parameters on the GPU and cannot reload the offloaded "
+                            "state from a checkpoint")
+        if (t.optimizer_cpu_offload or t.use_precision_aware_optimizer) and not distributed:
+            raise UserError("--optimizer_cpu_offload and --use_precision_aware_optimizer need "
+                            "--use_distributed_optimizer true")
 
 
 @dataclass
@@ -51,6 +75,7 @@ class ExportCommandArguments:
     parallel: ParallelArguments
     export: ExportArguments
     lora: LoraArguments
+    explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
 
     @property
     def adapter(self) -> Optional[str]:
@@ -114,6 +139,7 @@ class RolloutCommandArguments:
     model: ModelArguments
     vllm: VllmEngineArguments
     serve: ServeArguments
+    explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self):
         if self.model.model is None:

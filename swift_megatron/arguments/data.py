@@ -11,18 +11,36 @@ class DataArguments:
     """Data"""
 
     dataset: List[str] = arg([], "One or more datasets: local jsonl/json/csv/parquet files, "
-                             "Hugging Face `datasets` names or ModelScope ids. Append ':N' to a "
-                             "name to use N rows of it (e.g. data.jsonl:500).")
+                             "Hugging Face `datasets` names or ModelScope ids. Append '#N' to use "
+                             "N rows of it, as ms-swift: a random sample seeded by --data_seed "
+                             "(the first N without --dataset_shuffle), repeated when N exceeds "
+                             "the rows (e.g. data.jsonl#500).")
     val_dataset: List[str] = arg([], "Validation datasets, same forms as --dataset.")
     split_dataset_ratio: float = arg(0.0, "Fraction of --dataset held out for validation when "
                                      "--val_dataset is not given.")
-    max_length: Optional[int] = arg(None, "Longest prompt + completion in tokens. Prompts longer "
-                                    "than max_length - max_completion_length are truncated from the "
-                                    "left. Default: the model's max_position_embeddings.")
+    data_seed: int = arg(42, "Seed of the '#N' row samples.")
+    max_length: Optional[int] = arg(None, "Longest prompt + completion in tokens. Longer prompts "
+                                    "(over max_length - max_completion_length) are handled by "
+                                    "--truncation_strategy. Default: the model's "
+                                    "max_position_embeddings.")
+    truncation_strategy: str = arg("left", "Prompts longer than max_length - "
+                                   "max_completion_length: left keeps their last tokens, delete "
+                                   "drops them (with a warning counting them).",
+                                   choices=["left", "delete"])
+    system: Optional[str] = arg(None, "System prompt for rows that have none: the text, or the "
+                                "path of a .txt file holding it.")
+    enable_thinking: Optional[bool] = arg(None, "Passed to the chat template as "
+                                          "`enable_thinking` (Qwen3-style thinking switch). "
+                                          "Default: the template's own default.")
     dataset_num_proc: int = arg(1, "Processes used to tokenize the dataset.")
     columns: Optional[Dict[str, str]] = arg(None, "Rename dataset columns, as JSON: "
                                             "'{\"question\": \"query\"}'.")
     dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed).")
+    load_from_cache_file: bool = arg(False, "ms-swift's datasets cache of preprocessed rows.",
+                                     no_effect="prompts are tokenized in memory at every start")
+    dataloader_num_workers: int = arg(4, "ms-swift's dataloader worker processes.",
+                                      no_effect="prompts are in memory and handed out by a "
+                                                "sampler, not a dataloader")
 
     def __post_init__(self):
         if not 0.0 <= self.split_dataset_ratio < 1.0:

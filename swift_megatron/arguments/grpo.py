@@ -6,6 +6,7 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+_ISSUE_14 = "not supported yet (issue 14: GRPO algorithm coverage)"
 
 
 @dataclass
@@ -21,9 +22,11 @@ class GRPOArguments:
                                                "global_batch_size x steps_per_generation.")
     max_completion_length: int = arg(512, "Longest completion in tokens.")
     # Sampling
-    temperature: float = arg(1.0, "Sampling temperature (also applied to the trainer's logprobs).")
+    num_generations_eval: Optional[int] = arg(None, "Completions per validation prompt. Default: "
+                                              "--num_generations.")
+    temperature: float = arg(0.9, "Sampling temperature (also applied to the trainer's logprobs).")
     top_p: float = arg(1.0, "Nucleus sampling threshold (1.0 disables).")
-    top_k: int = arg(-1, "Sample among the k most likely tokens (-1 disables).")
+    top_k: int = arg(-1, "Sample among the k most likely tokens (-1 or 0 disables).")
     repetition_penalty: float = arg(1.0, "Penalty on repeated tokens (1.0 disables).")
     # Loss
     beta: float = arg(0.04, "KL coefficient against the reference model; 0 skips the reference "
@@ -36,18 +39,20 @@ class GRPOArguments:
     loss_type: str = arg("grpo", "Token aggregation: grpo (mean of per-sequence token means), "
                          "bnpo (token mean of the micro-batch), dr_grpo (sum / (completions x "
                          "max_completion_length)), dapo (sum / completion tokens of the whole "
-                         "optimizer step).", choices=list(LOSS_TYPES))
+                         "optimizer step).", choices=list(LOSS_TYPES) + ["cispo", "sapo", "real", "fipo"],
+                         not_yet={name: _ISSUE_14 for name in ("cispo", "sapo", "real", "fipo")})
     importance_sampling_level: str = arg("token", "Importance ratio per token, per sequence "
                                          "(GSPO) or sequence-level value with token gradients "
                                          "(GSPO-token).",
                                          choices=["token", "sequence", "sequence_token"])
     scale_rewards: str = arg("group", "Divide advantages by the reward std of the group, of the "
                              "whole batch, or not at all (Dr. GRPO).",
-                             choices=["group", "batch", "none"])
+                             choices=["group", "batch", "none", "gdpo"], not_yet={"gdpo": _ISSUE_14})
     rollout_importance_sampling_mode: Optional[str] = arg(
         None, "Correct the train/inference mismatch with truncated importance weights "
         "min(pi_old / pi_rollout, threshold), per token or per sequence (TIS).",
-        choices=["token_truncate", "sequence_truncate"])
+        choices=["token_truncate", "sequence_truncate", "token_mask", "sequence_mask"],
+        not_yet={"token_mask": _ISSUE_14, "sequence_mask": _ISSUE_14})
     rollout_importance_sampling_threshold: float = arg(
         2.0, "Upper bound of the rollout importance weights.")
     # Rewards
@@ -71,12 +76,16 @@ class GRPOArguments:
     soft_cache_length: Optional[int] = arg(None, "soft_overlong reward: the penalty ramps over the "
                                            "last soft_cache_length tokens before soft_max_length.")
     log_completions: bool = arg(False, "Write prompts, completions and rewards to completions.jsonl.")
+    log_rollout_offpolicy_metrics: bool = arg(
+        False, "ms-swift: log the rollout engine vs trainer mismatch metrics.",
+        no_effect="they are always logged (rollout/kl_trainer_vs_engine, "
+                  "rollout/logprob_abs_diff_mean)")
 
     def __post_init__(self):
         if self.num_generations < 2:
             raise UserError(f"--num_generations must be >= 2 (a group needs two completions to "
                             f"compare), got {self.num_generations}")
-        for name in ("steps_per_generation", "generation_batch_size"):
+        for name in ("steps_per_generation", "generation_batch_size", "num_generations_eval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} must be >= 1, got {value}")
@@ -84,6 +93,8 @@ class GRPOArguments:
             raise UserError(f"--max_completion_length must be >= 1, got {self.max_completion_length}")
         if self.temperature <= 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise UserError(f"--top_k must be >= -1 (-1 or 0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top_p must be in (0, 1], got {self.top_p}")
         if self.beta < 0 or self.epsilon < 0:

@@ -5,6 +5,13 @@ from typing import Optional
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# ms-swift's own model_type names of the families above (its --model_type is not the HF one).
+MS_SWIFT_MODEL_TYPES = {"qwen2_5": "qwen2", "qwen2_5_math": "qwen2", "qwen2_5_coder": "qwen2",
+                        "qwq": "qwen2", "qwen3_thinking": "qwen3", "qwen3_nothinking": "qwen3",
+                        "qwen3_moe_thinking": "qwen3_moe", "llama2": "llama", "llama3": "llama",
+                        "llama3_1": "llama", "llama3_2": "llama", "llama3_3": "llama"}
+
 
 @dataclass
 class ModelArguments:
@@ -13,20 +20,38 @@ class ModelArguments:
     model: Optional[str] = arg(None, "Local Hugging Face model directory, or a hub id (ModelScope "
                                "by default, Hugging Face with --use_hf true).")
     model_type: Optional[str] = arg(None, "Override the model family read from config.json "
-                                    "(llama, qwen2, qwen3, qwen3_moe).")
+                                    "(llama, mistral, qwen2, qwen3, qwen3_moe; ms-swift's names "
+                                    "of these, e.g. qwen2_5 or llama3_1, are accepted).")
     torch_dtype: Optional[str] = arg(None, "Training precision. Default: the checkpoint's dtype "
                                      "on CUDA, float32 on CPU.",
                                      choices=["bfloat16", "float16", "float32"])
+    bf16: Optional[bool] = arg(None, "true: --torch_dtype bfloat16 (ms-swift / Megatron-LM name).")
+    fp16: Optional[bool] = arg(None, "true: --torch_dtype float16 (ms-swift / Megatron-LM name).")
     use_hf: bool = arg(False, "Download hub ids from Hugging Face instead of ModelScope.")
     model_revision: Optional[str] = arg(None, "Hub revision (branch, tag or commit) of --model.")
+    check_model: bool = arg(True, "Before loading, check that a local --model directory is "
+                            "complete: config.json readable, every weight shard of the index "
+                            "present with a readable safetensors header.")
     device: str = arg("auto", "Where to run: auto (CUDA when available, else CPU), cuda or cpu. "
                       "CPU runs Megatron-core through swift_megatron.platform.cpu (dev, CI, demo).",
                       choices=["auto", "cuda", "cpu"])
 
     def __post_init__(self):
+        if self.model_type in MS_SWIFT_MODEL_TYPES:
+            self.model_type = MS_SWIFT_MODEL_TYPES[self.model_type]
         if self.model_type is not None and self.model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(f"--model_type {self.model_type} is not supported; supported: "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        self._resolve_precision_flags()
 
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+    def _resolve_precision_flags(self) -> None:
+        """--bf16 / --fp16 true set --torch_dtype; contradictions are errors."""
+        if self.bf16 and self.fp16:
+            raise UserError("--bf16 true and --fp16 true contradict each other; pass one")
+        wanted = "bfloat16" if self.bf16 else "float16" if self.fp16 else None
+        if wanted is None:
+            return
+        if self.torch_dtype not in (None, wanted):
+            flag = "--bf16" if self.bf16 else "--fp16"
+            raise UserError(f"{flag} true contradicts --torch_dtype {self.torch_dtype}; pass one")
+        self.torch_dtype = wanted

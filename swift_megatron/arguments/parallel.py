@@ -21,14 +21,20 @@ class ParallelArguments:
                                      "across this many GPUs.",
                                      not_yet="context parallelism needs a CP-aware attention")
     expert_model_parallel_size: int = arg(1, "Expert-parallel degree (EP) for MoE models.")
-    expert_tensor_parallel_size: int = arg(1, "Tensor-parallel degree inside each expert (ETP).")
+    expert_tensor_parallel_size: int = arg(1, "Tensor-parallel degree inside each expert (ETP). "
+                                           "With --expert_model_parallel_size 1 it is set to the "
+                                           "tensor-parallel degree: megatron-core reduces the "
+                                           "expert gradients over the expert-parallel groups only "
+                                           "when EP > 1, so experts replicated over TP ranks "
+                                           "would drift apart.")
     sequence_parallel: bool = arg(False, "Megatron sequence parallelism (needs TP > 1): norms "
                                   "and dropout run on sequence shards.")
     use_distributed_optimizer: bool = arg(True, "Shard optimizer state across data-parallel "
                                           "ranks (Megatron's distributed optimizer).")
-    recompute_granularity: Optional[str] = arg(None, "Activation recomputation: full (whole "
-                                               "layers) or selective (attention core only).",
-                                               choices=["full", "selective"])
+    recompute_granularity: Optional[str] = arg("selective", "Activation recomputation: full "
+                                               "(whole layers), selective (the attention core "
+                                               "only) or none.",
+                                               choices=["full", "selective", "none"])
     recompute_method: Optional[str] = arg(None, "With --recompute_granularity full: uniform or "
                                           "block.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "With --recompute_granularity full: layers "
@@ -42,7 +48,14 @@ class ParallelArguments:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise UserError("--sequence_parallel true needs --tensor_model_parallel_size > 1")
+            self.adjustments = ["--sequence_parallel true needs --tensor_model_parallel_size > 1: "
+                                "turned off (as ms-swift does)"]
+            self.sequence_parallel = False
+        if self.expert_model_parallel_size == 1 and \
+                self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.recompute_granularity == "none":
+            self.recompute_granularity = None
         if self.recompute_granularity == "full" and self.recompute_method is None:
             self.recompute_method, self.recompute_num_layers = "uniform", self.recompute_num_layers or 1
         if self.recompute_method and self.recompute_granularity != "full":

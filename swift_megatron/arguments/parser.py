@@ -1,11 +1,16 @@
 """Turn argument dataclasses into one flat argparse command line (plus an optional config file).
 
 A command is a dataclass whose fields are group dataclasses (model, data, training, ...); every
-field of every group becomes one `--snake_case` flag. Flags override values from
-`--config run.yaml` (keys are flag names). Parsing imports nothing heavy, so `--help` is instant.
+field of every group becomes one `--snake_case` flag. A YAML/JSON config file (keys are flag
+names) can be given as the first argument, as ms-swift takes it (`megatron rlhf run.yaml`), or
+with `--config run.yaml`; flags on the command line override it. Its `ENV:` section sets
+environment variables that are not already set (before anything reads them, e.g. NPROC_PER_NODE).
+Parsing imports nothing heavy, so `--help` is instant.
 
-Mistakes become UserError (exit code 2, no traceback): unknown flags get the closest known flag
-suggested, a bad value names its flag, and a flag whose feature does not exist yet says so.
+Mistakes become UserError (exit code 2, no traceback): every unknown flag is reported in one
+error, each with what to use instead (arguments/ms_swift.py, else the closest known flag when one
+is really close); a bad value names its flag; a flag whose feature does not exist yet says so.
+`no_effect_flags(command)` lists the accepted ms-swift flags that have no effect here.
 """
 import argparse
 import dataclasses
@@ -13,8 +18,9 @@ import difflib
 import json
 import os
 import typing
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from swift_megatron.arguments import ms_swift
 from swift_megatron.errors import UserError
 
 _NONE_WORDS = ("none", "null")
@@ -122,7 +128,7 @@ def group_specs(group_cls) -> List[FlagSpec]:
 def command_groups(command_cls) -> List[Tuple[str, type]]:
     """(attribute name, group dataclass) for each group of a command dataclass."""
     hints = typing.get_type_hints(command_cls)
-    return [(f.name, hints[f.name]) for f in dataclasses.fields(command_cls)]
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(command_cls) if f.init]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,7 +156,10 @@ def _help_text(spec: FlagSpec) -> str:
         shown = json.dumps(default).replace("null", "none")
     else:
         shown = default
-    text = f"{spec.meta.get('help', '')} [type: {spec.type_name()}; default: {shown}]"
+    text = spec.meta.get("help", "")
+    if spec.meta.get("no_effect"):
+        text += f" Accepted for ms-swift compatibility, no effect here: {spec.meta['no_effect']}."
+    text = f"{text} [type: {spec.type_name()}; default: {shown}]"
     return text.replace("%", "%%")
 
 
@@ -161,7 +170,8 @@ def _metavar(spec: FlagSpec) -> str:
 
 
 def build_parser(prog: str, description: str, command_cls) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, usage=f"{prog} [flags]   (flags below; --config FILE for a file)",
+    parser = _Parser(prog=prog, usage=f"{prog} [CONFIG_FILE] [flags]   (flags below; a YAML/JSON "
+                                      f"file of flag values first, or --config FILE)",
                      description=description, formatter_class=_HelpFormatter,
                      allow_abbrev=False, argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", metavar="FILE",
@@ -197,48 +207,127 @@ def _aliases(specs: Dict[str, FlagSpec]) -> Dict[str, str]:
     return names
 
 
-def _suggest(word: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
-    return f"; did you mean --{close[0]}?" if close else ""
+# ---- unknown flags -------------------------------------------------------------------------
+
+def _closest(word: str, known: Sequence[str]) -> Optional[str]:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
-def load_config_file(path: str, specs: Dict[str, FlagSpec]) -> Dict[str, Any]:
-    """Read a YAML/JSON config file into {field name: converted value}."""
-    if not os.path.isfile(path):
-        raise UserError(f"--config: file not found: {path}")
-    with open(path) as f:
-        text = f.read()
+def unknown_flag_message(name: str, known: Sequence[str]) -> str:
+    """One line for an unknown flag: what to use instead, or the closest known flag."""
+    answer = ms_swift.explain(name)
+    if answer is None:
+        close = _closest(name, known)
+        answer = f"did you mean --{close}?" if close else "no such flag (see --help)"
+    return f"--{name}: {answer}"
+
+
+def _unknown_error(prog: str, names: Sequence[str], known: Sequence[str], where: str) -> UserError:
+    unique = list(dict.fromkeys(names))
+    lines = [unknown_flag_message(name, known) for name in unique]
+    head = f"{prog}: {len(unique)} unknown {where}{'s' if len(unique) > 1 else ''}"
+    return UserError(head + ":\n  " + "\n  ".join(lines))
+
+
+def _flag_names(tokens: Sequence[str]) -> List[str]:
+    """The flag names among argparse's leftover tokens (their values are skipped)."""
+    names = []
+    for token in tokens:
+        if token.startswith("-") and not _is_number(token):
+            names.append(token.lstrip("-").split("=")[0])
+    return names
+
+
+def _is_number(text: str) -> bool:
     try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+# ---- config files --------------------------------------------------------------------------
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def split_config_argument(argv: Sequence[str]) -> Tuple[Optional[str], List[str]]:
+    """(config file given as the first argument, the remaining argv), as ms-swift's
+    `megatron rlhf run.yaml --flag value`; (None, argv) when the first argument is a flag."""
+    argv = list(argv)
+    if argv and not argv[0].startswith("-") and argv[0].lower().endswith(CONFIG_SUFFIXES):
+        return argv[0], argv[1:]
+    return None, argv
+
+
+def read_config_file(path: str) -> Dict[str, Any]:
+    """The mapping in a YAML/JSON config file; UserError naming the file when it is unusable."""
+    if not os.path.isfile(path):
+        raise UserError(f"config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
         import yaml
         data = yaml.safe_load(text) or {}
-    except Exception as exc:  # yaml.YAMLError and friends
-        raise UserError(f"--config {path}: not valid YAML/JSON ({exc})") from None
+    except Exception as exc:  # yaml.YAMLError, UnicodeDecodeError and friends
+        raise UserError(f"config file {path}: not valid YAML/JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise UserError(f"--config {path}: expected a mapping of flag names to values")
+        raise UserError(f"config file {path}: expected a mapping of flag names to values")
+    return data
+
+
+def apply_config_env(path: str, env: Any, environ=os.environ) -> None:
+    """Set the variables of a config file's `ENV:` section that are not set already (a variable
+    set in the shell wins, with a warning when the values differ), as ms-swift does."""
+    if env is None:
+        return
+    if not isinstance(env, dict):
+        raise UserError(f"config file {path}: ENV must be a mapping of variable names to values")
+    for key, value in env.items():
+        key, value = str(key), str(value)
+        if key not in environ:
+            environ[key] = value
+        elif environ[key] != value:
+            from swift_megatron.logging.logger import get_logger
+            get_logger(__name__).warning(f"{key} is set in the environment ({environ[key]}); "
+                                         f"the value {value!r} of {path}'s ENV is not used")
+
+
+def load_config_file(path: str, specs: Dict[str, FlagSpec], prog: str = "config") -> Dict[str, Any]:
+    """Read a YAML/JSON config file into {field name: converted value}; apply its ENV section.
+    Every unknown key is reported in one UserError."""
+    data = read_config_file(path)
+    apply_config_env(path, data.pop("ENV", None))
     names = _aliases(specs)
+    unknown = [str(key).lstrip("-") for key in data if str(key).lstrip("-") not in names]
+    if unknown:
+        raise _unknown_error(f"{prog}: {path}", unknown, list(names), "key")
     values = {}
     for key, value in data.items():
-        key = str(key).lstrip("-")
-        if key not in names:
-            raise UserError(f"--config {path}: unknown key '{key}'{_suggest(key, list(names))}")
-        spec = specs[names[key]]
+        spec = specs[names[str(key).lstrip("-")]]
         values[spec.name] = None if value is None else spec.convert(value)
     return values
 
 
+# ---- the command line ----------------------------------------------------------------------
+
 def parse_command(command_cls, argv: Sequence[str], prog: str, description: str = ""):
-    """Parse argv (and --config) into an instance of command_cls; raise UserError on mistakes."""
+    """Parse argv (a leading config file, --config, flags) into an instance of command_cls;
+    raise UserError on mistakes. `instance.explicit` holds the field names the user set (on the
+    command line or in the config file)."""
     specs = _all_specs(command_cls)
+    config_path, argv = split_config_argument(argv)
     parser = build_parser(prog, description, command_cls)
-    namespace, unknown = parser.parse_known_args(list(argv))
+    namespace, unknown = parser.parse_known_args(argv)
     if unknown:
-        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        name = flag.lstrip("-").split("=")[0]
-        raise UserError(f"{prog}: unknown flag {flag}{_suggest(name, list(_aliases(specs)))}"
-                        if flag.startswith("-") else f"{prog}: unexpected value {flag!r}")
+        flags = _flag_names(unknown)
+        if not flags:
+            raise UserError(f"{prog}: unexpected value {unknown[0]!r}")
+        raise _unknown_error(prog, flags, list(_aliases(specs)), "flag")
     given = vars(namespace)
-    values = load_config_file(given.pop("config"), specs) if given.get("config") else {}
-    given.pop("config", None)
+    config_path = given.pop("config", None) or config_path
+    values = load_config_file(config_path, specs, prog) if config_path else {}
     for name, raw in given.items():
         values[name] = specs[name].convert(raw)
     _reject_not_yet(values, specs)
@@ -246,7 +335,9 @@ def parse_command(command_cls, argv: Sequence[str], prog: str, description: str 
     for attr, group_cls in command_groups(command_cls):
         kwargs = {s.name: values[s.name] for s in group_specs(group_cls) if s.name in values}
         groups[attr] = group_cls(**kwargs)
-    return command_cls(**groups)
+    command = command_cls(**groups)
+    command.explicit = frozenset(values)
+    return command
 
 
 def _reject_not_yet(values: Dict[str, Any], specs: Dict[str, FlagSpec]) -> None:
@@ -261,3 +352,47 @@ def _reject_not_yet(values: Dict[str, Any], specs: Dict[str, FlagSpec]) -> None:
                 raise UserError(f"--{name} {value} is not supported yet: {reason}")
         else:
             raise UserError(f"--{name} is not supported yet: {not_yet}")
+
+
+def notices(command) -> List[str]:
+    """What the user should be told once about the parsed flags: values adjusted as ms-swift
+    adjusts them (a group's `adjustments`), and the flags accepted without effect."""
+    lines = [note for _, group in vars(command).items() if dataclasses.is_dataclass(group)
+             for note in getattr(group, "adjustments", [])]
+    ignored = no_effect_flags(command)
+    if ignored:
+        lines.append("accepted without effect here: " + "; ".join(
+            f"--{name} ({reason})" for name, reason in ignored))
+    return lines
+
+
+def warn_notices(command) -> None:
+    """Log `notices(command)` once: from the process that runs the command, on global rank 0."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    from swift_megatron.logging.logger import get_logger
+
+    for line in notices(command):
+        get_logger(__name__).warning(line)
+
+
+def flat_values(command) -> Dict[str, Any]:
+    """{flag name: value} over every group of a parsed command (one entry per flag; the flag
+    names are unique across groups, which build_parser's argparse enforces)."""
+    values: Dict[str, Any] = {}
+    for attr, group_cls in command_groups(type(command)):
+        group = getattr(command, attr)
+        values.update({spec.name: getattr(group, spec.name) for spec in group_specs(group_cls)})
+    return values
+
+
+def no_effect_flags(command) -> List[Tuple[str, str]]:
+    """(flag, reason) for each flag the user set that is accepted without effect here."""
+    explicit = getattr(command, "explicit", frozenset())
+    found = []
+    for _, group_cls in command_groups(type(command)):
+        for spec in group_specs(group_cls):
+            reason = spec.meta.get("no_effect")
+            if reason and spec.name in explicit:
+                found.append((spec.name, reason))
+    return found

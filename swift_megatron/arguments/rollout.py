@@ -2,7 +2,8 @@
 trainer reaches it (colocate or server mode, weight sync, memory hand-over). docs/rollout.md
 explains how they fit together."""
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
+from urllib.parse import urlparse
 
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
@@ -25,6 +26,11 @@ class VllmEngineArguments:
                                    "time).")
     vllm_enable_prefix_caching: bool = arg(True, "vLLM automatic prefix caching (reset after "
                                            "every weight update).")
+    vllm_max_num_seqs: Optional[int] = arg(None, "vLLM's max_num_seqs: sequences in one engine "
+                                           "step. Default: vLLM's.")
+    vllm_engine_kwargs: Optional[Dict[str, Any]] = arg(None, "Extra keyword arguments for vLLM's "
+                                                       "engine, as JSON: '{\"max_num_batched_tokens\""
+                                                       ": 8192}'. Flags above win over them.")
 
     def __post_init__(self):
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -33,6 +39,10 @@ class VllmEngineArguments:
             raise UserError("--vllm_tensor_parallel_size must be >= 1")
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < 2:
             raise UserError("--vllm_max_model_len must be at least 2")
+        if self.vllm_max_num_seqs is not None and self.vllm_max_num_seqs < 1:
+            raise UserError("--vllm_max_num_seqs must be >= 1")
+        if self.vllm_engine_kwargs is not None and not isinstance(self.vllm_engine_kwargs, dict):
+            raise UserError("--vllm_engine_kwargs must be a JSON object")
 
 
 @dataclass
@@ -57,6 +67,9 @@ class RolloutArguments:
                                       "(none given: 127.0.0.1).")
     vllm_server_port: List[int] = arg([8000], "Server mode: port of each server (one value for "
                                       "all hosts, or one per host).")
+    vllm_server_base_url: List[str] = arg([], "Server mode: base URL of each server "
+                                          "(http://host:port), instead of --vllm_server_host and "
+                                          "--vllm_server_port.")
     vllm_server_timeout: float = arg(240.0, "Server mode: seconds to wait for the servers at "
                                      "start (health poll) and for each request.")
     weight_sync_bucket_mb: int = arg(512, "Weight sync: bucket size in MiB (tensors are loaded, "
@@ -69,7 +82,14 @@ class RolloutArguments:
                                         "of --check_weight_sync (bf16 kernels differ by ~0.01; "
                                         "a broken sync by O(1)).")
 
+    offload_bridge: bool = arg(False, "ms-swift: keep the HF-format weights exported for vLLM in "
+                               "host memory.",
+                               no_effect="weights are exported in buckets of "
+                                         "--weight_sync_bucket_mb and never held whole")
+
     def __post_init__(self):
+        if self.vllm_server_base_url:
+            self._hosts_from_base_urls()
         if self.vllm_mode == "server" and self.use_vllm is False:
             raise UserError("--vllm_mode server needs vLLM; drop --use_vllm false")
         if self.check_weight_sync_atol <= 0:
@@ -86,6 +106,23 @@ class RolloutArguments:
                             f"({len(hosts)} hosts, {len(ports)} ports)")
         if any(not 0 < p < 65536 for p in ports):
             raise UserError(f"--vllm_server_port: ports must be in 1..65535, got {ports}")
+
+    def _hosts_from_base_urls(self) -> None:
+        if self.vllm_server_host:
+            raise UserError("pass --vllm_server_base_url or --vllm_server_host/--vllm_server_port, "
+                            "not both")
+        hosts, ports = [], []
+        for url in self.vllm_server_base_url:
+            parsed = urlparse(url if "://" in url else f"http://{url}")
+            try:
+                port = parsed.port or 80
+            except ValueError:
+                port = None
+            if not parsed.hostname or parsed.path.strip("/") or port is None:
+                raise UserError(f"--vllm_server_base_url {url}: expected http://host:port")
+            hosts.append(parsed.hostname)
+            ports.append(port)
+        self.vllm_server_host, self.vllm_server_port = hosts, ports
 
     def vllm_enabled(self, vllm_installed: bool, on_cuda: bool) -> bool:
         """Whether rollouts use vLLM: --use_vllm, or its default (see the flag's help)."""

@@ -1,5 +1,6 @@
 """Training flags: tuner, optimizer and schedule, length of the run, checkpoints, logging; and
-the completion-level batch sizes."""
+the completion-level batch sizes. Names and defaults are ms-swift's (`--save_steps`,
+`--logging_steps`, `--eval_steps`, `--output_dir`); Megatron-LM's names are aliases."""
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -7,6 +8,8 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 REPORT_TARGETS = ("tensorboard", "wandb", "swanlab", "none")
+LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclass
@@ -15,56 +18,134 @@ class TrainingArguments:
 
     train_type: str = arg("full", "full: train every weight; lora: train LoRA adapters only.",
                           choices=["full", "lora"], aliases=["tuner_type"])
+    # Optimizer and schedule
     lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
-    lr_decay_style: str = arg("cosine", "Decay after warmup.",
-                              choices=["cosine", "linear", "constant"])
-    lr_warmup_iters: int = arg(0, "Warmup optimizer steps (linear from 0 to --lr).")
-    lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --train_iters; "
+    lr_decay_style: str = arg("cosine", "Decay after warmup (WSD: constant, then a final decay "
+                              "of --lr_wsd_decay_iters steps).", choices=list(LR_DECAY_STYLES))
+    lr_decay_iters: Optional[int] = arg(None, "Optimizer steps of warmup + decay. Default: "
+                                        "--train_iters.")
+    lr_warmup_iters: int = arg(0, "Warmup optimizer steps (linear from --lr_warmup_init to --lr).")
+    lr_warmup_fraction: Optional[float] = arg(None, "Warmup as a fraction of --lr_decay_iters; "
                                               "overrides --lr_warmup_iters.")
+    lr_warmup_init: float = arg(0.0, "Learning rate at the start of the warmup.")
+    lr_wsd_decay_style: str = arg("exponential", "WSD: shape of the final decay.",
+                                  choices=list(WSD_DECAY_STYLES))
+    lr_wsd_decay_iters: Optional[int] = arg(None, "WSD: optimizer steps of the final decay "
+                                            "(required with --lr_decay_style WSD).")
     weight_decay: float = arg(0.1, "AdamW weight decay.")
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.95, "Adam beta2.")
+    adam_eps: float = arg(1e-8, "Adam epsilon.")
     clip_grad: float = arg(1.0, "Clip the global gradient norm to this value (0 disables).")
+    optimizer_cpu_offload: bool = arg(False, "Keep the optimizer state (a fraction of it, "
+                                      "--optimizer_offload_fraction) in host memory and run its "
+                                      "update on the CPU (megatron-core's hybrid optimizer; "
+                                      "needs CUDA, --use_distributed_optimizer true, "
+                                      "--use_precision_aware_optimizer true and bf16/fp16 "
+                                      "training).")
+    optimizer_offload_fraction: float = arg(1.0, "Fraction of the optimizer state offloaded by "
+                                            "--optimizer_cpu_offload.")
+    use_precision_aware_optimizer: bool = arg(False, "megatron-core's precision-aware optimizer: "
+                                              "main parameters and gradients in the distributed "
+                                              "optimizer instead of the model. Works together "
+                                              "with --optimizer_cpu_offload true (alone it needs "
+                                              "Transformer Engine's FusedAdam).")
+    moe_expert_capacity_factor: Optional[float] = arg(
+        None, "MoE: capacity of each expert as a multiple of its even share of the tokens; tokens "
+        "past it are dropped (lowest router probability first). Default: no dropping.")
+    # Length of the run
     train_iters: Optional[int] = arg(None, "Optimizer steps to run. Default: --num_train_epochs "
                                      "passes over the prompts.")
     num_train_epochs: Optional[int] = arg(None, "Passes over the prompt dataset when "
                                           "--train_iters is not given (default 1).")
+    exit_interval: Optional[int] = arg(None, "Stop after this many optimizer steps (saving a "
+                                       "checkpoint), e.g. to split a long run into jobs that each "
+                                       "resume with --load.")
     seed: int = arg(42, "Random seed for data order, initialisation and sampling.")
-    save: Optional[str] = arg(None, "Directory for checkpoints (and the final HF weights).")
-    save_interval: Optional[int] = arg(None, "Save a checkpoint every N optimizer steps "
-                                       "(and always at the end when --save is given).")
-    load: Optional[str] = arg(None, "Resume from this checkpoint directory (a --save directory).")
+    # Checkpoints
+    output_dir: Optional[str] = arg(None, "Where logs, completions, checkpoints (unless --save "
+                                    "is given) and the final model go. Default: "
+                                    "megatron_output/<model name>. A v<N>-<time> subdirectory is "
+                                    "added unless --add_version false.")
+    add_version: bool = arg(True, "Write into a new <output_dir>/v<N>-<YYYYMMDD-HHMMSS> "
+                            "directory, so runs never overwrite each other.")
+    save: Optional[str] = arg(None, "Directory for checkpoints (Megatron-LM's name). Default: the "
+                              "output directory.")
+    save_steps: int = arg(500, "Save a checkpoint every N optimizer steps, and at the end.",
+                          aliases=["save_interval"])
+    save_safetensors: bool = arg(True, "At every save also write the weights as a Hugging Face "
+                                 "checkpoint, <save>/checkpoint-<step> (LoRA: the adapter in PEFT "
+                                 "format, and with --merge_lora the merged model in "
+                                 "checkpoint-<step>-merged).")
+    merge_lora: Optional[bool] = arg(None, "LoRA: with --save_safetensors, also write the merged "
+                                     "model at every save. Default: --save_safetensors.")
+    save_total_limit: Optional[int] = arg(None, "Keep at most N checkpoints (>= 2): the oldest "
+                                          "are deleted, never the latest nor the one with the "
+                                          "best reward/mean.")
     no_save_optim: bool = arg(False, "Do not save optimizer and scheduler state.")
     no_save_rng: bool = arg(False, "Do not save RNG state.")
-    exit_interval: Optional[int] = arg(None, "Stop after this many optimizer steps (saving a "
-                                       "checkpoint when --save is given), e.g. to split a long "
-                                       "run into jobs that each resume with --load.")
-    log_interval: int = arg(1, "Log metrics every N optimizer steps.")
-    eval_interval: Optional[int] = arg(None, "Evaluate on --val_dataset every N optimizer steps.")
+    load: Optional[str] = arg(None, "Resume from this checkpoint directory (a save directory or "
+                              "one iter_* directory): weights, optimizer, RNG, step and data "
+                              "position.")
+    mcore_model: Optional[str] = arg(None, "Start from the weights of this Megatron checkpoint "
+                                     "(ours, or ms-swift's torch_dist) instead of --model's; with "
+                                     "--finetune false, resume its training state too.")
+    mcore_adapter: Optional[str] = arg(None, "LoRA: start from the adapters of this Megatron "
+                                       "checkpoint; with --finetune false, resume its training "
+                                       "state too.")
+    finetune: bool = arg(True, "With --mcore_model / --mcore_adapter: load the weights only and "
+                         "start at step 0. false: resume optimizer, RNG, step and data position "
+                         "(--load always resumes).")
+    no_load_optim: bool = arg(False, "When resuming, do not load the optimizer state.")
+    no_load_rng: bool = arg(False, "When resuming, do not load the RNG state.")
+    # Logging and evaluation
+    logging_steps: int = arg(5, "Log metrics every N optimizer steps.", aliases=["log_interval"])
+    eval_steps: Optional[int] = arg(None, "Evaluate on the validation prompts every N optimizer "
+                                    "steps. Default: --save_steps, when there are validation "
+                                    "prompts.", aliases=["eval_interval"])
     report_to: List[str] = arg(["tensorboard"], "Metric sinks besides the console and "
                                "logging.jsonl: tensorboard, wandb, swanlab or none.",
                                choices=list(REPORT_TARGETS))
-    output_dir: Optional[str] = arg(None, "Where logs, completions and the final model go. "
-                                    "Default: --save, else output/<time>.")
+    tensorboard_dir: Optional[str] = arg(None, "Tensorboard event directory. Default: "
+                                         "<output_dir>/runs.")
+    wandb_project: str = arg("megatron-swift", "wandb project.")
+    wandb_exp_name: Optional[str] = arg(None, "wandb run name. Default: the output directory.")
+    swanlab_project: str = arg("megatron-swift", "swanlab project.")
+    swanlab_exp_name: Optional[str] = arg(None, "swanlab experiment name. Default: the output "
+                                          "directory.")
     dry_run: bool = arg(False, "Print the batch plan for the world size NPROC_PER_NODE x NNODES "
-                        "would launch, check the model-dependent rules when --model is readable, "
+                        "would launch, check everything that needs no weights (model config, "
+                        "datasets, plugins and reward names, --system file, launch variables) "
                         "and exit without launching or loading anything.")
 
     def __post_init__(self):
-        for name in ("train_iters", "num_train_epochs", "save_interval", "eval_interval",
-                     "exit_interval"):
+        for name in ("train_iters", "num_train_epochs", "save_steps", "eval_steps",
+                     "exit_interval", "logging_steps", "lr_decay_iters", "lr_wsd_decay_iters"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} must be >= 1, got {value}")
-        if self.log_interval < 1:
-            raise UserError(f"--log_interval must be >= 1, got {self.log_interval}")
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction < 1:
             raise UserError(f"--lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
-        if self.lr is None:
-            self.lr = 1e-4 if self.train_type == "lora" else 1e-5
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise UserError("--lr_decay_style WSD needs --lr_wsd_decay_iters (the steps of the "
+                            "final decay)")
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise UserError(f"--moe_expert_capacity_factor must be > 0, got "
+                            f"{self.moe_expert_capacity_factor}")
+        if not 0 < self.optimizer_offload_fraction <= 1:
+            raise UserError(f"--optimizer_offload_fraction must be in (0, 1], got "
+                            f"{self.optimizer_offload_fraction}")
+        if self.save_total_limit is not None and self.save_total_limit < 2:
+            raise UserError(f"--save_total_limit must be >= 2 (the latest and the best "
+                            f"checkpoint), got {self.save_total_limit}")
+        if self.load and (self.mcore_model or self.mcore_adapter):
+            raise UserError("pass --load (resume a run of ours) or --mcore_model/--mcore_adapter "
+                            "(with --finetune), not both")
         if self.train_iters is None and self.num_train_epochs is None:
             self.num_train_epochs = 1
+        if self.merge_lora is None:
+            self.merge_lora = self.save_safetensors
         if "none" in self.report_to:
             self.report_to = []
 
@@ -76,8 +157,17 @@ class BatchArguments:
     micro_batch_size: int = arg(1, "Completions per forward/backward pass on one data-parallel rank.")
     global_batch_size: int = arg(16, "Completions per optimizer step over all data-parallel ranks: "
                                  "micro_batch_size x dp_size x gradient accumulation steps.")
+    max_tokens_per_micro_batch: Optional[int] = arg(
+        None, "Form each optimizer step's micro-batches by a token budget instead of "
+        "--micro_batch_size completions: consecutive completions whose prompt + completion tokens "
+        "add up to at most this many (a longer one alone), as verl's dynamic batch size. Fewer, "
+        "fuller micro-batches when completions are short; the loss is the same, except bnpo's, "
+        "which is a per-micro-batch mean.")
 
     def __post_init__(self):
         for name in ("micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise UserError(f"--max_tokens_per_micro_batch must be >= 1, got "
+                            f"{self.max_tokens_per_micro_batch}")

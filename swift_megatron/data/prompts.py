@@ -5,15 +5,17 @@ A row gives its prompt as
   a trailing assistant message is dropped (the model generates that turn), and a `system`
   column, when present, is prepended as the system message;
 - or `query` / `prompt`: a string, with an optional `system` string column.
+A row without a system message gets `--system` (data/system.py), when given.
 Other names (`question`, `problem`, ...) are not guessed: map them with `--columns`, which is
 applied first. Every remaining column (e.g. `solution`) is kept per prompt, unchanged, for the
 reward functions; prompts of one dataset (or of all `--dataset`s together) share one set of
 column names, None where a row lacks a column.
 
-The prompt text is `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`,
-tokenized with `add_special_tokens=False` (the template already holds any BOS). Prompts longer
-than `max_prompt_length` (= max_length - max_completion_length) keep their LAST tokens; one
-warning counts them. Bad rows raise UserError naming the dataset and the 1-based row number.
+The prompt text is `apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`
+(plus `enable_thinking` when --enable_thinking is given), tokenized with
+`add_special_tokens=False` (the template already holds any BOS). Prompts longer than
+`max_prompt_length` (= max_length - max_completion_length) keep their LAST tokens
+(--truncation_strategy left) or are dropped (delete); one warning counts them. Bad rows raise UserError naming the dataset and the 1-based row number.
 """
 import math
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from swift_megatron.data.sources import Row, load_rows
+from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 
@@ -51,7 +54,7 @@ class Prompt:
     truncated: bool = False
 
 
-class _RowError(UserError):
+class RowError(UserError):
     """A bad row; `where` is filled in by the caller that knows the dataset and row number."""
 
 
@@ -91,38 +94,42 @@ def rename_columns(row: Row, columns: Optional[Dict[str, str]]) -> Row:
     for key, value in row.items():
         new = columns.get(key, key)
         if renamed.get(new) is not None and value is not None:
-            raise _RowError(f"--columns {columns} leaves two columns named {new!r}; drop one of "
+            raise RowError(f"--columns {columns} leaves two columns named {new!r}; drop one of "
                             f"them from the data or rename to another name")
         if new not in renamed or value is not None:
             renamed[new] = value
     return renamed
 
 
-def row_messages(row: Row) -> Tuple[List[Message], Dict[str, Any]]:
-    """The chat messages a row asks the model to answer, and its other columns."""
+def row_messages(row: Row, default_system: Optional[str] = None
+                 ) -> Tuple[List[Message], Dict[str, Any]]:
+    """The chat messages a row asks the model to answer, and its other columns. A row without a
+    system message gets `default_system` (--system) when given."""
     system = row.get("system")
     if system is not None and not isinstance(system, str):
-        raise _RowError(f"'system' must be a string, got {type(system).__name__}")
+        raise RowError(f"'system' must be a string, got {type(system).__name__}")
     if row.get("messages") is not None:
         messages, used = _check_messages(row["messages"]), "messages"
         if system:
             if messages[0]["role"] == "system":
-                raise _RowError("it has both a 'system' column and a system message; keep one")
+                raise RowError("it has both a 'system' column and a system message; keep one")
             messages.insert(0, {"role": "system", "content": system})
     else:
         used = next((key for key in ("query", "prompt") if row.get(key) is not None), None)
         if used is None:
-            raise _RowError(f"no prompt: expected a 'messages' list or a 'query'/'prompt' string, "
+            raise RowError(f"no prompt: expected a 'messages' list or a 'query'/'prompt' string, "
                             f"found the columns {', '.join(map(repr, row)) or '(none)'}; rename yours "
                             f"with --columns, e.g. '{{\"question\": \"query\"}}'")
         if not isinstance(row[used], str):
-            raise _RowError(f"{used!r} must be a string, got {type(row[used]).__name__}")
+            raise RowError(f"{used!r} must be a string, got {type(row[used]).__name__}")
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": row[used]}]
+    if default_system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": default_system})
     others = {k: v for k, v in row.items() if k not in (used, "system")}
     reserved = [k for k in RESERVED_COLUMNS if k in others]
     if reserved:
-        raise _RowError(f"the column(s) {', '.join(map(repr, reserved))} clash with the names the "
+        raise RowError(f"the column(s) {', '.join(map(repr, reserved))} clash with the names the "
                         f"trainer passes to reward functions; rename them with --columns")
     return messages, others
 
@@ -130,24 +137,24 @@ def row_messages(row: Row) -> Tuple[List[Message], Dict[str, Any]]:
 def _check_messages(messages: Any) -> List[Message]:
     """Validated {role, content} copies, without a trailing assistant message."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise _RowError("'messages' must be a non-empty list of {role, content}")
+        raise RowError("'messages' must be a non-empty list of {role, content}")
     checked = []
     for number, message in enumerate(messages, 1):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise _RowError(f"'messages' must be a list of {{role, content}}; message {number} is "
+            raise RowError(f"'messages' must be a list of {{role, content}}; message {number} is "
                             f"{message!r:.80}")
         role, content = message["role"], message["content"]
         if role not in ROLES:
-            raise _RowError(f"message {number} has role {role!r}; roles must be one of "
+            raise RowError(f"message {number} has role {role!r}; roles must be one of "
                             f"{', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise _RowError(f"message {number} ({role}) content must be a string, got "
+            raise RowError(f"message {number} ({role}) content must be a string, got "
                             f"{type(content).__name__}")
         checked.append({"role": role, "content": content})
     if checked[-1]["role"] == "assistant":
         checked.pop()
     if not checked or checked[-1]["role"] not in ("user", "tool"):
-        raise _RowError("'messages' must end with a user (or tool) message, optionally followed "
+        raise RowError("'messages' must end with a user (or tool) message, optionally followed "
                         "by one assistant answer, which is dropped")
     return checked
 
@@ -166,14 +173,17 @@ def check_chat_template(tokenizer: Any) -> None:
 
 
 def render_chunk(tokenizer: Any, conversations: Sequence[List[Message]], spec: str,
-                 first_row: int) -> Tuple[List[str], List[List[int]]]:
-    """Template and tokenize consecutive rows (row numbers from `first_row`, 1-based)."""
+                 first_row: int, template_kwargs: Optional[Dict[str, Any]] = None
+                 ) -> Tuple[List[str], List[List[int]]]:
+    """Template and tokenize consecutive rows (row numbers from `first_row`, 1-based);
+    `template_kwargs` go to the chat template (e.g. enable_thinking)."""
     import jinja2
 
     texts = []
     for offset, messages in enumerate(conversations):
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {}))
         except jinja2.TemplateError as error:
             raise UserError(f"dataset {spec} row {first_row + offset}: the chat template rejected "
                             f"the messages ({error})") from None
@@ -195,9 +205,11 @@ def _render_in_worker(job: Tuple[Sequence[List[Message]], str, int]):
 
 
 def render_all(tokenizer: Any, conversations: List[List[Message]], spec: str,
-               num_proc: int = 1) -> Tuple[List[str], List[List[int]]]:
+               num_proc: int = 1, template_kwargs: Optional[Dict[str, Any]] = None
+               ) -> Tuple[List[str], List[List[int]]]:
     """Template and tokenize every conversation, in `num_proc` spawned processes when > 1."""
-    jobs = [(conversations[i:i + _CHUNK], spec, i + 1) for i in range(0, len(conversations), _CHUNK)]
+    jobs = [(conversations[i:i + _CHUNK], spec, i + 1, template_kwargs)
+            for i in range(0, len(conversations), _CHUNK)]
     if num_proc > 1 and len(jobs) > 1:
         import multiprocessing
 
@@ -215,15 +227,30 @@ def render_all(tokenizer: Any, conversations: List[List[Message]], spec: str,
 # Building
 
 
-def build_prompts(rows: Sequence[Row], tokenizer: Any, *, max_prompt_length: int,
-                  columns: Optional[Dict[str, str]] = None, spec: str = "dataset",
-                  num_proc: int = 1, first_id: int = 0) -> List[Prompt]:
-    """One Prompt per row (prompt_id = first_id + row index), see the module docstring.
+@dataclass(frozen=True)
+class PromptSettings:
+    """How rows become prompts (from the data flags)."""
+
+    max_prompt_length: int                        # max_length - max_completion_length
+    columns: Optional[Dict[str, str]] = None      # --columns rename map
+    num_proc: int = 1                             # --dataset_num_proc
+    system: Optional[str] = None                  # --system, as text
+    enable_thinking: Optional[bool] = None        # --enable_thinking
+    truncation_strategy: str = "left"             # --truncation_strategy: left | delete
+
+    def template_kwargs(self) -> Dict[str, Any]:
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+
+
+def build_prompts(rows: Sequence[Row], tokenizer: Any, settings: PromptSettings, *,
+                  spec: str = "dataset", first_id: int = 0) -> List[Prompt]:
+    """One Prompt per row (prompt_id = first_id + row index), see the module docstring; with
+    truncation_strategy delete, over-long prompts are left out (ids of the others unchanged).
 
     Raises UserError for a bad row (naming `spec` and the row number), an empty `rows`, or a
-    tokenizer without chat template. Logs one warning counting the left-truncated prompts."""
-    if max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    tokenizer without chat template. Logs one warning counting the truncated/dropped prompts."""
+    if settings.max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {settings.max_prompt_length}")
     if not rows:
         raise UserError(f"dataset {spec} has no rows")
     check_chat_template(tokenizer)
@@ -231,16 +258,17 @@ def build_prompts(rows: Sequence[Row], tokenizer: Any, *, max_prompt_length: int
     for number, row in enumerate(rows, 1):
         try:
             if not isinstance(row, dict):
-                raise _RowError(f"a row must be an object, got {type(row).__name__}")
-            messages, extra = row_messages(rename_columns(row, columns))
-        except _RowError as error:
+                raise RowError(f"a row must be an object, got {type(row).__name__}")
+            messages, extra = row_messages(rename_columns(row, settings.columns), settings.system)
+        except RowError as error:
             raise UserError(f"dataset {spec} row {number}: {error}") from None
         conversations.append(messages)
         others.append(extra)
-    texts, ids = render_all(tokenizer, conversations, spec, num_proc)
+    texts, ids = render_all(tokenizer, conversations, spec, settings.num_proc,
+                            settings.template_kwargs())
     prompts = [Prompt(first_id + i, text, row_ids, messages, extra)
                for i, (text, row_ids, messages, extra) in enumerate(zip(texts, ids, conversations, others))]
-    _truncate(prompts, tokenizer, max_prompt_length, spec)
+    prompts = _fit(prompts, tokenizer, settings, spec)
     align_columns(prompts)
     return prompts
 
@@ -256,32 +284,43 @@ def align_columns(prompts: Sequence[Prompt]) -> None:
             prompt.columns = {name: prompt.columns.get(name) for name in names}
 
 
-def _truncate(prompts: List[Prompt], tokenizer: Any, max_prompt_length: int, spec: str) -> None:
-    """Keep the last `max_prompt_length` tokens of longer prompts; one warning with the count."""
-    count = 0
-    for prompt in prompts:
-        if len(prompt.input_ids) > max_prompt_length:
-            prompt.input_ids = prompt.input_ids[-max_prompt_length:]
-            prompt.text = tokenizer.decode(prompt.input_ids, skip_special_tokens=False)
-            prompt.truncated = True
-            count += 1
-    if count:
-        logger.warning(f"dataset {spec}: {count} of {len(prompts)} prompts were longer than "
-                       f"max_length - max_completion_length = {max_prompt_length} tokens and were "
-                       f"truncated from the left (their last {max_prompt_length} tokens are kept); "
-                       f"raise --max_length or lower --max_completion_length to keep them whole")
+def _fit(prompts: List[Prompt], tokenizer: Any, settings: PromptSettings,
+         spec: str) -> List[Prompt]:
+    """Prompts over max_prompt_length: keep their last tokens (left) or drop them (delete);
+    one warning with the count. UserError when delete would leave nothing."""
+    budget = settings.max_prompt_length
+    long = [p for p in prompts if len(p.input_ids) > budget]
+    if not long:
+        return prompts
+    action = ("were truncated from the left (their last tokens are kept)"
+              if settings.truncation_strategy == "left" else "were dropped")
+    logger.warning(f"dataset {spec}: {len(long)} of {len(prompts)} prompts were longer than "
+                   f"max_length - max_completion_length = {budget} tokens and {action} "
+                   f"(--truncation_strategy {settings.truncation_strategy}); raise --max_length "
+                   f"or lower --max_completion_length to keep them whole")
+    if settings.truncation_strategy == "delete":
+        kept = [p for p in prompts if len(p.input_ids) <= budget]
+        if not kept:
+            raise UserError(f"dataset {spec}: every prompt is longer than {budget} tokens, and "
+                            f"--truncation_strategy delete drops them all")
+        return kept
+    for prompt in long:
+        prompt.input_ids = prompt.input_ids[-budget:]
+        prompt.text = tokenizer.decode(prompt.input_ids, skip_special_tokens=False)
+        prompt.truncated = True
+    return prompts
 
 
-def load_prompts(specs: Sequence[str], tokenizer: Any, *, max_prompt_length: int,
-                 columns: Optional[Dict[str, str]] = None, use_hf: bool = False,
-                 num_proc: int = 1) -> List[Prompt]:
-    """Load every spec in order and build its prompts; prompt ids run on across datasets."""
+def load_prompts(specs: Sequence[str], tokenizer: Any, settings: PromptSettings, *,
+                 use_hf: bool = False, seed: int = 42, shuffle: bool = True) -> List[Prompt]:
+    """Load every spec in order and build its prompts; prompt ids run on across datasets.
+    `#N` samples come from one RandomState(seed) (--data_seed), without shuffle the first N."""
     prompts: List[Prompt] = []
+    state = np.random.RandomState(seed)
     for spec in specs:
-        rows = load_rows(spec, use_hf=use_hf, num_proc=num_proc)
-        prompts.extend(build_prompts(rows, tokenizer, max_prompt_length=max_prompt_length,
-                                     columns=columns, spec=spec, num_proc=num_proc,
-                                     first_id=len(prompts)))
+        rows = load_rows(spec, use_hf=use_hf, num_proc=settings.num_proc, random_state=state,
+                         shuffle=shuffle)
+        prompts.extend(build_prompts(rows, tokenizer, settings, spec=spec, first_id=len(prompts)))
     align_columns(prompts)
     return prompts
 
@@ -307,13 +346,16 @@ def prepare_prompts(args: Any, tokenizer: Any, *,
                     max_position_embeddings: Optional[int] = None) -> Tuple[List[Prompt], List[Prompt]]:
     """(train, val) prompts from the data flags: --dataset, --val_dataset or
     --split_dataset_ratio, --max_length, --max_completion_length, --columns, --dataset_num_proc,
+    --system, --enable_thinking, --truncation_strategy, --data_seed, --dataset_shuffle,
     --use_hf, --seed. `max_position_embeddings` is the default of --max_length."""
     if not args.dataset:
         raise UserError("--dataset is required: a jsonl/json/csv/parquet file, a directory or a hub id")
-    budget = max_prompt_length(args.max_length, args.max_completion_length, max_position_embeddings)
-    common = dict(max_prompt_length=budget, columns=args.columns, use_hf=args.use_hf,
-                  num_proc=args.dataset_num_proc)
-    train = load_prompts(args.dataset, tokenizer, **common)
+    settings = PromptSettings(
+        max_prompt_length(args.max_length, args.max_completion_length, max_position_embeddings),
+        columns=args.columns, num_proc=args.dataset_num_proc, system=system_prompt(args.system),
+        enable_thinking=args.enable_thinking, truncation_strategy=args.truncation_strategy)
+    common = dict(use_hf=args.use_hf, seed=args.data_seed, shuffle=args.dataset_shuffle)
+    train = load_prompts(args.dataset, tokenizer, settings, **common)
     if args.val_dataset:
-        return train, load_prompts(args.val_dataset, tokenizer, **common)
+        return train, load_prompts(args.val_dataset, tokenizer, settings, **common)
     return split_validation(train, args.split_dataset_ratio, args.seed)

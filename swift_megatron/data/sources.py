@@ -9,10 +9,13 @@ A spec is one of
 - a hub id (`owner/name`): downloaded from ModelScope by default (a dataset snapshot, then read
   as a directory), from Hugging Face with `use_hf=True` (`datasets.load_dataset`, "train" split).
 
-`spec:N` (or `spec#N`, N all digits) keeps the FIRST N rows after loading; it is recognised only
-when `spec` without the suffix is an existing path or a hub id, so a file really named `a.jsonl:3`
-still loads whole. Rows are plain dicts: a GRPO prompt set of ~100k rows loads in a second or two.
-Every failure a user can fix is a UserError naming the spec.
+`spec#N` (or `spec:N`, N all digits) uses N rows, as ms-swift's dataset syntax does: a random
+sample drawn with the caller's numpy RandomState (ms-swift: one `RandomState(data_seed)` shared by
+the specs of one flag, in order), or the first N rows when shuffling is off; when N exceeds the
+rows, every row is repeated N // rows times and the remainder sampled the same way. The suffix is
+recognised only when `spec` without it is an existing path or a hub id, so a file really named
+`a.jsonl:3` still loads whole. Rows are plain dicts: a GRPO prompt set of ~100k rows loads in a
+second or two. Every failure a user can fix is a UserError naming the spec.
 """
 import importlib
 import json
@@ -20,6 +23,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
@@ -43,7 +48,7 @@ class DatasetSpec:
     spec: str                   # as the user wrote it (used in messages)
     source: str                 # path (user-expanded) or hub id
     kind: str                   # "file", "dir" or "hub"
-    limit: Optional[int] = None  # keep the first `limit` rows
+    limit: Optional[int] = None  # use this many rows (sampled, see the module docstring)
 
 
 def parse_spec(spec: str) -> DatasetSpec:
@@ -58,7 +63,7 @@ def parse_spec(spec: str) -> DatasetSpec:
         if match and (os.path.exists(os.path.expanduser(match.group(1))) or _is_hub_id(match.group(1))):
             source, limit = match.group(1), int(match.group(2))
             if limit < 1:
-                raise UserError(f"dataset {spec}: the row count after ':' must be at least 1")
+                raise UserError(f"dataset {spec}: the row count after '#' must be at least 1")
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         return DatasetSpec(spec, path, "dir", limit)
@@ -77,11 +82,15 @@ def _is_hub_id(text: str) -> bool:
     return _HUB_ID.fullmatch(text) is not None
 
 
-def load_rows(spec: str, *, use_hf: bool = False, num_proc: int = 1) -> List[Row]:
+def load_rows(spec: str, *, use_hf: bool = False, num_proc: int = 1,
+              random_state: Optional[np.random.RandomState] = None,
+              shuffle: bool = True) -> List[Row]:
     """Load the rows of one `--dataset` spec (see the module docstring) as a list of dicts.
 
     use_hf: hub ids come from Hugging Face instead of ModelScope. num_proc: passed to
-    `datasets.load_dataset` for Hugging Face ids (local files load in one process)."""
+    `datasets.load_dataset` for Hugging Face ids (local files load in one process).
+    random_state / shuffle: how `#N` samples (default: a RandomState seeded 42, ms-swift's
+    data_seed default)."""
     parsed = parse_spec(spec)
     if parsed.kind == "file":
         rows = read_file(parsed.source, spec=spec)
@@ -91,23 +100,38 @@ def load_rows(spec: str, *, use_hf: bool = False, num_proc: int = 1) -> List[Row
         rows = _load_hf_hub(parsed.source, spec=spec, num_proc=num_proc)
     else:
         rows = _load_modelscope_hub(parsed.source, spec=spec)
-    return _take_first(rows, parsed)
-
-
-def load_many(specs: Sequence[str], *, use_hf: bool = False,
-              num_proc: int = 1) -> List[Tuple[str, List[Row]]]:
-    """Load several specs in order; returns [(spec, rows)] so callers can name the source of a
-    bad row. Concatenate the row lists (in this order) for the combined dataset."""
-    return [(spec, load_rows(spec, use_hf=use_hf, num_proc=num_proc)) for spec in specs]
-
-
-def _take_first(rows: List[Row], parsed: DatasetSpec) -> List[Row]:
     if parsed.limit is None:
         return rows
+    if not rows:
+        raise UserError(f"dataset {spec} has no rows to sample {parsed.limit} from")
     if parsed.limit > len(rows):
-        logger.warning(f"dataset {parsed.spec}: asked for {parsed.limit} rows but it has only "
-                       f"{len(rows)}; using all of them")
-    return rows[:parsed.limit]
+        logger.warning(f"dataset {spec}: {parsed.limit} rows asked for, it has {len(rows)}: rows "
+                       f"are repeated (as ms-swift does)")
+    state = random_state if random_state is not None else np.random.RandomState(42)
+    return [rows[i] for i in sample_indices(len(rows), parsed.limit, shuffle, state)]
+
+
+def load_many(specs: Sequence[str], *, use_hf: bool = False, num_proc: int = 1,
+              seed: int = 42, shuffle: bool = True) -> List[Tuple[str, List[Row]]]:
+    """Load several specs in order, their `#N` samples drawn from one RandomState(seed); returns
+    [(spec, rows)] so callers can name the source of a bad row. Concatenate the row lists (in
+    this order) for the combined dataset."""
+    state = np.random.RandomState(seed)
+    return [(spec, load_rows(spec, use_hf=use_hf, num_proc=num_proc, random_state=state,
+                             shuffle=shuffle)) for spec in specs]
+
+
+def sample_indices(num_rows: int, count: int, shuffle: bool,
+                   random_state: np.random.RandomState) -> List[int]:
+    """ms-swift's sampling of `count` rows out of `num_rows`: every row count // num_rows times
+    in order, then count % num_rows more, a random choice without repeats (the first ones
+    without shuffle)."""
+    repeats, remain = divmod(count, num_rows)
+    indices = list(range(num_rows)) * repeats
+    if remain:
+        extra = random_state.permutation(num_rows)[:remain] if shuffle else range(remain)
+        indices += [int(i) for i in extra]
+    return indices
 
 
 # ---------------------------------------------------------------------------------------------

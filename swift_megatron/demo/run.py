@@ -6,7 +6,8 @@ process, printing each command first:
   1. `megatron rlhf --dry_run true`        the batch plan
   2. `megatron export --test_convert_precision true`   HF vs Megatron logits
   3. `megatron rlhf ...`                   GRPO with the rewards in demo/rewards.py
-and finally the reward curve. About a minute on a 2-core CPU machine.
+and finally the reward curve and where the run's report is (plots, summary.md and
+completions.html under <output_dir>/grpo/report). About a minute on a 2-core CPU machine.
 """
 import json
 import os
@@ -16,6 +17,7 @@ from typing import List
 
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
+from swift_megatron.report import REPORT_DIR
 
 logger = get_logger(__name__)
 PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rewards.py")
@@ -26,8 +28,9 @@ def grpo_flags(model: str, dataset: str, out: str, train_iters: int) -> List[str
             "--reward_funcs", "digit_ratio", "contains_answer", "--reward_weights", "1", "0",
             "--num_generations", "8", "--global_batch_size", "64", "--micro_batch_size", "8",
             "--max_completion_length", "12", "--train_iters", str(train_iters), "--beta", "0",
-            "--lr", "3e-3", "--lr_decay_style", "constant", "--report_to", "none",
-            "--output_dir", out]
+            "--lr", "3e-3", "--lr_decay_style", "constant", "--temperature", "1.0",
+            "--report_to", "none", "--logging_steps", "1", "--log_completions", "true",
+            "--output_dir", out, "--add_version", "false"]
 
 
 def _megatron(argv: List[str]) -> None:
@@ -59,4 +62,5 @@ def run_demo(output_dir: str, train_iters: int) -> List[dict]:
               f"{row['reward/contains_answer/mean']:>15.3f}")
     first, last = curve[0]["reward/mean"], curve[-1]["reward/mean"]
     print(f"\nreward rose from {first:.3f} to {last:.3f}; the trained model is in {out}/final_hf")
+    print(f"report (plots, summary.md, completions.html): {os.path.join(out, REPORT_DIR)}")
     return curve

@@ -2,6 +2,14 @@
 writes a console line, a line of `{output_dir}/logging.jsonl` and the scalars of each sink
 chosen by --report_to (tensorboard, wandb, swanlab).
 
+Where and under which names the sinks record the run (`SinkSettings`, from --tensorboard_dir,
+--wandb_project, --wandb_exp_name, --swanlab_project, --swanlab_exp_name): tensorboard events go
+to --tensorboard_dir (default <output_dir>/runs); wandb and swanlab get the project and run name
+as `init` arguments (default project "megatron-swift", default name the absolute output
+directory), as ms-swift passes them. Arguments given to `wandb.init` override wandb's
+environment variables (WANDB_PROJECT, WANDB_NAME), so those no longer choose the project, in
+ms-swift as here: use the flags.
+
 Only the logging rank (global rank 0; the trainer decides) passes `enabled=True`; on the other
 ranks every method is a no-op. The sink names and their packages are checked on every rank,
 so a missing package fails all ranks alike instead of leaving the others waiting in a collective.
@@ -20,6 +28,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from swift_megatron.errors import UserError
@@ -32,7 +41,7 @@ _SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "swanlab": "sw
 METRICS_FILE = "logging.jsonl"
 TENSORBOARD_DIR = "runs"
 SWANLAB_DIR = "swanlog"
-DEFAULT_PROJECT = "swift-megatron"
+DEFAULT_PROJECT = "megatron-swift"   # ms-swift's default wandb / swanlab project
 # Console order: keys matching these names come first, in this order (a key matches a name when
 # it equals it, starts with `name/` or ends with `/name`); every other key follows, sorted.
 CONSOLE_PRIORITY = ("loss", "reward/mean", "kl", "grad_norm", "lr")
@@ -178,12 +187,24 @@ def _import_sink(sink: str):
         raise _missing_package_error(sink) from exc
 
 
+@dataclass
+class SinkSettings:
+    """Where and under which names the sinks record the run (see the module docstring)."""
+
+    tensorboard_dir: Optional[str] = None    # None: <output_dir>/runs
+    wandb_project: str = DEFAULT_PROJECT
+    wandb_exp_name: Optional[str] = None     # None: the absolute output directory
+    swanlab_project: str = DEFAULT_PROJECT
+    swanlab_exp_name: Optional[str] = None   # None: the absolute output directory
+
+
 class _TensorboardSink:
-    def __init__(self, output_dir: str, run_config: Optional[dict]):
+    def __init__(self, output_dir: str, run_config: Optional[dict], settings: SinkSettings):
         _import_sink("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=os.path.join(output_dir, TENSORBOARD_DIR))
+        log_dir = settings.tensorboard_dir or os.path.join(output_dir, TENSORBOARD_DIR)
+        self.writer = SummaryWriter(log_dir=log_dir)
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -195,9 +216,10 @@ class _TensorboardSink:
 
 
 class _WandbSink:
-    def __init__(self, output_dir: str, run_config: Optional[dict]):
+    def __init__(self, output_dir: str, run_config: Optional[dict], settings: SinkSettings):
         wandb = _import_sink("wandb")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", DEFAULT_PROJECT),
+        self.run = wandb.init(project=settings.wandb_project,
+                              name=settings.wandb_exp_name or os.path.abspath(output_dir),
                               dir=output_dir, config=run_config)
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
@@ -208,11 +230,12 @@ class _WandbSink:
 
 
 class _SwanlabSink:
-    def __init__(self, output_dir: str, run_config: Optional[dict]):
+    def __init__(self, output_dir: str, run_config: Optional[dict], settings: SinkSettings):
         self.swanlab = _import_sink("swanlab")
         logdir = os.path.join(output_dir, SWANLAB_DIR)
         os.makedirs(logdir, exist_ok=True)  # swanlab wants an existing directory
-        self.swanlab.init(project=os.environ.get("SWANLAB_PROJECT", DEFAULT_PROJECT),
+        self.swanlab.init(project=settings.swanlab_project,
+                          experiment_name=settings.swanlab_exp_name or os.path.abspath(output_dir),
                           logdir=logdir, config=run_config)
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
@@ -231,10 +254,12 @@ _SINK_CLASSES = {"tensorboard": _TensorboardSink, "wandb": _WandbSink, "swanlab"
 
 class MetricsLogger:
     """Console line + `{output_dir}/logging.jsonl` (appended, flushed per step) + the sinks named
-    in `report_to`. A no-op when `enabled` is False. Usable as a context manager."""
+    in `report_to`, placed and named by `sinks`. A no-op when `enabled` is False. Usable as a
+    context manager."""
 
     def __init__(self, output_dir: str, report_to: Sequence[str],
-                 run_config: Optional[dict] = None, enabled: bool = True):
+                 run_config: Optional[dict] = None, enabled: bool = True,
+                 sinks: Optional[SinkSettings] = None):
         self.sinks_requested = check_report_to(report_to)
         self.enabled = enabled
         self.output_dir = output_dir
@@ -249,7 +274,8 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         try:
             for sink in self.sinks_requested:
-                self._sinks[sink] = _SINK_CLASSES[sink](output_dir, run_config)
+                self._sinks[sink] = _SINK_CLASSES[sink](output_dir, run_config,
+                                                        sinks or SinkSettings())
         except BaseException:
             self.close()
             raise

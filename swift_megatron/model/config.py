@@ -7,7 +7,9 @@ embeddings):
   llama / mistral  optional attention bias; llama3 rope scaling (factor, low/high freq)
   qwen2            q/k/v bias
   qwen3            q/k RMSNorm per head
-  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob)
+  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); with
+                   --moe_expert_capacity_factor, megatron's token dropping (a components.py
+                   override; dense models reject it)
 
 Both transformers 4.x config styles (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`)
 are read. Unsupported model types or features fail with a message listing what is supported.
@@ -21,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
 from swift_megatron.parallel.layout import num_experts
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED = SUPPORTED_MODEL_TYPES
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -62,10 +65,20 @@ def rope_parameters(hf: Mapping) -> Dict[str, Any]:
     return params
 
 
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+_REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
+
+
 def _check_supported(hf: Mapping, model_type: str) -> None:
     if model_type not in SUPPORTED:
         raise UserError(f"model_type '{model_type}' is not supported; supported: "
                         f"{', '.join(SUPPORTED)}")
+    required = _REQUIRED + (_REQUIRED_MOE if model_type == "qwen3_moe" else ())
+    missing = [key for key in required if hf.get(key) is None]
+    if missing:
+        raise UserError(f"config.json lacks {', '.join(missing)} (needed for a {model_type} "
+                        f"model); is the checkpoint complete?")
     rope = rope_parameters(hf)
     if rope["rope_type"] not in ("default", "llama3"):
         raise UserError(f"rope type '{rope['rope_type']}' is not supported (default, llama3)")
@@ -148,5 +161,13 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
     if model_type == "qwen3_moe":
         kwargs.update(_moe_kwargs(hf, ep, etp))
+    _check_moe_overrides(overrides, model_type)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _check_moe_overrides(overrides: Mapping, model_type: str) -> None:
+    """Token dropping only exists in MoE layers: asking it of a dense model is a mistake."""
+    if overrides.get("moe_expert_capacity_factor") is not None and model_type != "qwen3_moe":
+        raise UserError(f"--moe_expert_capacity_factor applies to MoE models; this {model_type} "
+                        "model has no experts (drop the flag)")

@@ -5,11 +5,15 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   marked `sequence_parallel` so finalize_model_grads all-reduces it across TP.
 - `SDPAttention`: causal attention through torch's scaled_dot_product_attention (flash / memory-
   efficient kernels on GPU) instead of the local spec's unfused softmax(QK^T) that materialises
-  S x S scores. Batches are right-padded, so causal masking alone is exact for every real token.
+  S x S scores. Padded batches are right-padded, so causal masking alone is exact for every real
+  token. Packed (THD) micro-batches, whose sequences lie back to back, go through torch's
+  flash-attention varlen kernel (`torch.nn.attention.varlen`) on CUDA with
+  `--attention_backend flash|auto`, else through SDPA one sequence at a time (every device).
 
 Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
 GPU machine, so a TE path could not be tested here.
 """
+import inspect
 import math
 from typing import Optional
 
@@ -20,7 +24,7 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
@@ -58,8 +62,10 @@ class SDPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support an attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params).reshape(query.shape[0], -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         mask = None if attention_mask is None else ~attention_mask  # mcore: True = masked
         out = F.scaled_dot_product_attention(
@@ -67,6 +73,46 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=q.shape[1] != k.shape[1])
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _packed(self, query, key, value, params):
+        """[t, heads, dim] q/k/v of sequences back to back -> [t, heads, dim], causal within
+        each sequence (cu_seqlens)."""
+        dropout = self.dropout if self.training else 0.0
+        if query.is_cuda and dropout == 0.0 and self.config.attention_backend in _VARLEN_BACKENDS:
+            return varlen_causal(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
+                                 self.scale)
+        bounds = params.cu_seqlens_q.tolist()
+        parts = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 dropout_p=dropout,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            parts.append(out.squeeze(0).transpose(0, 1))
+        return torch.cat(parts)
+
+
+_VARLEN_BACKENDS = (AttnBackend.flash, AttnBackend.auto)
+
+
+def varlen_causal(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
+    """Causal flash attention over packed sequences with torch's varlen kernel (CUDA). Its API
+    changed between torch releases: newer ones take window_size and enable_gqa, older ones
+    is_causal and equal head counts (then K/V heads are repeated)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params and not math.isclose(scale, query.shape[-1] ** -0.5):
+        raise ValueError("this torch's varlen_attn has no scale argument; use "
+                         "--attention_backend unfused")
+    cu = cu_seqlens.to(torch.int32)
+    if "window_size" in params:
+        return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale,
+                           window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
+    repeat = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    kwargs = {"scale": scale} if "scale" in params else {}
+    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, is_causal=True, **kwargs)
 
 
 def _dense_mlp() -> ModuleSpec:

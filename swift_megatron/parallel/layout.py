@@ -32,9 +32,9 @@ def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1
         raise UserError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
                         f"{layers}: use one of {_divisors(layers)}")
     experts = num_experts(hf_config)
-    if experts is None and (ep > 1 or etp > 1):
-        raise UserError("expert_model_parallel_size / expert_tensor_parallel_size > 1 need a MoE "
-                        "model; this model has no experts")
+    if experts is None and ep > 1:
+        raise UserError("expert_model_parallel_size > 1 needs a MoE model; this model has no "
+                        "experts")
     moe_ffn = hf_config.get("moe_intermediate_size")
     if moe_ffn and moe_ffn % etp:
         raise UserError(f"expert_tensor_parallel_size={etp} does not divide "

@@ -6,6 +6,11 @@ twice. While a file is imported its `@register_reward` decorators run; its top-l
 stay reachable through the returned module. The file's folder is appended to sys.path so it can
 import helper modules that sit next to it. Any failure (missing file, syntax error, an exception
 at import) becomes a UserError naming the file.
+
+Files written for ms-swift (`from swift.rewards import ORM, orms`, gym envs, multi-turn
+schedulers) import against a stand-in `swift` package that exists only during the import, or
+against ms-swift itself when it is installed; what they put into ms-swift's registries is
+registered with ours (swift_megatron/compat/ms_swift).
 """
 import importlib.machinery
 import importlib.util
@@ -17,6 +22,7 @@ import sys
 from types import ModuleType
 from typing import List, Sequence
 
+from swift_megatron.compat.ms_swift import plugin_api
 from swift_megatron.errors import UserError
 
 _counter = itertools.count()
@@ -42,7 +48,8 @@ def load_plugin(path: str) -> ModuleType:
         sys.path.append(folder)
     sys.modules[name] = module  # dataclasses, pickling and relative lookups need it registered
     try:
-        spec.loader.exec_module(module)
+        with plugin_api(full):
+            spec.loader.exec_module(module)
     except (Exception, SystemExit) as error:
         sys.modules.pop(name, None)
         raise UserError(f"--external_plugins: importing {path} failed: "

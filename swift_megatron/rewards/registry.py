@@ -5,18 +5,22 @@
 - `resolve_reward_funcs(names, plugin_modules, config)`: each name is looked up as a built-in,
   then as a name registered by a plugin, then as a top-level callable of a plugin module.
 - `compute_rewards(funcs, completions, **columns)`: calls each function once on the whole batch
-  and checks what it returned.
+  (awaiting asynchronous ones together) and checks what it returned.
 
 A reward function is `f(completions: list[str], **kwargs) -> list[float | None]` (None: "not
-applicable", NaN for the trainer). kwargs are the other dataset columns (one list per column,
-aligned with completions) plus `prompts`, `completion_ids` and `truncated`.
+applicable", NaN for the trainer), or an `async def` one. kwargs are the other dataset columns
+(one list per column, aligned with completions) plus `prompts`, `completion_ids` and `truncated`,
+and the names ms-swift passes (`messages`, `trainer_state`, ...: docs/rewards.md).
 """
+import asyncio
+import contextlib
 import difflib
 import inspect
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from swift_megatron.compat.ms_swift.shim import explain_late_import
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 
@@ -82,25 +86,35 @@ def register_reward(name):
     function's own name. Built-in names cannot be taken."""
     if callable(name) and not isinstance(name, str):
         return register_reward(name.__name__)(name)
-    if not isinstance(name, str) or not name.strip():
-        raise UserError(f"register_reward needs a non-empty name, got {name!r}")
+    _check_name(name, "register_reward")
 
     def decorator(obj):
-        if not callable(obj):
-            raise UserError(f"@register_reward({name!r}) must decorate a function or class, "
-                            f"got {type(obj).__name__}")
-        _ensure_builtins()
-        if name in _BUILTINS:
-            raise UserError(f"@register_reward({name!r}): {name!r} is a built-in reward; "
-                            f"register yours under another name")
-        old = _REGISTERED.get(name)
-        if old is not None and old is not obj and _source(old) != _source(obj):
-            logger.warning(f"reward {name!r} registered again (by {_source(obj)}); it replaces "
-                           f"the one from {_source(old)}")
-        _REGISTERED[name] = obj
+        add_reward(name, obj, f"@register_reward({name!r})")
         return obj
 
     return decorator
+
+
+def add_reward(name: str, obj: Any, how: str) -> None:
+    """Register `obj` (a function, or a class whose instances are callable) under `name`; `how`
+    says how the plugin asked (e.g. "@register_reward('x')" or "orms['x']") in errors. Built-in
+    names cannot be taken; registering a name again replaces it, with a warning."""
+    _check_name(name, how)
+    if not callable(obj):
+        raise UserError(f"{how}: expected a function or a class, got {type(obj).__name__}")
+    _ensure_builtins()
+    if name in _BUILTINS:
+        raise UserError(f"{how}: {name!r} is a built-in reward; register yours under another name")
+    old = _REGISTERED.get(name)
+    if old is not None and old is not obj and _source(old) != _source(obj):
+        logger.warning(f"reward {name!r} registered again (by {_source(obj)}); it replaces "
+                       f"the one from {_source(old)}")
+    _REGISTERED[name] = obj
+
+
+def _check_name(name: Any, how: str) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise UserError(f"{how} needs a non-empty name, got {name!r}")
 
 
 def _register_builtin(name: str):
@@ -175,7 +189,13 @@ def instantiate_reward(name: str, obj: Any, config: RewardConfig,
                             f"parameter {p.name!r} is not one swift-megatron provides (config, "
                             f"{', '.join(f.name for f in fields(RewardConfig))}"
                             f"{''.join(', ' + k for k in init_kwargs)}) and has no default")
-    instance = obj(**kwargs)
+    try:
+        instance = obj(**kwargs)
+    except ImportError as error:
+        explained = explain_late_import(error, f"reward {name!r}: creating {obj.__name__}")
+        if explained is None:
+            raise
+        raise explained from error
     if not callable(instance):
         raise UserError(f"reward {name!r}: instances of {obj.__name__} are not callable; define "
                         f"__call__(self, completions, **kwargs)")
@@ -280,8 +300,11 @@ def compute_rewards(funcs: Sequence[Any], completions: List[str],
     """Call each reward function once on the whole batch: `fn(completions, **columns)`.
 
     `funcs`: [(name, callable)] from resolve_reward_funcs (bare callables are accepted too).
-    `columns`: the other dataset columns plus prompts, completion_ids and truncated, each a list
-    aligned with `completions`. A function without **kwargs gets only the columns it names.
+    `columns`: the other dataset columns plus prompts, completion_ids, truncated (and the names
+    ms-swift passes, see docs/rewards.md), each a list aligned with `completions`, except
+    `trainer_state`, one object for the batch. A function without **kwargs gets only the columns
+    it names. Asynchronous functions (`async def`, or an async `__call__` as ms-swift's AsyncORM)
+    run concurrently in one event loop after the synchronous ones.
     Returns one list per function of floats or None (None: not applicable). Raises UserError when
     a function needs a column the batch lacks or returns something other than len(completions)
     numbers/None; other exceptions propagate with a note naming the function."""
@@ -289,23 +312,65 @@ def compute_rewards(funcs: Sequence[Any], completions: List[str],
     for key, value in columns.items():
         if isinstance(value, (list, tuple)) and len(value) != n:
             raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
-    results = []
-    for item in funcs:
-        name, fn = item if isinstance(item, (tuple, list)) else (getattr(item, "__name__", repr(item)), item)
-        accepted, required = _call_plan(fn)
-        missing = [k for k in required if k not in columns]
-        if missing:
-            raise UserError(f"reward function {name!r} needs the column(s) {', '.join(missing)}, "
-                            f"which the batch does not have; available: "
-                            f"{', '.join(sorted(columns)) or '(none)'}")
-        kwargs = columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
-        try:
-            values = fn(completions, **kwargs)
-        except UserError:
-            raise
-        except Exception as error:
-            if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(f"(raised by reward function {name!r})")
-            raise
-        results.append(_check_values(name, values, n))
-    return results
+    named = [item if isinstance(item, (tuple, list))
+             else (getattr(item, "__name__", repr(item)), item) for item in funcs]
+    outputs, pending = {}, {}
+    try:
+        for index, (name, fn) in enumerate(named):
+            output = _call(name, fn, completions, columns)
+            (pending if inspect.isawaitable(output) else outputs)[index] = output
+    except BaseException:
+        _close(pending.values())
+        raise
+    if pending:
+        outputs.update(_await_all({index: (named[index][0], output)
+                                   for index, output in pending.items()}))
+    return [_check_values(name, outputs[index], n) for index, (name, _) in enumerate(named)]
+
+
+def _call(name: str, fn: Callable, completions: List[str], columns: Dict[str, Any]) -> Any:
+    """fn(completions, **the columns it accepts); an async function's coroutine is returned
+    un-awaited."""
+    accepted, required = _call_plan(fn)
+    missing = [k for k in required if k not in columns]
+    if missing:
+        raise UserError(f"reward function {name!r} needs the column(s) {', '.join(missing)}, "
+                        f"which the batch does not have; available: "
+                        f"{', '.join(sorted(columns)) or '(none)'}")
+    kwargs = columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
+    with _blamed(name):
+        return fn(completions, **kwargs)
+
+
+@contextlib.contextmanager
+def _blamed(name: str):
+    """Exceptions other than UserError leave with a note naming the reward function."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as error:
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(f"(raised by reward function {name!r})")
+        raise
+
+
+def _await_all(pending: Dict[int, Tuple[str, Any]]) -> Dict[int, Any]:
+    """Await every (name, awaitable) together (asyncio.gather in a new event loop)."""
+
+    async def blamed(name, awaitable):
+        with _blamed(name):
+            return await awaitable
+
+    async def gather():
+        return await asyncio.gather(*(blamed(name, aw) for name, aw in pending.values()))
+
+    return dict(zip(pending, asyncio.run(gather())))
+
+
+def _close(awaitables) -> None:
+    """Close coroutines that will not be awaited (no "never awaited" warnings)."""
+    for awaitable in awaitables:
+        close = getattr(awaitable, "close", None)
+        if close is not None:
+            close()

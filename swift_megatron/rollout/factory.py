@@ -14,18 +14,11 @@ from typing import Sequence
 import torch
 
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.preflight import vllm_installed
 from swift_megatron.rollout.engine import RolloutEngine
 
 logger = get_logger(__name__)
-# Measured on an H100 with vLLM 0.26 (benchmarks/rollout.py, tests/gpu/test_vllm_gpu.py): after
-# sleep(level=2), a full weight update and wake_up(), greedy output differed from before the
-# sleep (level 1, same steps: identical), with the V1 and the V2 model runner alike.
-LEVEL2_UNSUPPORTED = ("--sleep_level 2 is not supported yet on CUDA: with vLLM 0.26 the engine "
-                      "generated different tokens after level-2 sleep and a weight reload. Use "
-                      "--sleep_level 1 (KV cache freed, weights offloaded to host memory)")
 
 
 def engine_kind(args: RlhfArguments, device: torch.device) -> str:
@@ -63,14 +56,13 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
                             device=device)
     from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
 
-    if args.rollout.sleep_level == 2 and device.type == "cuda":
-        raise UserError(LEVEL2_UNSUPPORTED)
     v = args.vllm
     settings = ColocateSettings(
         model_dir=model_dir, dtype=str(dtype).replace("torch.", ""), seed=args.training.seed,
         tensor_parallel_size=v.vllm_tensor_parallel_size,
         gpu_memory_utilization=v.vllm_gpu_memory_utilization,
         max_model_len=v.vllm_max_model_len or args.data.max_length,
-        enforce_eager=v.vllm_enforce_eager, enable_prefix_caching=v.vllm_enable_prefix_caching,
-        sleep_level=args.rollout.sleep_level, bucket_bytes=bucket_bytes)
+        max_num_seqs=v.vllm_max_num_seqs, enforce_eager=v.vllm_enforce_eager,
+        enable_prefix_caching=v.vllm_enable_prefix_caching, sleep_level=args.rollout.sleep_level,
+        bucket_bytes=bucket_bytes, engine_kwargs=dict(v.vllm_engine_kwargs or {}))
     return ColocateEngine(settings, eos_token_ids)

@@ -437,6 +437,22 @@ def _check_port_free(host: str, port: int) -> None:
             raise UserError(f"--host {host} --port {port}: cannot listen there ({exc})") from None
 
 
+def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
+    """The replicas' engine settings from the flags (RolloutCommandArguments): the checkpoint's
+    real weights, vLLM's default seed; --vllm_engine_kwargs adds to them (the flags win)."""
+    from swift_megatron.rollout.weight_sync import WORKER_EXTENSION
+
+    engine = args.vllm
+    return vllm_compat.EngineSettings(
+        model=model_dir, dtype=args.model.torch_dtype,
+        tensor_parallel_size=engine.vllm_tensor_parallel_size,
+        gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
+        max_model_len=engine.vllm_max_model_len, max_num_seqs=engine.vllm_max_num_seqs,
+        enforce_eager=engine.vllm_enforce_eager,
+        enable_prefix_caching=engine.vllm_enable_prefix_caching,
+        worker_extension_cls=WORKER_EXTENSION, extra=dict(engine.vllm_engine_kwargs or {}))
+
+
 def serve(args) -> None:
     """Run `megatron rollout` (RolloutCommandArguments) until interrupted."""
     try:
@@ -444,19 +460,17 @@ def serve(args) -> None:
     except ImportError:
         raise UserError("megatron rollout needs vLLM (FastAPI and uvicorn come with it)") from None
     from swift_megatron.model.hub import resolve_model_dir
-    from swift_megatron.rollout.weight_sync import WORKER_EXTENSION
 
     serve_args, engine = args.serve, args.vllm
     _check_port_free(serve_args.host, serve_args.port)
     model_dir = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+    if args.model.check_model:
+        from swift_megatron.model.files import check_model_dir
+
+        check_model_dir(model_dir)
     vllm_compat.check_model_supported(model_dir)
-    settings = vllm_compat.EngineSettings(
-        model=model_dir, dtype=args.model.torch_dtype or "auto",
-        tensor_parallel_size=engine.vllm_tensor_parallel_size,
-        gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
-        max_model_len=engine.vllm_max_model_len, enforce_eager=engine.vllm_enforce_eager,
-        enable_prefix_caching=engine.vllm_enable_prefix_caching,
-        worker_extension_cls=WORKER_EXTENSION)
+    settings = engine_settings(args, model_dir)
+    vllm_compat.check_engine_settings(settings)
     replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
     try:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),

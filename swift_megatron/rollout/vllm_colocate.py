@@ -22,7 +22,7 @@ and change nothing.
     engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
 """
 import dataclasses
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,12 @@ class ColocateSettings:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     max_model_len: Optional[int] = None
+    max_num_seqs: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     sleep_level: int = 0
     bucket_bytes: int = 512 << 20
+    engine_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _tp_group(size: int):
@@ -82,9 +84,10 @@ class ColocateEngine:
             model=s.model_dir, dtype=s.dtype, seed=s.seed,
             tensor_parallel_size=s.tensor_parallel_size,
             gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=s.max_model_len,
-            enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
-            sleep_level=s.sleep_level, load_format="dummy",
-            external_launcher=dist.is_initialized(), worker_extension_cls=WORKER_EXTENSION)
+            max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager,
+            enable_prefix_caching=s.enable_prefix_caching, sleep_level=s.sleep_level,
+            load_format="dummy", external_launcher=dist.is_initialized(),
+            worker_extension_cls=WORKER_EXTENSION, extra=dict(s.engine_kwargs))
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):  # vLLM seeds the global RNGs
             llm = vllm_compat.create_llm(engine)

@@ -7,6 +7,9 @@ What differs, and how it is handled here:
 - Engine construction: both releases take the same `LLM(...)` keywords; sleep mode
   (`enable_sleep_mode`) exists only where the platform has it (CUDA), so it is requested only
   there, and `sleep`/`wake_up` stay valid calls on the CPU (vLLM ignores them there).
+  `--vllm_engine_kwargs` adds keywords of the installed release (its `LLM` parameters and
+  `EngineArgs` fields, read at run time); `engine_kwargs` merges them with the flags (the flags
+  win) and with what swift-megatron requires (never overridden).
 - Logprobs: `logprobs_mode="processed_logprobs"` (both releases) reports log-softmax of the
   logits after penalties, temperature and top-k/top-p, i.e. of softmax(logits / temperature)
   when top-k/top-p are off; with top-k/top-p on they are the filtered, renormalised
@@ -35,12 +38,16 @@ What differs, and how it is handled here:
   another engine.
 """
 import dataclasses
+import difflib
 import gc
 import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from swift_megatron.errors import UserError
+from swift_megatron.logging import get_logger
+
+logger = get_logger(__name__)
 
 INSTALL_HINT = ("install vLLM: `pip install -r requirements/vllm.txt` on a CUDA machine, "
                 "`bash scripts/install_cpu_vllm.sh` on a CPU machine")
@@ -81,37 +88,116 @@ def sleep_mode_available() -> bool:
 # ---- engine construction -------------------------------------------------------------------
 @dataclasses.dataclass
 class EngineSettings:
-    """The LLM(...) arguments swift-megatron sets; everything else keeps vLLM's defaults."""
+    """The LLM(...) arguments swift-megatron sets; everything else keeps vLLM's defaults unless
+    --vllm_engine_kwargs (`extra`) sets it. None: vLLM's default."""
 
     model: str
-    dtype: str                           # "bfloat16" | "float16" | "float32" | "auto"
-    seed: int = 0
+    dtype: Optional[str] = None          # "bfloat16" | "float16" | "float32" | "auto"
+    seed: Optional[int] = None
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     max_model_len: Optional[int] = None
+    max_num_seqs: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     sleep_level: int = 0                 # > 0: construct with sleep mode
     load_format: str = "auto"            # "dummy": weights arrive with the first update
     external_launcher: bool = False      # one engine per torchrun process (colocate)
     worker_extension_cls: Optional[str] = None
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # --vllm_engine_kwargs
 
 
-def engine_kwargs(settings: EngineSettings) -> Dict[str, Any]:
-    kwargs = dict(
-        model=settings.model, dtype=settings.dtype, seed=settings.seed,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-        enable_prefix_caching=settings.enable_prefix_caching, load_format=settings.load_format,
-        logprobs_mode="processed_logprobs", disable_log_stats=True)
-    if settings.sleep_level > 0 and sleep_mode_available():
+# LLM(...) keywords set from a flag: a set flag wins over the same key in --vllm_engine_kwargs
+FLAG_OF_KEY = {"model": "--model", "dtype": "--torch_dtype", "seed": "--seed",
+               "tensor_parallel_size": "--vllm_tensor_parallel_size",
+               "gpu_memory_utilization": "--vllm_gpu_memory_utilization",
+               "max_model_len": "--vllm_max_model_len", "max_num_seqs": "--vllm_max_num_seqs",
+               "enforce_eager": "--vllm_enforce_eager",
+               "enable_prefix_caching": "--vllm_enable_prefix_caching",
+               "enable_sleep_mode": "--sleep_level"}
+# keywords swift-megatron depends on: --vllm_engine_kwargs may not change them
+REQUIRED_BECAUSE = {
+    "logprobs_mode": "the GRPO loss compares the trainer's logprobs with vLLM's processed ones",
+    "worker_extension_cls": "weight sync runs through swift-megatron's worker extension",
+    "distributed_executor_backend": "colocate mode runs one engine per training process"}
+
+
+def engine_kwargs(settings: EngineSettings, sleep_mode_available: bool) -> Dict[str, Any]:
+    """The LLM(...) keywords: vLLM's defaults < swift-megatron's defaults < --vllm_engine_kwargs
+    < the flags (see FLAG_OF_KEY; a key a flag overrides is logged) < what swift-megatron
+    requires (REQUIRED_BECAUSE; a different value there is a UserError). Pure."""
+    extra = dict(settings.extra)
+    flagged = _flag_kwargs(settings, sleep_mode_available)
+    required = _required_kwargs(settings)
+    _check_required(extra, required)
+    for key, value in flagged.items():
+        if key in extra and extra[key] != value:
+            logger.warning(f"--vllm_engine_kwargs {key}={extra[key]!r} is overridden by "
+                           f"{FLAG_OF_KEY[key]} ({value!r})")
+    defaults = dict(load_format=settings.load_format, disable_log_stats=True)
+    return {**defaults, **extra, **flagged, **required}
+
+
+def _flag_kwargs(settings: EngineSettings, sleep_mode_available: bool) -> Dict[str, Any]:
+    s = settings
+    kwargs = dict(model=s.model, dtype=s.dtype, seed=s.seed,
+                  tensor_parallel_size=s.tensor_parallel_size,
+                  gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=s.max_model_len,
+                  max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager,
+                  enable_prefix_caching=s.enable_prefix_caching)
+    if s.sleep_level > 0 and sleep_mode_available:
         kwargs["enable_sleep_mode"] = True
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def _required_kwargs(settings: EngineSettings) -> Dict[str, Any]:
+    kwargs: Dict[str, Any] = dict(logprobs_mode="processed_logprobs")
     if settings.external_launcher:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if settings.worker_extension_cls:
         kwargs["worker_extension_cls"] = settings.worker_extension_cls
     return kwargs
+
+
+def _check_required(extra: Dict[str, Any], required: Dict[str, Any]) -> None:
+    for key, value in required.items():
+        if key in extra and extra[key] != value:
+            raise UserError(f"--vllm_engine_kwargs: {key} must stay {value!r} "
+                            f"({REQUIRED_BECAUSE[key]})")
+
+
+def check_engine_settings(settings: EngineSettings) -> None:
+    """UserError for --vllm_engine_kwargs that no engine could start with: keys vLLM does not
+    take, or keys swift-megatron depends on (REQUIRED_BECAUSE) changed."""
+    check_engine_kwargs(settings.extra, accepted_engine_keys())
+    _check_required(settings.extra, _required_kwargs(settings))
+
+
+def check_engine_kwargs(extra: Dict[str, Any], accepted: Iterable[str]) -> None:
+    """UserError for --vllm_engine_kwargs keys vLLM's engine does not take. Pure."""
+    accepted = set(accepted)
+    unknown = [key for key in extra if key not in accepted]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(accepted), n=1)
+        hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    raise UserError(f"--vllm_engine_kwargs: vLLM's engine takes no {', '.join(hints)}; see "
+                    "vLLM's EngineArgs for the keywords it accepts")
+
+
+def accepted_engine_keys() -> List[str]:
+    """The keywords vLLM's `LLM(...)` accepts: its own parameters and EngineArgs' fields."""
+    import inspect
+
+    import_vllm()
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    own = [name for name, p in inspect.signature(LLM.__init__).parameters.items()
+           if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return own + [field.name for field in dataclasses.fields(EngineArgs)]
 
 
 def _head_dim(hf_config: dict) -> Optional[int]:
@@ -142,14 +228,35 @@ def create_llm(settings: EngineSettings):
     """A vLLM `LLM` with swift-megatron's settings."""
     vllm = import_vllm()
     check_model_supported(settings.model)
+    check_engine_settings(settings)
+    kwargs = engine_kwargs(settings, sleep_mode_available())
+    chosen = sorted(key for key in kwargs if key in settings.extra or key == "max_num_seqs")
+    if chosen:
+        logger.info("vLLM engine keywords from --vllm_max_num_seqs / --vllm_engine_kwargs: "
+                    + ", ".join(f"{key}={kwargs[key]!r}" for key in chosen))
     try:
-        return vllm.LLM(**engine_kwargs(settings))
-    except ValueError as exc:  # vLLM checks free memory against the fraction at start-up
-        if "memory utilization" not in str(exc):
+        return vllm.LLM(**kwargs)
+    except (TypeError, ValueError) as exc:
+        error = _user_error(exc, settings)
+        if error is exc:
             raise
-        raise UserError(f"--vllm_gpu_memory_utilization {settings.gpu_memory_utilization} asks "
-                        f"for more GPU memory than is free ({exc}). In colocate mode the "
-                        "training state shares the GPU: lower it (e.g. 0.3-0.5)") from None
+        raise error from None
+
+
+def _user_error(exc: Exception, settings: EngineSettings) -> Exception:
+    """The UserError of a start-up failure the flags caused, or `exc` itself."""
+    message = str(exc)
+    if isinstance(exc, ValueError) and "memory utilization" in message:
+        # vLLM checks free memory against the fraction at start-up
+        return UserError(f"--vllm_gpu_memory_utilization {settings.gpu_memory_utilization} asks "
+                         f"for more GPU memory than is free ({exc}). In colocate mode the "
+                         "training state shares the GPU: lower it (e.g. 0.3-0.5)")
+    if not settings.extra:
+        return exc
+    rejected = [key for key in settings.extra if key in message]
+    named = f"vLLM rejected {', '.join(rejected)}" if rejected else \
+        f"vLLM could not start with {json.dumps(settings.extra)} (check their values)"
+    return UserError(f"--vllm_engine_kwargs: {named}: {type(exc).__name__}: {message.strip()}")
 
 
 def release_engine() -> None:

@@ -16,6 +16,9 @@ owner. Gradients are not kept: Megatron DDP's grad buffers are freed and come ba
 every optimizer step starts from zeroed grads. The tensors are collected at each `offload()`
 (the optimizer's state appears at its first step).
 On the CPU the same code runs (host to host); it frees nothing there but keeps the path tested.
+On a CUDA machine, tensors already in host memory stay where they are (with
+--optimizer_cpu_offload the Adam state and main params live there; copying them would only
+double their host memory).
 """
 from typing import Callable, Iterable, List, Optional, Sequence
 
@@ -32,13 +35,20 @@ def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
         storage, 0, (storage.nbytes(),))
 
 
+def _on_host_already(storage: torch.UntypedStorage) -> bool:
+    """Host memory on a CUDA machine (e.g. the state --optimizer_cpu_offload keeps there):
+    nothing to move. Without CUDA everything is host memory and moves, to keep the path tested."""
+    return storage.device.type == "cpu" and torch.cuda.is_available()
+
+
 def _unique_storages(tensors: Iterable[torch.Tensor], seen: set) -> List[torch.UntypedStorage]:
-    """Distinct non-empty storages of `tensors`, in order (skipping those in `seen`)."""
+    """Distinct non-empty storages of `tensors` that can move, in order (skipping those in
+    `seen`)."""
     found = []
     for tensor in tensors:
         storage = tensor.untyped_storage()
         key = (storage.device, storage.data_ptr())
-        if storage.nbytes() and key not in seen:
+        if storage.nbytes() and key not in seen and not _on_host_already(storage):
             seen.add(key)
             found.append(storage)
     return found

@@ -1,5 +1,30 @@
 """Wrap model chunks in megatron's DDP, build megatron's optimizer (Adam, grad clipping, fp32 main
-params for bf16, optional distributed optimizer) and its warmup + decay learning-rate schedule."""
+params for bf16, optional distributed optimizer, optional host offload of its state) and its
+warmup + decay learning-rate schedule (megatron's OptimizerParamScheduler).
+
+What megatron-core 0.16.1 needs, checked up front by `check_settings` (a UserError naming the
+flags instead of an assertion or a KeyError deep inside megatron); measured on an H100 with
+tests/gpu/test_optimizer_offload_gpu.py:
+- `--optimizer_cpu_offload` (megatron's HybridDeviceOptimizer) offloads the state of CUDA
+  parameters only (a CPU run has nothing to offload: the optimizer already runs on the host).
+  It needs the distributed optimizer (the bf16 optimizer without it swaps in parameters the
+  hybrid optimizer does not know: KeyError at the first step), bf16/fp16 training (float32
+  shards are views of the model's parameters, which a torch optimizer refuses), and
+  `--use_precision_aware_optimizer`, as Megatron-LM requires: only then do the float32 main
+  parameters move to the host too, and only then does a checkpointed state load back.
+- `--use_precision_aware_optimizer` needs the distributed optimizer, and Transformer Engine's
+  FusedAdam unless the hybrid (offload) optimizer takes its place; swift-megatron does not use
+  Transformer Engine. megatron-core 0.16.1 also asks Transformer Engine's version for every
+  precision-aware config and fails without it: `_no_te_is_old_te` answers for it.
+
+The schedule, in optimizer steps (megatron's own arithmetic; `schedule_steps` is pure):
+warmup from --lr_warmup_init to --lr over --lr_warmup_iters steps (or --lr_warmup_fraction of
+--lr_decay_iters), then --lr_decay_style down to --min_lr at --lr_decay_iters (default
+--train_iters), --min_lr after that. WSD holds --lr until the last --lr_wsd_decay_iters steps
+of the decay and decays in --lr_wsd_decay_style there.
+"""
+import contextlib
+import importlib.util
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -7,7 +32,10 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import optimizer_config as _optimizer_config_module
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from swift_megatron.errors import UserError
 
 
 @dataclass
@@ -22,9 +50,18 @@ class OptimizerSettings:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
-    lr_decay_style: str = "cosine"
-    lr_warmup_iters: int = 0
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    use_precision_aware_optimizer: bool = False
+    # schedule, in optimizer steps
     train_iters: int = 1
+    lr_decay_style: str = "cosine"
+    lr_decay_iters: Optional[int] = None      # None: train_iters
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None  # of lr_decay_iters; wins over lr_warmup_iters
+    lr_warmup_init: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: Optional[int] = None
 
 
 def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool) -> DistributedDataParallel:
@@ -38,26 +75,124 @@ def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool) ->
     return DistributedDataParallel(config, ddp_config, model)
 
 
+# ---- optimizer -------------------------------------------------------------------------------
+
+def _te_fused_adam_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_settings(settings: OptimizerSettings, device: torch.device, dtype: torch.dtype) -> None:
+    """UserError, before any model is built, for settings megatron-core 0.16.1 cannot run in
+    this configuration (see the module docstring) and for a schedule that does not fit."""
+    _check_lr_bounds(settings)
+    schedule_steps(settings)
+    if settings.optimizer_cpu_offload:
+        _check_cpu_offload(settings, device, dtype)
+    if settings.use_precision_aware_optimizer:
+        _check_precision_aware(settings)
+
+
+def _check_cpu_offload(settings: OptimizerSettings, device: torch.device,
+                       dtype: torch.dtype) -> None:
+    """The device and dtype rules (the flag combinations are checked with the flags:
+    arguments/commands.py)."""
+    if device.type != "cuda":
+        raise UserError("--optimizer_cpu_offload needs CUDA: megatron-core's hybrid optimizer "
+                        "moves the optimizer state of GPU parameters to host memory, and on a "
+                        "CPU run it already is there; drop the flag")
+    if dtype == torch.float32:
+        raise UserError("--optimizer_cpu_offload needs bf16 or fp16 training (--torch_dtype "
+                        "bfloat16): megatron-core 0.16.1's hybrid optimizer cannot take the "
+                        "distributed optimizer's float32 parameter shards")
+
+
+def _check_precision_aware(settings: OptimizerSettings) -> None:
+    if not settings.optimizer_cpu_offload and not _te_fused_adam_available():
+        raise UserError("--use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
+                        "(megatron-core 0.16.1), and swift-megatron does not use Transformer "
+                        "Engine; it works with --optimizer_cpu_offload true, where megatron's "
+                        "hybrid optimizer keeps the float32 main parameters in host memory")
+
+
+@contextlib.contextmanager
+def _no_te_is_old_te():
+    """megatron-core 0.16.1's OptimizerConfig calls is_te_min_version("2.1.0") for every
+    precision-aware config, which raises TypeError when Transformer Engine is not installed:
+    without it, every minimum version is unmet."""
+    original = _optimizer_config_module.is_te_min_version
+    if not _te_fused_adam_available():
+        _optimizer_config_module.is_te_min_version = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        _optimizer_config_module.is_te_min_version = original
+
+
+def optimizer_config(settings: OptimizerSettings, config) -> OptimizerConfig:
+    """megatron's OptimizerConfig for these settings and the model's TransformerConfig."""
+    with _no_te_is_old_te():
+        return OptimizerConfig(
+            optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+            weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+            adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+            clip_grad=settings.clip_grad, bf16=config.bf16, fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+            optimizer_cpu_offload=settings.optimizer_cpu_offload,
+            optimizer_offload_fraction=settings.optimizer_offload_fraction,
+            use_precision_aware_optimizer=settings.use_precision_aware_optimizer)
+
+
 def build_optimizer(chunks: List[DistributedDataParallel], config, settings: OptimizerSettings):
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
-        weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
-        adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps, clip_grad=settings.clip_grad,
-        bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_config, chunks)
-    return optimizer
+    return get_megatron_optimizer(optimizer_config(settings, config), chunks)
 
 
-def build_scheduler(optimizer, settings: OptimizerSettings,
-                    warmup_fraction: Optional[float] = None) -> OptimizerParamScheduler:
-    """Linear warmup from 0 to lr, then cosine/linear/constant decay to min_lr over train_iters."""
-    warmup = (int(warmup_fraction * settings.train_iters) if warmup_fraction is not None
-              else settings.lr_warmup_iters)
-    warmup = min(warmup, max(settings.train_iters - 1, 0))
+# ---- schedule --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ScheduleSteps:
+    """The step counts OptimizerParamScheduler takes (warmup may be fractional, as megatron's)."""
+
+    warmup: float
+    decay: int
+    wsd_decay: Optional[int]
+
+
+def schedule_steps(settings: OptimizerSettings) -> ScheduleSteps:
+    """Warmup, decay and WSD-decay lengths in optimizer steps; UserError when they do not fit."""
+    decay = settings.lr_decay_iters or settings.train_iters
+    if settings.lr_warmup_fraction is not None:
+        warmup, source = settings.lr_warmup_fraction * decay, "--lr_warmup_fraction"
+    else:
+        warmup, source = settings.lr_warmup_iters, "--lr_warmup_iters"
+    decay_source = "--lr_decay_iters" if settings.lr_decay_iters else "--train_iters"
+    if warmup >= decay:
+        raise UserError(f"{source}: the warmup ({warmup:g} steps) must end before the decay does "
+                        f"({decay_source} {decay}); shorten the warmup or pass a larger "
+                        "--lr_decay_iters")
+    wsd = settings.lr_wsd_decay_iters if settings.lr_decay_style == "WSD" else None
+    if wsd is not None and wsd > decay - warmup:
+        raise UserError(f"--lr_wsd_decay_iters {wsd} is longer than the steps between the "
+                        f"warmup and the end of the decay ({decay_source} {decay} - warmup "
+                        f"{warmup:g})")
+    return ScheduleSteps(warmup=warmup, decay=decay, wsd_decay=wsd)
+
+
+def _check_lr_bounds(settings: OptimizerSettings) -> None:
+    if settings.min_lr > settings.lr:
+        raise UserError(f"--min_lr {settings.min_lr} must not exceed --lr {settings.lr}")
+    if settings.lr_warmup_init > settings.lr:
+        raise UserError(f"--lr_warmup_init {settings.lr_warmup_init} must not exceed "
+                        f"--lr {settings.lr}")
+
+
+def build_scheduler(optimizer, settings: OptimizerSettings) -> OptimizerParamScheduler:
+    """megatron's schedule (see the module docstring); weight decay stays constant."""
+    _check_lr_bounds(settings)
+    steps = schedule_steps(settings)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else settings.lr, max_lr=settings.lr,
-        min_lr=settings.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=max(settings.train_iters, warmup + 1),
+        optimizer, init_lr=settings.lr_warmup_init, max_lr=settings.lr, min_lr=settings.min_lr,
+        lr_warmup_steps=steps.warmup, lr_decay_steps=steps.decay,
         lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
-        end_wd=settings.weight_decay, wd_incr_steps=settings.train_iters, wd_incr_style="constant")
+        end_wd=settings.weight_decay, wd_incr_steps=settings.train_iters, wd_incr_style="constant",
+        wsd_decay_steps=steps.wsd_decay, lr_wsd_decay_style=settings.lr_wsd_decay_style)

@@ -2,7 +2,8 @@
 when PP > 1), and one optimizer step.
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
-function needs. `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
+function needs; a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
+become megatron's THD PackedSeqParams. `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
 `(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP
 averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
 contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
@@ -16,9 +17,21 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 LossFn = Callable[[dict, torch.Tensor], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
 
 
+def packed_seq_params(micro_batch: dict):
+    """megatron's THD parameters of a packed micro-batch, None for a padded one."""
+    if "cu_seqlens" not in micro_batch:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu, longest = micro_batch["cu_seqlens"], micro_batch["max_seqlen"]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def _forward_step(loss_fn: LossFn, data_iterator, model):
     micro_batch = next(data_iterator)
-    output = model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None)
+    output = model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None,
+                   packed_seq_params=packed_seq_params(micro_batch))
     return output, partial(_loss_adapter, loss_fn, micro_batch)
 
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 COMMON = ["--num_generations", "4", "--global_batch_size", "8", "--micro_batch_size", "2",
           "--steps_per_generation", "2", "--max_completion_length", "12", "--train_iters", "4",
           "--beta", "0.04", "--lr", "1e-3", "--reward_funcs", "accuracy", "digit_ratio",
-          "--log_interval", "1", "--report_to", "none", "--seed", "3"]
+          "--log_interval", "1", "--report_to", "none", "--add_version", "false", "--seed", "3"]
 LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"],
            "pp2": ["--pipeline_model_parallel_size", "2"], "dp2": []}
 

@@ -1,4 +1,5 @@
-"""`megatron demo`, the README's main job: the reward the tiny model learns rises, with margin."""
+"""`megatron demo`, the README's main job: the reward the tiny model learns rises, with margin,
+and the run's report is written where the demo's last line says."""
 import os
 import subprocess
 import sys
@@ -24,3 +25,7 @@ def test_demo_reward_rises(tmp_path):
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
     assert last > first + 0.1, curve  # observed: ~0.01 -> ~0.4
     assert os.path.isfile(os.path.join(tmp_path, "grpo", "final_hf", "model.safetensors"))
+    report = os.path.join(tmp_path, "grpo", "report")
+    assert proc.stdout.rstrip().endswith(f"report (plots, summary.md, completions.html): {report}")
+    assert {"overview.png", "reward_functions.png", "completions.html"} <= set(os.listdir(report))
+    assert "- 30 logged steps, step 1 to 30 of 30: finished" in open(os.path.join(report, "summary.md")).read()

@@ -33,8 +33,8 @@ def run(tiny_model_dir, math_dataset_path, tmp_path_factory):
              "--lora_rank", 4, "--lora_alpha", 8, "--external_plugins", PLUGIN,
              "--reward_funcs", "digit_ratio", "--num_generations", 4, "--global_batch_size", 16,
              "--micro_batch_size", 4, "--max_completion_length", 16, "--train_iters", 2,
-             "--beta", 0.04, "--lr", 5e-3, "--report_to", "none", "--save", root / "ckpt",
-             "--output_dir", root / "out")
+             "--beta", 0.04, "--lr", 5e-3, "--report_to", "none", "--add_version", "false",
+             "--save", root / "ckpt", "--output_dir", root / "out")
     return model, root
 
 
@@ -54,6 +54,18 @@ def test_only_adapters_trained_and_peft_loads_them(run):
     with torch.no_grad():
         diff = (peft_model(tokens).logits - merged_model(tokens).logits).abs().max().item()
     assert diff < 1e-5
+
+
+def test_checkpoint_holds_adapter_and_merged_copies(run):
+    """--save_safetensors (default): checkpoint-2 is the PEFT adapter, checkpoint-2-merged the
+    merged model (--merge_lora defaults to it); the final outputs are hard links to them."""
+    _, root = run
+    ckpt, out = root / "ckpt", root / "out"
+    assert os.path.isfile(ckpt / "checkpoint-2" / "adapter_model.safetensors")
+    assert os.path.samefile(ckpt / "checkpoint-2" / "adapter_model.safetensors",
+                            out / "final_adapter" / "adapter_model.safetensors")
+    assert os.path.samefile(ckpt / "checkpoint-2-merged" / "model.safetensors",
+                            out / "final_hf" / "model.safetensors")
 
 
 def test_merge_commands_equal_the_trained_export(run, tmp_path):

@@ -1,6 +1,7 @@
 """`megatron rlhf` as a subprocess on the tiny model: the first step's KL is exactly 0 (the
 reference equals the policy), checkpoints resume bit-identically, the final HF export loads in
-transformers, completions are logged, and user mistakes exit 2 without a traceback."""
+transformers, completions are logged, the run report is written (at the end and at a save), and
+user mistakes exit 2 without a traceback."""
 import json
 import os
 import subprocess
@@ -36,23 +37,28 @@ def base(tiny_model_dir, math_dataset_path):
             "--external_plugins", PLUGIN, "--reward_funcs", "digit_ratio", "contains_answer",
             "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
             "--max_completion_length", "16", "--beta", "0.1", "--lr", "1e-3", "--report_to", "none",
-            "--log_interval", "1"]
+            "--logging_steps", "1", "--add_version", "false"]
 
 
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
     rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
-         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true")
+         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true",
+         "--num_generations_eval", 2)
     rows = logged(out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert "eval/reward/mean" in rows[1] and "eval/reward/mean" not in rows[0]
     assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
+    assert rows[1]["eval/num_completions"] == 7 * 2  # ceil(0.1 x 64) prompts x num_generations_eval
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["grad_norm"] > 0      # the rewards had signal: the first step updated
     assert rows[0]["kl"] == 0.0          # reference == policy before the first update
     assert rows[1]["kl"] > 0.0
     completions = [json.loads(line) for line in open(out / "completions.jsonl")]
     assert len(completions) == 2 * 16 and {"prompt", "completion", "reward", "advantage"} <= set(completions[0])
+    report = set(os.listdir(out / "report"))
+    assert {"overview.png", "eval.png", "engine_gap.png", "summary.md", "completions.html"} <= report
+    assert "- 2 logged steps, step 1 to 2 of 2: finished" in open(out / "report" / "summary.md").read()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
@@ -65,8 +71,14 @@ def test_resume_continues_bit_identically(base, tmp_path):
     rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "first", "--save", save,
          "--save_interval", 2, "--exit_interval", 2)
     assert open(save / "latest_checkpointed_iteration.txt").read() == "2"
+    summary = open(tmp_path / "first" / "report" / "summary.md").read()  # written at the save
+    assert "- 2 logged steps, step 1 to 2 of 4: stopped or still running" in summary
     assert {"model", "optimizer", "rng", "hf", "trainer_state.json", "swift_megatron.json"} <= \
         set(os.listdir(save / "iter_0000002"))
+    assert os.path.isfile(save / "checkpoint-2" / "model.safetensors")  # --save_safetensors
+    # without --save the output directory holds the checkpoints; final_hf links the last one
+    assert os.path.samefile(straight / "checkpoint-4" / "model.safetensors",
+                            straight / "final_hf" / "model.safetensors")
     rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "resumed", "--load", save)
     expected, resumed = logged(straight)[2:], logged(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [3, 4]

@@ -132,7 +132,6 @@ def test_flags_of_missing_features_fail(argv, match):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--sequence_parallel", "true"], "needs --tensor_model_parallel_size > 1"),
     (["--num_generations", "1"], "num_generations must be >= 2"),
     (["--reward_funcs", "accuracy", "--reward_weights", "1", "2"], "2 values"),
     (["--delta", "1.1"], "--delta must exceed"),
@@ -164,7 +163,8 @@ def test_config_file_and_override(tmp_path):
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("micro_batch_sise: 2\n")
-    with pytest.raises(UserError, match="unknown key 'micro_batch_sise'; did you mean"):
+    with pytest.raises(UserError, match="1 unknown key:\n  --micro_batch_sise: did you mean "
+                                        "--micro_batch_size"):
         parse_command(RlhfArguments, ["--config", str(bad)], "x")
     with pytest.raises(UserError, match="file not found"):
         parse_command(RlhfArguments, ["--config", str(tmp_path / "nope.yaml")], "x")
@@ -173,7 +173,8 @@ def test_config_file_errors(tmp_path):
 # ---- dry run and exit codes --------------------------------------------------------------------
 
 def test_dry_run_prints_plan_for_launch_world():
-    proc = cli("rlhf", "--dry_run", "true", "--micro_batch_size", "4", "--global_batch_size", "128",
+    proc = cli("rlhf", "--dry_run", "true", "--reward_funcs", "accuracy", "--micro_batch_size", "4",
+               "--global_batch_size", "128",
                "--num_generations", "8", "--steps_per_generation", "4", env={"NPROC_PER_NODE": "8"})
     assert proc.returncode == 0, proc.stderr
     assert "dp_size" in proc.stdout and " 512 " in proc.stdout
@@ -188,9 +189,11 @@ def test_invalid_batch_exits_2_without_traceback():
 
 def test_dry_run_checks_the_model(tmp_path):
     config = dict(model_type="qwen3_moe", num_experts=6, num_attention_heads=4,
-                  num_key_value_heads=2, num_hidden_layers=4, moe_intermediate_size=32)
+                  num_key_value_heads=2, num_hidden_layers=4, moe_intermediate_size=32,
+                  vocab_size=64, hidden_size=32, intermediate_size=64, num_experts_per_tok=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    base = ["rlhf", "--dry_run", "true", "--model", str(tmp_path), "--global_batch_size", "32"]
+    base = ["rlhf", "--dry_run", "true", "--model", str(tmp_path), "--global_batch_size", "32",
+            "--reward_funcs", "accuracy", "--check_model", "false"]
     bad = cli(*base, "--expert_model_parallel_size", "4", env={"NPROC_PER_NODE": "4"})
     assert bad.returncode == 2 and "num_experts=6" in bad.stderr
     bad_tp = cli(*base, "--tensor_model_parallel_size", "4", env={"NPROC_PER_NODE": "4"})
@@ -237,14 +240,26 @@ def test_batch_inputs_reads_every_flag():
             inputs.vllm_tensor_parallel_size, inputs.colocate_vllm) == (8, 2, 64, 2, True)
 
 
-def test_sleep_level_2_is_refused_on_cuda():
-    """Level 2 lost state on vLLM 0.26/CUDA (see rollout/factory.py): refused before any engine
-    is built, with the level that works named."""
-    import torch
+def test_sleep_level_2_becomes_1_on_cuda_with_a_notice():
+    """Level 2 lost state on vLLM 0.26/CUDA (measured, tests/gpu/test_vllm_gpu.py): ms-swift
+    scripts use it everywhere, so the run uses level 1 and says so (on the CPU, level 2 works)."""
+    from swift_megatron.arguments.parser import notices
+    from swift_megatron.preflight import preflight_rlhf
 
-    from swift_megatron.rollout.factory import build_engine
+    args = rlhf("--use_vllm", "true", "--sleep_level", "2", "--global_batch_size", "8")
+    preflight_rlhf(args, world_size=1)
+    assert args.rollout.sleep_level == 1
+    assert any("--sleep_level 2" in line and "--sleep_level 1" in line for line in notices(args))
+    on_cpu = rlhf("--use_vllm", "true", "--sleep_level", "2", "--device", "cpu",
+                  "--global_batch_size", "8")
+    preflight_rlhf(on_cpu, world_size=1)
+    assert on_cpu.rollout.sleep_level == 2
 
-    args = rlhf("--use_vllm", "true", "--sleep_level", "2")
-    with pytest.raises(UserError, match="--sleep_level 1"):
-        build_engine(args, model_dir="m", device=torch.device("cuda"), dtype=torch.bfloat16,
-                     eos_token_ids=[0], pad_token_id=0)
+
+def test_expert_tensor_parallel_follows_tp_without_expert_parallelism():
+    """megatron-core reduces expert gradients over expert-parallel groups only when EP > 1: with
+    EP 1, experts replicated over TP ranks would drift apart, so ETP follows TP (measured: the
+    packed-vs-padded test's expert gradients differed per TP rank with ETP 1)."""
+    assert rlhf("--tensor_model_parallel_size", "2").parallel.expert_tensor_parallel_size == 2
+    args = rlhf("--tensor_model_parallel_size", "2", "--expert_model_parallel_size", "2")
+    assert args.parallel.expert_tensor_parallel_size == 1

@@ -8,10 +8,12 @@ import sys
 from types import SimpleNamespace
 
 import pandas as pd
+import numpy as np
 import pytest
 
-from swift_megatron.data import (Prompt, PromptSampler, build_prompts, load_prompts, load_rows,
-                                 max_prompt_length, prepare_prompts, split_validation)
+from swift_megatron.data import (Prompt, PromptSampler, PromptSettings, build_prompts,
+                                 load_prompts, load_rows, max_prompt_length, prepare_prompts,
+                                 split_validation)
 from swift_megatron.data import parse_spec as parse_data_spec
 from swift_megatron.data import prompts as prompts_module
 from swift_megatron.errors import UserError
@@ -40,7 +42,11 @@ def chatml(*turns):
 
 def one(row, tok, **kwargs):
     kwargs.setdefault("max_prompt_length", 1000)
-    return build_prompts([row], tok, **kwargs)[0]
+    return build_prompts([row], tok, PromptSettings(**kwargs))[0]
+
+
+def settings(max_prompt_length, **kwargs):
+    return PromptSettings(max_prompt_length, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,21 +133,39 @@ def test_unknown_extension_and_missing_path(tmp_path):
         load_rows(str(tmp_path / "missing.jsonl") + ":5")
 
 
-def test_row_limit(tmp_path, swift_logs):
-    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    assert load_rows(path + ":2") == ROWS[:2]
-    assert load_rows(path + "#1") == ROWS[:1]
-    assert load_rows(path + ":5") == ROWS
-    assert "asked for 5 rows but it has only 3" in swift_logs.text
+def test_row_sample_as_ms_swift(tmp_path, swift_logs):
+    """`#N` samples as ms-swift's sample_dataset: a permutation of one RandomState(data_seed)
+    for the remainder, whole repeats first; the first rows without shuffling."""
+    rows = [{"query": str(i)} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    expected = np.random.RandomState(42).permutation(10)[:3].tolist()
+    assert [int(r["query"]) for r in load_rows(path + "#3")] == expected
+    state = np.random.RandomState(7)
+    assert [int(r["query"]) for r in load_rows(path + ":4", random_state=state)] == \
+        np.random.RandomState(7).permutation(10)[:4].tolist()
+    assert load_rows(path + "#3", shuffle=False) == rows[:3]
+    repeated = load_rows(path + "#23")
+    assert [int(r["query"]) for r in repeated[:20]] == list(range(10)) * 2
+    assert [int(r["query"]) for r in repeated[20:]] == expected
+    assert "23 rows asked for, it has 10: rows are repeated" in swift_logs.text
     with pytest.raises(UserError, match="at least 1"):
-        load_rows(path + ":0")
+        load_rows(path + "#0")
+
+
+def test_samples_of_several_specs_share_one_random_state(tmp_path, tok):
+    rows = [{"query": str(i)} for i in range(6)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    prompts = load_prompts([path + "#2", path + "#2"], tok, settings(100), seed=5)
+    state = np.random.RandomState(5)
+    expected = state.permutation(6)[:2].tolist() + state.permutation(6)[:2].tolist()
+    assert [int(p.messages[-1]["content"]) for p in prompts] == expected
 
 
 def test_existing_path_ending_in_colon_digits_loads_whole(tmp_path):
     (tmp_path / "dir:2").mkdir()
     write_jsonl(tmp_path / "dir:2" / "d.jsonl", ROWS)
     assert load_rows(str(tmp_path / "dir:2")) == ROWS
-    assert load_rows(str(tmp_path / "dir:2") + ":1") == ROWS[:1]
+    assert load_rows(str(tmp_path / "dir:2") + ":1", shuffle=False) == ROWS[:1]
 
 
 def test_parse_spec(tmp_path):
@@ -163,7 +187,7 @@ def test_several_datasets_concatenate_in_order(tmp_path, tok):
     first = write_jsonl(tmp_path / "a.jsonl", ROWS)
     second = str(tmp_path / "b.json")
     (tmp_path / "b.json").write_text(json.dumps([{"prompt": "Hi", "solution": "x"}]))
-    prompts = load_prompts([first + ":2", second, first], tok, max_prompt_length=100)
+    prompts = load_prompts([first + "#2", second, first], tok, settings(100), shuffle=False)
     assert [p.prompt_id for p in prompts] == [0, 1, 2, 3, 4, 5]
     assert [p.messages[-1]["content"] for p in prompts] == [
         "What is 1 + 2?", "What is 4 - 1?", "Hi", "What is 1 + 2?", "What is 4 - 1?", "What is 2 + 2?"]
@@ -173,7 +197,7 @@ def test_several_datasets_concatenate_in_order(tmp_path, tok):
 def test_columns_are_aligned_across_rows_and_datasets(tmp_path, tok):
     first = write_jsonl(tmp_path / "a.jsonl", [{"query": "a", "solution": "1"}, {"query": "b", "level": 2}])
     second = write_jsonl(tmp_path / "b.jsonl", [{"query": "c", "source": "web"}])
-    prompts = load_prompts([first, second], tok, max_prompt_length=100)
+    prompts = load_prompts([first, second], tok, settings(100))
     assert [p.columns for p in prompts] == [{"solution": "1", "level": None, "source": None},
                                             {"solution": None, "level": 2, "source": None},
                                             {"solution": None, "level": None, "source": "web"}]
@@ -203,7 +227,7 @@ def test_modelscope_hub_id(tmp_path, monkeypatch, modelscope_hub):
         return str(snapshot)
 
     monkeypatch.setattr(modelscope_hub, "dataset_snapshot_download", fake)
-    assert load_rows("owner/math-set:2") == ROWS[:2]
+    assert load_rows("owner/math-set#2", shuffle=False) == ROWS[:2]
     assert calls == ["owner/math-set"]
 
 
@@ -279,8 +303,8 @@ def test_tool_message_ends_prompt(tok):
 def test_columns_renaming_and_extra_columns(tok):
     rows = [{"question": "Q?", "answer": "5", "meta": {"level": 2, "tags": ["a"]}},
             {"problem": "P?", "answer": "6", "meta": None}]
-    prompts = build_prompts(rows, tok, max_prompt_length=100,
-                            columns={"question": "query", "problem": "query", "answer": "solution"})
+    columns = {"question": "query", "problem": "query", "answer": "solution"}
+    prompts = build_prompts(rows, tok, settings(100, columns=columns))
     assert [p.text for p in prompts] == [chatml(("user", "Q?")), chatml(("user", "P?"))]
     assert prompts[0].columns == {"solution": "5", "meta": {"level": 2, "tags": ["a"]}}
     assert prompts[1].columns == {"solution": "6", "meta": None}
@@ -325,7 +349,7 @@ BAD_ROWS = [
 def test_bad_row_names_dataset_and_row(tok, bad, expected):
     rows = [{"query": "fine"}, {"query": "fine"}, bad, {"query": "fine"}]
     with pytest.raises(UserError) as info:
-        build_prompts(rows, tok, max_prompt_length=100, spec="data.jsonl")
+        build_prompts(rows, tok, settings(100), spec="data.jsonl")
     assert str(info.value).startswith("dataset data.jsonl row 3: ")
     assert expected in str(info.value)
 
@@ -333,7 +357,7 @@ def test_bad_row_names_dataset_and_row(tok, bad, expected):
 def test_empty_dataset(tok, tmp_path):
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(UserError, match=r"e\.jsonl has no rows"):
-        load_prompts([str(tmp_path / "e.jsonl")], tok, max_prompt_length=10)
+        load_prompts([str(tmp_path / "e.jsonl")], tok, settings(10))
 
 
 def test_tokenizer_without_chat_template(tok):
@@ -349,7 +373,7 @@ def test_template_error_names_row(tok):
                             "{{ raise_exception('no tools') }}{% endif %}{{ m['content'] }}{% endfor %}")
     rows = [{"query": "a"}, {"messages": [{"role": "user", "content": "u"}, {"role": "tool", "content": "t"}]}]
     with pytest.raises(UserError, match=r"dataset d row 2: the chat template rejected .*no tools"):
-        build_prompts(rows, strict, max_prompt_length=100, spec="d")
+        build_prompts(rows, strict, settings(100), spec="d")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,10 +382,10 @@ def test_template_error_names_row(tok):
 
 def test_left_truncation_keeps_last_tokens_and_warns_once(tok, swift_logs):
     rows = [{"query": "What is 1 + 2? " * 4}, {"query": "Hi"}, {"query": "What is 3 + 4? " * 4}]
-    full = build_prompts(rows, tok, max_prompt_length=1000)
+    full = build_prompts(rows, tok, settings(1000))
     assert [len(p.input_ids) for p in full] == [45, 11, 45]
     swift_logs.clear()
-    prompts = build_prompts(rows, tok, max_prompt_length=20, spec="d.jsonl")
+    prompts = build_prompts(rows, tok, settings(20), spec="d.jsonl")
     assert prompts[0].input_ids == full[0].input_ids[-20:]
     assert prompts[2].input_ids == full[2].input_ids[-20:]
     assert prompts[0].text == tok.decode(full[0].input_ids[-20:])
@@ -372,6 +396,41 @@ def test_left_truncation_keeps_last_tokens_and_warns_once(tok, swift_logs):
     assert len(records) == 1
     assert "dataset d.jsonl: 2 of 3 prompts were longer than max_length - max_completion_length " \
            "= 20 tokens and were truncated from the left" in records[0].getMessage()
+
+
+def test_truncation_strategy_delete_drops_long_prompts(tok, swift_logs):
+    rows = [{"query": "What is 1 + 2? " * 4}, {"query": "Hi"}, {"query": "Yo"}]
+    prompts = build_prompts(rows, tok, settings(20, truncation_strategy="delete"), spec="d")
+    assert [p.prompt_id for p in prompts] == [1, 2] and not any(p.truncated for p in prompts)
+    assert "1 of 3 prompts were longer" in swift_logs.text and "were dropped" in swift_logs.text
+    with pytest.raises(UserError, match="--truncation_strategy delete drops them all"):
+        build_prompts(rows[:1], tok, settings(20, truncation_strategy="delete"), spec="d")
+
+
+def test_system_prompt_for_rows_without_one(tok, tmp_path):
+    assert one({"query": "Q"}, tok, system="Be brief.").text == \
+        chatml(("system", "Be brief."), ("user", "Q"))
+    # the row's own system message wins, as in ms-swift
+    assert one({"query": "Q", "system": "Mine."}, tok, system="Be brief.").text == \
+        chatml(("system", "Mine."), ("user", "Q"))
+    from swift_megatron.data.system import system_prompt
+
+    path = tmp_path / "prompt.txt"
+    path.write_text("From a file.")
+    assert system_prompt(str(path)) == "From a file."
+    assert system_prompt("plain text") == "plain text"
+    with pytest.raises(UserError, match="--system .*missing.txt: no such file"):
+        system_prompt(str(tmp_path / "missing.txt"))
+
+
+def test_enable_thinking_reaches_the_template(tok):
+    thinking = copy.deepcopy(tok)
+    thinking.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                              "{% if enable_thinking is defined and not enable_thinking %}"
+                              "<think></think>{% endif %}")
+    assert one({"query": "Q"}, thinking).text == "Q"
+    assert one({"query": "Q"}, thinking, enable_thinking=False).text == "Q<think></think>"
+    assert one({"query": "Q"}, thinking, enable_thinking=True).text == "Q"
 
 
 def test_max_prompt_length():
@@ -387,15 +446,15 @@ def test_max_prompt_length():
 def test_parallel_tokenization_matches(tok, monkeypatch):
     rows = [{"query": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(10)]
     monkeypatch.setattr(prompts_module, "_CHUNK", 3)  # 4 chunks over 2 spawned processes
-    serial = build_prompts(rows, tok, max_prompt_length=12)
-    parallel = build_prompts(rows, tok, max_prompt_length=12, num_proc=2)
+    serial = build_prompts(rows, tok, settings(12))
+    parallel = build_prompts(rows, tok, settings(12, num_proc=2))
     assert parallel == serial
     assert all(isinstance(p, Prompt) for p in parallel) and serial[9].columns == {"solution": "18"}
 
 
 def test_fixture_math_dataset(tmp_path, tok):
     path = build_math_dataset(str(tmp_path / "math.jsonl"), num_rows=8)
-    prompts = load_prompts([path], tok, max_prompt_length=64)
+    prompts = load_prompts([path], tok, settings(64))
     first = json.loads(open(path).readline())
     assert prompts[0].text == chatml(("user", first["messages"][0]["content"]))
     assert prompts[0].columns == {"solution": first["solution"]}
@@ -407,7 +466,7 @@ def test_fixture_math_dataset(tmp_path, tok):
 
 
 def test_split_validation(tok):
-    prompts = build_prompts([{"query": str(i)} for i in range(8)], tok, max_prompt_length=50)
+    prompts = build_prompts([{"query": str(i)} for i in range(8)], tok, settings(50))
     train, val = split_validation(prompts, 0.25, seed=0)
     assert [p.prompt_id for p in val] == [2, 6]  # RandomState(0).permutation(8)[:2], sorted
     assert len(val) == 2 and len(train) == 6
@@ -420,8 +479,10 @@ def test_split_validation(tok):
 
 
 def data_args(**overrides):
-    args = dict(dataset=[], val_dataset=[], split_dataset_ratio=0.0, max_length=None,
-                max_completion_length=16, dataset_num_proc=1, columns=None, use_hf=False, seed=0)
+    """The namespace the trainer passes (rlhf/grpo/components.py): the data flags plus three."""
+    from swift_megatron.arguments.data import DataArguments
+
+    args = dict(vars(DataArguments()), max_completion_length=16, use_hf=False, seed=0)
     args.update(overrides)
     return SimpleNamespace(**args)
 

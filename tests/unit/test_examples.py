@@ -13,7 +13,8 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "scripts", "grpo", "*.sh")))
 def test_there_are_examples():
     names = {os.path.basename(s) for s in SCRIPTS}
     assert {"cpu_demo.sh", "one_gpu.sh", "eight_gpus_tp2.sh", "lora_two_gpus_tp2.sh",
-            "colocate.sh", "server.sh"} <= names
+            "dense_colocate.sh", "dense_server.sh", "moe_colocate_full.sh",
+            "moe_colocate_lora.sh"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)

@@ -248,3 +248,22 @@ def test_dry_run_fails_like_the_run(hf_model, tmp_path, flags, message, capsys):
     proc = export_in_process(capsys, "--model", hf_model, "--to_mcore", "true", "--output_dir",
                              tmp_path / "o", "--dry_run", "true", *flags)
     assert_user_error(proc, message)
+
+
+def test_check_model_finds_a_truncated_shard(tiny_model_dir, tmp_path):
+    """--check_model (default true) reads every shard's header before anything loads."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("qwen3"), model)
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 10)
+    from swift_megatron import export
+    from swift_megatron.arguments.commands import ExportCommandArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.errors import UserError
+
+    argv = ["--model", str(model), "--to_mcore", "true", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(UserError, match=r"model\.safetensors: truncated"):
+        export.prepare(parse_command(ExportCommandArguments, argv, "megatron export"), 1)

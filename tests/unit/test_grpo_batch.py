@@ -1,5 +1,6 @@
 """Completions -> micro-batches: alignment of tokens, targets, completion mask and logprobs."""
 import pytest
+import torch
 
 from swift_megatron.rlhf.grpo.batch import Sample, collate, split_micro_batches
 
@@ -37,3 +38,33 @@ def test_split_micro_batches_checks_divisibility():
     assert len(split_micro_batches(samples, 2, pad_id=0)) == 2
     with pytest.raises(ValueError, match="do not split"):
         split_micro_batches(samples, 3, pad_id=0)
+
+
+def _sample(prompt, completion):
+    return Sample(group_id=0, prompt_id=0, prompt_ids=prompt, completion_ids=completion,
+                  rollout_logprobs=None, finish_reason="stop", rewards=[])
+
+
+def test_packed_layout_and_unpack():
+    from swift_megatron.rlhf.grpo.batch import unpack
+
+    samples = [_sample([1, 2], [3, 4, 5]), _sample([6], [7])]
+    micro = collate(samples, pad_id=0, pad_to_multiple=4, packed=True)
+    assert micro["tokens"].tolist() == [[1, 2, 3, 4, 6, 0, 0, 0]]       # 4 + 1 real, 3 padding
+    assert micro["position_ids"].tolist() == [[0, 1, 2, 3, 0, 0, 1, 2]]  # restart per sequence
+    assert micro["cu_seqlens"].tolist() == [0, 4, 5, 8] and micro["max_seqlen"] == 4
+    assert micro["packed_targets"].tolist() == [2, 3, 4, 5, 7, 0, 0, 0]
+    assert micro["packed_index"].tolist() == [[0, 1, 2, 3], [4, -1, -1, -1]]
+    assert micro["targets"].tolist() == [[2, 3, 4, 5], [7, 0, 0, 0]]     # loss side stays [B, S]
+    values = torch.arange(8, dtype=torch.float32)
+    assert unpack(values, micro["packed_index"]).tolist() == [[0, 1, 2, 3], [4, 0, 0, 0]]
+
+
+def test_token_groups():
+    from swift_megatron.rlhf.grpo.batch import token_groups
+
+    lengths = [(3, 2), (10, 30), (2, 2), (4, 4), (1, 1)]   # model reads 4, 39, 3, 7, 1 tokens
+    samples = [_sample([1] * p, [2] * c) for p, c in lengths]
+    groups = token_groups(samples, max_tokens=10)
+    assert [[len(s.prompt_ids) + len(s.completion_ids) - 1 for s in g] for g in groups] == \
+        [[4], [39], [3, 7], [1]]

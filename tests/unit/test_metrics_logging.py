@@ -1,6 +1,7 @@
 """Metric sinks: logging.jsonl content, the console line's order and formatting, tensorboard
-scalars read back from the event file, wandb/swanlab through stand-in modules, missing or
-unknown sinks, non-finite values, completions.jsonl, reduce_metrics and close()."""
+scalars read back from the event file (in --tensorboard_dir), wandb/swanlab through stand-in
+modules (project and run names from the flags, ms-swift's defaults), missing or unknown sinks,
+non-finite values, completions.jsonl, reduce_metrics and close()."""
 import json
 import logging
 import math
@@ -13,8 +14,8 @@ import torch
 
 from swift_megatron.errors import UserError
 from swift_megatron.logging.completions import CompletionsLogger
-from swift_megatron.logging.metrics import (MetricsLogger, check_report_to, format_metrics,
-                                            format_value, reduce_metrics)
+from swift_megatron.logging.metrics import (MetricsLogger, SinkSettings, check_report_to,
+                                            format_metrics, format_value, reduce_metrics)
 
 
 def read_jsonl(path):
@@ -182,12 +183,13 @@ def test_non_finite_values_null_in_jsonl_skipped_by_sinks(tmp_path, swift_logs, 
     ]
 
 
-def test_wandb_sink(tmp_path, fake_wandb, monkeypatch):
-    monkeypatch.setenv("WANDB_PROJECT", "my-project")
+def test_wandb_sink(tmp_path, fake_wandb):
     config = {"lr": 1e-5, "model": "tiny"}
-    metrics_logger = MetricsLogger(str(tmp_path), report_to=["wandb"], run_config=config)
-    assert fake_wandb.init_kwargs == {"project": "my-project", "dir": str(tmp_path),
-                                      "config": config}
+    sinks = SinkSettings(wandb_project="my-project", wandb_exp_name="run-7")
+    metrics_logger = MetricsLogger(str(tmp_path), report_to=["wandb"], run_config=config,
+                                   sinks=sinks)
+    assert fake_wandb.init_kwargs == {"project": "my-project", "name": "run-7",
+                                      "dir": str(tmp_path), "config": config}
     metrics_logger.log(3, {"loss": torch.tensor(0.5), "grad_norm": 1.0})
     metrics_logger.close()
     metrics_logger.close()
@@ -195,23 +197,67 @@ def test_wandb_sink(tmp_path, fake_wandb, monkeypatch):
     assert fake_wandb.run.finished == 1
 
 
-def test_wandb_project_default(tmp_path, fake_wandb, monkeypatch):
-    monkeypatch.delenv("WANDB_PROJECT", raising=False)
-    with MetricsLogger(str(tmp_path), report_to=["wandb"]):
+def test_wandb_defaults_are_ms_swifts_and_ignore_the_environment(tmp_path, fake_wandb,
+                                                                 monkeypatch):
+    # ms-swift passes project and name to wandb.init, whose arguments override WANDB_PROJECT
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    monkeypatch.chdir(tmp_path)
+    with MetricsLogger("out/v0", report_to=["wandb"]):
         pass
-    assert fake_wandb.init_kwargs["project"] == "swift-megatron"
-    assert fake_wandb.init_kwargs["config"] is None
+    assert fake_wandb.init_kwargs == {"project": "megatron-swift",
+                                      "name": str(tmp_path / "out" / "v0"), "dir": "out/v0",
+                                      "config": None}
 
 
 def test_swanlab_sink(tmp_path, fake_swanlab, monkeypatch):
-    monkeypatch.delenv("SWANLAB_PROJECT", raising=False)
-    with MetricsLogger(str(tmp_path), report_to=["swanlab"], run_config={"a": 1}) as ml:
+    monkeypatch.setenv("SWANLAB_PROJECT", "from-env")
+    sinks = SinkSettings(swanlab_project="lab", swanlab_exp_name="exp-3")
+    with MetricsLogger(str(tmp_path), report_to=["swanlab"], run_config={"a": 1},
+                       sinks=sinks) as ml:
         ml.log(2, {"loss": 0.5})
-    assert fake_swanlab.init_kwargs == {"project": "swift-megatron",
+    assert fake_swanlab.init_kwargs == {"project": "lab", "experiment_name": "exp-3",
                                         "logdir": str(tmp_path / "swanlog"), "config": {"a": 1}}
     assert (tmp_path / "swanlog").is_dir()
     assert fake_swanlab.logged == [(2, {"loss": 0.5})]
     assert fake_swanlab.fake_run.finished == 1
+
+
+def test_swanlab_defaults(tmp_path, fake_swanlab):
+    with MetricsLogger(str(tmp_path), report_to=["swanlab"]):
+        pass
+    assert (fake_swanlab.init_kwargs["project"], fake_swanlab.init_kwargs["experiment_name"]) \
+        == ("megatron-swift", str(tmp_path))
+
+
+def test_tensorboard_events_land_in_tensorboard_dir(tmp_path):
+    board = tmp_path / "board"
+    with MetricsLogger(str(tmp_path / "out"), report_to=["tensorboard"],
+                       sinks=SinkSettings(tensorboard_dir=str(board))) as metrics_logger:
+        metrics_logger.log(4, {"loss": 0.75})
+    assert read_scalars(str(board)) == {"loss": [(4, 0.75)]}
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_the_trainer_passes_the_sink_flags(tmp_path, fake_wandb, fake_swanlab):
+    from types import SimpleNamespace
+
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.rlhf.grpo.components import loggers
+
+    args = parse_command(RlhfArguments, [
+        "--model", "m", "--dataset", "d", "--report_to", "tensorboard", "wandb", "swanlab",
+        "--tensorboard_dir", str(tmp_path / "tb"), "--wandb_project", "wp",
+        "--wandb_exp_name", "wn", "--swanlab_project", "sp", "--swanlab_exp_name", "sn"],
+        "megatron rlhf")
+    metrics, completions = loggers(args, SimpleNamespace(rank=0), str(tmp_path / "out"), {})
+    with metrics:
+        metrics.log(1, {"loss": 1.0})
+    completions.close()
+    assert (fake_wandb.init_kwargs["project"], fake_wandb.init_kwargs["name"]) == ("wp", "wn")
+    assert (fake_swanlab.init_kwargs["project"], fake_swanlab.init_kwargs["experiment_name"]) \
+        == ("sp", "sn")
+    assert read_scalars(str(tmp_path / "tb")) == {"loss": [(1, 1.0)]}
 
 
 @pytest.mark.parametrize("sink", ["wandb", "swanlab"])

@@ -10,7 +10,8 @@
   sampled tokens, within 1e-4 (float32);
 - "stop" completions end with the EOS token, "length" ones have max_tokens tokens;
 - the sleep (level 2) / update_weights / wake_up cycle of the trainer runs and generates with
-  the new weights.
+  the new weights;
+- --vllm_max_num_seqs and --vllm_engine_kwargs (max_num_batched_tokens) reach vLLM's scheduler.
 """
 import contextlib
 import os
@@ -71,7 +72,8 @@ def engine(vllm_model_dir):
     from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
 
     settings = ColocateSettings(vllm_model_dir, dtype="float32", seed=0, max_model_len=256,
-                                enforce_eager=True, sleep_level=2, bucket_bytes=16 << 10)
+                                enforce_eager=True, sleep_level=2, bucket_bytes=16 << 10,
+                                max_num_seqs=8, engine_kwargs={"max_num_batched_tokens": 1024})
     with one_process_world():
         eng = ColocateEngine(settings, eos_token_ids=[EOS])
     yield eng
@@ -193,3 +195,8 @@ def test_sleep_update_wake_cycle(engine, weights, vllm_model_dir):
     engine.sleep()
     engine.wake_up()
 
+
+
+def test_max_num_seqs_and_engine_kwargs_reach_the_scheduler(engine):
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (8, 1024)

@@ -34,7 +34,7 @@ def test_colocate_grpo_steps(layout, vllm_model_dir, math_dataset_path, tmp_path
            "--dataset", math_dataset_path, "--external_plugins", PLUGIN,
            "--reward_funcs", "digit_ratio", "contains_answer", "--num_generations", "4",
            "--global_batch_size", "16", "--micro_batch_size", "2", "--max_completion_length", "16",
-           "--beta", "0.1", "--lr", "1e-3", "--train_iters", "3", "--report_to", "none",
+           "--beta", "0.1", "--lr", "1e-3", "--train_iters", "3", "--report_to", "none", "--add_version", "false",
            "--log_interval", "1", "--output_dir", str(out), "--use_vllm", "true",
            "--vllm_mode", "colocate", "--vllm_enforce_eager", "true", "--vllm_max_model_len", "512",
            "--sleep_level", "1", "--weight_sync_bucket_mb", "1", *extra]

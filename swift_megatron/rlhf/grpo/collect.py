@@ -9,7 +9,7 @@ tensor, keyed by group id, so nothing depends on rank order.
 """
 import dataclasses
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,16 @@ class CollectSettings:
     max_resample_times: int
 
 
+@dataclasses.dataclass
+class TrainerState:
+    """What reward functions see of the trainer (ms-swift's `trainer_state` keyword argument):
+    optimizer steps done before this rollout, and the steps of the whole run. The trainer keeps
+    them current (`collector.trainer_state.global_step = step`)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
 class RolloutCollector:
     def __init__(self, engine: RolloutEngine, reward_funcs: Sequence[Tuple[str, Callable]],
                  tokenizer, settings: CollectSettings, mp_group, dp_group,
@@ -43,6 +53,7 @@ class RolloutCollector:
         self.engine, self.reward_funcs, self.tokenizer = engine, list(reward_funcs), tokenizer
         self.settings, self.mp_group, self.dp_group = settings, mp_group, dp_group
         self.resample_source, self.device = resample_source, device
+        self.trainer_state = TrainerState()
 
     # ---- generation and scoring, shared by the ranks of one model replica ----------------
     def _share(self, count: int) -> slice:
@@ -52,10 +63,11 @@ class RolloutCollector:
         return slice(start, start + per + (1 if rank < extra else 0))
 
     def generate_and_score(self, prompts: Sequence[Prompt], group_ids: Sequence[int],
-                           seed: int) -> List[Sample]:
-        """num_generations scored samples per prompt, identical on every rank of the replica and
-        independent of the parallel layout (per-request seeds)."""
-        g = self.settings.num_generations
+                           seed: int, num_generations: Optional[int] = None) -> List[Sample]:
+        """num_generations (default: the training setting) scored samples per prompt, identical
+        on every rank of the replica and independent of the parallel layout (per-request
+        seeds)."""
+        g = num_generations or self.settings.num_generations
         requests = [(i, k) for i in range(len(prompts)) for k in range(g)]
         mine = requests[self._share(len(requests))]
         seeds = [_request_seed(seed, group_ids[i], k) for i, k in mine]
@@ -72,11 +84,8 @@ class RolloutCollector:
             return []
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions],
                                             skip_special_tokens=True)
-        columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
-        per_func = compute_rewards(
-            self.reward_funcs, texts, prompts=[p.text for p in prompts],
-            completion_ids=[c.token_ids for c in completions],
-            truncated=[c.truncated for c in completions], **columns)
+        per_func = compute_rewards(self.reward_funcs, texts, **reward_columns(
+            prompts, group_ids, completions, texts, self.trainer_state))
         samples = []
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             rewards = [values[row] for values in per_func]
@@ -143,6 +152,28 @@ class RolloutCollector:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.all_reduce(tensor, op=op, group=group)
         return int(tensor.item())
+
+
+def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completions,
+                   texts: Sequence[str], trainer_state: TrainerState) -> Dict[str, Any]:
+    """The keyword arguments of the reward functions, one list entry per completion: ms-swift's
+    names (messages: the prompt's chat turns plus the completion as the last assistant turn,
+    prompt_id: the group id shared by one prompt's completions, finish_reason, is_truncated,
+    response_token_ids: the token ids per turn, here one turn, and trainer_state, one object for
+    the batch), then the dataset columns, which win over ms-swift's names as in ms-swift, then
+    our names (prompts, completion_ids, truncated), which datasets may not use
+    (data/prompts.py RESERVED_COLUMNS)."""
+    truncated = [c.truncated for c in completions]
+    ms_swift = dict(
+        messages=[[dict(m) for m in p.messages] + [{"role": "assistant", "content": text}]
+                  for p, text in zip(prompts, texts)],
+        prompt_id=list(group_ids), finish_reason=[c.finish_reason for c in completions],
+        is_truncated=list(truncated), response_token_ids=[[list(c.token_ids)] for c in completions],
+        trainer_state=trainer_state)
+    columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
+    ours = dict(prompts=[p.text for p in prompts], truncated=truncated,
+                completion_ids=[c.token_ids for c in completions])
+    return {**ms_swift, **columns, **ours}
 
 
 def _request_seed(seed: int, group_id: int, sample: int) -> int:

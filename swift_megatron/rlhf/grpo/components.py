@@ -15,12 +15,18 @@ import torch
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.bridge import Bridge
+from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
+from swift_megatron.checkpoint.layout import load_model_dir
+from swift_megatron.checkpoint.start import Start
+from swift_megatron.compat.ms_swift import flat_args
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
+from swift_megatron.logging.metrics import SinkSettings
 from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
 from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
+from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
@@ -30,7 +36,7 @@ from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
 from swift_megatron.training.offload import model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
-                                           wrap_ddp)
+                                           check_settings, wrap_ddp)
 
 logger = get_logger(__name__)
 
@@ -66,19 +72,34 @@ def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -
 
 
 def _config_overrides(args: RlhfArguments) -> dict:
-    p = args.parallel
-    if not p.recompute_granularity:
-        return {}
-    return dict(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-                recompute_num_layers=p.recompute_num_layers)
+    """TransformerConfig settings from the flags, the same for the policy and the reference."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    p, capacity = args.parallel, args.training.moe_expert_capacity_factor
+    overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
+    if p.recompute_granularity:
+        overrides.update(recompute_granularity=p.recompute_granularity,
+                         recompute_method=p.recompute_method,
+                         recompute_num_layers=p.recompute_num_layers)
+    if capacity is not None:
+        # tokens past an expert's capacity are dropped, lowest router probability first (the
+        # drop policy ms-swift and megatron default to)
+        overrides.update(moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
+    return overrides
 
 
-def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype):
+def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype,
+                weights_dir: Optional[str]):
+    """The model of this stage with the base weights: from `weights_dir` (a Megatron model
+    directory, --mcore_model) or else from the HF checkpoint through the bridge."""
     model, config, shape = build_model(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=args.model.model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
-    bridge.load(model, model_dir)
+    if weights_dir:
+        load_model_dir([model], weights_dir)
+    else:
+        bridge.load(model, model_dir)
     return model, config, bridge
 
 
@@ -89,41 +110,70 @@ def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
     return max(batches, 1) * plan.steps_per_generation
 
 
-def attach_lora(args: RlhfArguments, model, bridge: Bridge) -> Optional[LoraConfig]:
-    """--train_type lora: wrap the targeted linears with adapters (new, or --adapters' PEFT
-    adapter to continue) and freeze everything else; before DDP wrapping."""
+def attach_lora(args: RlhfArguments, model, bridge: Bridge,
+                adapter_dir: Optional[str]) -> Optional[LoraConfig]:
+    """--train_type lora: wrap the targeted linears with adapters (new, or the PEFT adapter of
+    --adapters / --mcore_adapter to continue) and freeze everything else; before DDP wrapping."""
     if args.training.train_type != "lora":
         return None
-    if args.lora.adapters:
-        return load_adapter(model, args.lora.adapters[0], bridge.mappings)
+    if adapter_dir:
+        return load_adapter(model, adapter_dir, bridge.mappings)
     config = LoraConfig.from_arguments(args.lora, seed=args.training.seed)
     apply_lora(model, config, bridge.mappings)
     return config
 
 
-def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int) -> Policy:
+def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
+    """The optimizer and schedule flags, for a run of `iters` optimizer steps."""
+    t = args.training
+    return OptimizerSettings(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
+        optimizer_cpu_offload=t.optimizer_cpu_offload,
+        optimizer_offload_fraction=t.optimizer_offload_fraction,
+        use_precision_aware_optimizer=t.use_precision_aware_optimizer, train_iters=iters,
+        lr_decay_style=t.lr_decay_style, lr_decay_iters=t.lr_decay_iters,
+        lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
+        lr_warmup_init=t.lr_warmup_init, lr_wsd_decay_style=t.lr_wsd_decay_style,
+        lr_wsd_decay_iters=t.lr_wsd_decay_iters)
+
+
+def _check_offload_resume(args: RlhfArguments, start: Start) -> None:
+    """checkpoint/trainer.py cannot load the state of megatron's hybrid (host-offloaded)
+    optimizer yet (its empty-state initialiser breaks the hybrid optimizer's load hook)."""
+    t = args.training
+    saved = start.resume_dir and os.path.isdir(os.path.join(start.resume_dir, "optimizer"))
+    if t.optimizer_cpu_offload and saved and not t.no_load_optim:
+        raise UserError("--optimizer_cpu_offload: resuming the optimizer state of megatron's "
+                        "hybrid optimizer is not supported yet; pass --no_load_optim (weights, "
+                        "step, RNG and data position still resume)")
+
+
+def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int,
+           start: Start) -> Policy:
     hf_config = load_hf_config(model_dir)
     dtype = training_dtype(args, hf_config, state.device)
-    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype)
-    lora = attach_lora(args, model, bridge)
+    settings = optimizer_settings(args, iters)
+    check_settings(settings, state.device, dtype)
+    _check_offload_resume(args, start)
+    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, start.weights_dir)
+    lora = attach_lora(args, model, bridge, start.adapter_dir)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
-    t = args.training
-    settings = OptimizerSettings(
-        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
-        use_distributed_optimizer=args.parallel.use_distributed_optimizer,
-        lr_decay_style=t.lr_decay_style, lr_warmup_iters=t.lr_warmup_iters, train_iters=iters)
     optimizer = build_optimizer([ddp], config, settings)
-    scheduler = build_scheduler(optimizer, settings, t.lr_warmup_fraction)
+    scheduler = build_scheduler(optimizer, settings)
     return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
-def reference(args: RlhfArguments, state: ParallelState, pol: Policy) -> Optional[List[torch.nn.Module]]:
-    """A frozen copy of the initial policy, only when the KL term needs it (beta > 0) and the
-    policy is not LoRA (then the reference is the policy with its adapters disabled)."""
+def reference(args: RlhfArguments, state: ParallelState, pol: Policy,
+              start: Start) -> Optional[List[torch.nn.Module]]:
+    """A frozen copy of the initial weights (--model or --mcore_model), only when the KL term
+    needs it (beta > 0) and the policy is not LoRA (then the reference is the policy with its
+    adapters disabled)."""
     if args.grpo.beta == 0 or pol.lora is not None:
         return None
-    model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype)
+    model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype,
+                              start.weights_dir)
     model.eval().requires_grad_(False)
     return [model]
 
@@ -190,11 +240,15 @@ def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference
 
 
 def rewards(args: RlhfArguments):
+    """--reward_funcs as [(name, callable)], after importing --external_plugins. Reward classes
+    get, besides their RewardConfig values, `args`: every flag of the run as an attribute (what
+    ms-swift's ORM classes receive)."""
     g = args.grpo
     if not g.reward_funcs:
         raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
     plugins = load_plugins(g.external_plugins)
-    return resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g))
+    return resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
+                                init_kwargs={"args": flat_args(args)})
 
 
 def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
@@ -224,23 +278,57 @@ def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:
 
 
 def output_dir(args: RlhfArguments, state: ParallelState) -> str:
-    """--output_dir, else --save, else output/<model>-<time> (chosen on rank 0, shared)."""
+    """--output_dir (default megatron_output/<model name>), inside a new v<N>-<time> directory
+    unless --add_version false, as ms-swift; chosen on rank 0 and shared."""
     import torch.distributed as dist
 
-    chosen = [args.training.output_dir or args.training.save or os.path.join(
-        "output", f"{os.path.basename(os.path.normpath(args.model.model))}-{time.strftime('%Y%m%d-%H%M%S')}")]
+    t = args.training
+    base = t.output_dir or os.path.join("megatron_output", _model_name(args))
+    chosen = [versioned(base) if t.add_version else base]
     dist.broadcast_object_list(chosen, src=0)
     if state.rank == 0:
         os.makedirs(chosen[0], exist_ok=True)
     return chosen[0]
 
 
+def _model_name(args: RlhfArguments) -> str:
+    source = args.model.model or args.training.mcore_model
+    return os.path.basename(os.path.normpath(source))
+
+
+def versioned(base: str) -> str:
+    """base/v<N>-<YYYYMMDD-HHMMSS>, N one more than the highest existing version."""
+    versions = [int(name[1:].split("-")[0]) for name in os.listdir(base)
+                if name.startswith("v") and name[1:].split("-")[0].isdigit()] \
+        if os.path.isdir(base) else []
+    return os.path.join(base, f"v{max(versions, default=-1) + 1}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def eval_steps(args: RlhfArguments, has_validation: bool) -> Optional[int]:
+    """--eval_steps, by default --save_steps when there are validation prompts (ms-swift)."""
+    t = args.training
+    if t.eval_steps and not has_validation:
+        raise UserError("--eval_steps needs validation prompts: pass --val_dataset or "
+                        "--split_dataset_ratio")
+    return t.eval_steps or (t.save_steps if has_validation else None)
+
+
 def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dict):
-    enabled = state.rank == 0
-    metrics = MetricsLogger(out, args.training.report_to, run_config=run_config, enabled=enabled)
+    t, enabled = args.training, state.rank == 0
+    sinks = SinkSettings(tensorboard_dir=t.tensorboard_dir, wandb_project=t.wandb_project,
+                         wandb_exp_name=t.wandb_exp_name, swanlab_project=t.swanlab_project,
+                         swanlab_exp_name=t.swanlab_exp_name)
+    metrics = MetricsLogger(out, t.report_to, run_config=run_config, enabled=enabled, sinks=sinks)
     completions = CompletionsLogger(out, enabled=enabled and args.grpo.log_completions)
     return metrics, completions
 
 
-def model_dir(args: RlhfArguments) -> str:
-    return resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+def model_dir(args: RlhfArguments, start: Start) -> str:
+    """The HF directory of config and tokenizer: --model (downloaded for a hub id; checked with
+    --check_model), else the HF files kept in --mcore_model's directory."""
+    if args.model.model is None:
+        return layout_hf_dir(start.weights_dir)
+    directory = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+    if args.model.check_model and start.weights_dir is None:
+        check_model_dir(directory)
+    return directory

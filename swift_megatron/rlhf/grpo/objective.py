@@ -9,6 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from swift_megatron.rlhf.grpo.batch import unpack
 from swift_megatron.rlhf.grpo.losses import (aggregate_loss, kl_k3, masked_mean, policy_loss,
                                              rollout_correction)
 
@@ -41,8 +42,21 @@ class StepConstants:
 
 
 def token_logprobs(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """log p(target) [B, S]; a packed micro-batch's [1, T] logits are gathered back to [B, S]."""
+    if "packed_index" in micro_batch:
+        packed = vocab_parallel_logprobs(logits[0], micro_batch["packed_targets"],
+                                         settings.temperature, settings.vocab_size)
+        return unpack(packed, micro_batch["packed_index"])
     return vocab_parallel_logprobs(logits, micro_batch["targets"], settings.temperature,
                                    settings.vocab_size)
+
+
+def token_entropy(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """Entropy of the next-token distribution [B, S] (packed micro-batches gathered back)."""
+    if "packed_index" in micro_batch:
+        packed = vocab_parallel_entropy(logits[0], settings.temperature, settings.vocab_size)
+        return unpack(packed, micro_batch["packed_index"])
+    return vocab_parallel_entropy(logits, settings.temperature, settings.vocab_size)
 
 
 def collect_logprobs(settings: LossSettings, micro_batch: dict,
@@ -79,7 +93,7 @@ def grpo_loss(settings: LossSettings, step: StepConstants, micro_batch: dict,
 @torch.no_grad()
 def _metrics(contribution, logits, logprobs, info, micro_batch, settings) -> Dict[str, torch.Tensor]:
     mask = micro_batch["completion_mask"]
-    entropy = vocab_parallel_entropy(logits.detach(), settings.temperature, settings.vocab_size)
+    entropy = token_entropy(micro_batch, logits.detach(), settings)
     metrics = {
         "loss": contribution.detach(),
         "entropy": masked_mean(entropy, mask),

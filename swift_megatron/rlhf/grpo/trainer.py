@@ -19,14 +19,17 @@ import torch.distributed as dist
 
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.checkpoint.trainer import (adam_step, load_checkpoint, resolve_load_dir,
-                                               save_checkpoint)
-from swift_megatron.errors import UserError, WeightSyncError
+from swift_megatron.checkpoint import run as run_checkpoint
+from swift_megatron.checkpoint.start import plan_start
+from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
+from swift_megatron.errors import WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import disabled, save_adapter
 from swift_megatron.model.config import load_hf_config
+from swift_megatron.report import write_run_report
+from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
@@ -44,29 +47,32 @@ class GRPOTrainer:
     def __init__(self, args: RlhfArguments, plan: BatchPlan):
         self.args, self.plan = args, plan
         self.state = build.parallel_state(args)
-        model_dir = build.model_dir(args)
+        start = plan_start(args.training, args.lora)
+        model_dir = build.model_dir(args, start)
         self.tokenizer = build.tokenizer(model_dir)
         hf_config = load_hf_config(model_dir)
         self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config)
-        if args.training.eval_interval and not self.val_prompts:
-            raise UserError("--eval_interval needs validation prompts: pass --val_dataset or "
-                            "--split_dataset_ratio")
+        self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
-        self.policy = build.policy(args, self.state, model_dir, self.train_iters)
-        self.reference = build.reference(args, self.state, self.policy)
+        self.policy = build.policy(args, self.state, model_dir, self.train_iters, start)
+        self.reference = build.reference(args, self.state, self.policy, start)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
         self.offloaders = build.offloaders(args, self.state, self.policy, self.reference)
         self.reward_funcs = build.rewards(args)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh)
+        self.collector.trainer_state.max_steps = self.train_iters
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
+        self.save_dir = args.training.save or self.output_dir
         self.metrics_log, self.completions_log = build.loggers(args, self.state, self.output_dir,
                                                                {"plan": vars(plan)})
+        if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
+            record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
-        if args.training.load:
-            self._resume(args.training.load)
+        if start.resume_dir:
+            self._resume(start.resume_dir)
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> Dict[str, float]:
@@ -78,16 +84,16 @@ class GRPOTrainer:
         t = self.args.training
         for _ in progress(range(batches), desc="GRPO"):
             metrics = self.train_rollout_batch()
-            if self._crossed(t.eval_interval):
+            if self._crossed(self.eval_steps):
                 metrics.update(self.evaluate())
-            if self._crossed(t.log_interval):
+            if self._crossed(t.logging_steps):
                 self.metrics_log.log(self.step, metrics)
-            if t.save and self._crossed(t.save_interval):
-                self.save()
+            if self._crossed(t.save_steps):
+                self.save(metrics)
             if t.exit_interval and self.step >= t.exit_interval:
                 break
-        if t.save and self._saved_step != self.step:
-            self.save()
+        if self._saved_step != self.step:
+            self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
             self.export_final()
         self.close()
@@ -98,14 +104,12 @@ class GRPOTrainer:
         start = time.perf_counter()
         samples, metrics = self.collect()
         timings["time/rollout_s"] = time.perf_counter() - start
-        micro = self.micro_batches(samples)
+        steps = self.step_micro_batches(samples)
         start = time.perf_counter()
-        self.fill_logprobs(micro)
+        self.fill_logprobs(steps)
         timings["time/logprobs_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        ga = self.plan.grad_accum_steps
-        train_metrics = [self.optimizer_step(micro[k * ga:(k + 1) * ga])
-                         for k in range(self.plan.steps_per_generation)]
+        train_metrics = [self.optimizer_step(micro) for micro in steps]
         timings["time/train_s"] = time.perf_counter() - start
         start = time.perf_counter()
         metrics.update(self.sync_weights())
@@ -136,26 +140,42 @@ class GRPOTrainer:
     def collect(self):
         group_ids = self.sampler.batch_sample_ids()  # stream positions: unique over the run
         prompts = [self.train_prompts[i] for i in next(self.sampler)]
+        self.collector.trainer_state.global_step = self.step
         with self.generating():
             return self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
 
-    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None
-                      ) -> List[dict]:
+    def step_micro_batches(self, samples: List[Sample]) -> List[List[dict]]:
+        """This DP rank's micro-batches of each optimizer step of the rollout batch: the step's
+        completions split by --micro_batch_size, or by --max_tokens_per_micro_batch."""
+        per_step = len(samples) // self.plan.steps_per_generation
+        return [self.micro_batches(samples[k * per_step:(k + 1) * per_step],
+                                   max_tokens=self.args.batch.max_tokens_per_micro_batch)
+                for k in range(self.plan.steps_per_generation)]
+
+    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
+                      max_tokens: Optional[int] = None) -> List[dict]:
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
-        micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size, pad_id=pad,
+        micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size,
+                                    max_tokens=max_tokens, pad_id=pad,
                                     pad_to_multiple=tp_multiple,
-                                    overlong_filter=self.args.grpo.overlong_filter)
+                                    overlong_filter=self.args.grpo.overlong_filter,
+                                    packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
 
     @torch.no_grad()
-    def fill_logprobs(self, micro: List[dict]) -> None:
+    def fill_logprobs(self, steps: List[List[dict]]) -> None:
         """Old-policy logprobs when several optimizer steps reuse one rollout, and reference
-        logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage)."""
+        logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage).
+        The first optimizer step's micro-batches need no old-policy pass: their old logprobs
+        are their own forward's, detached (the policy has not moved yet), as the loss takes
+        them when `old_logprobs` is absent; only the later steps' micro-batches get one."""
         collect = partial(collect_logprobs, self.loss_settings)
-        if self.plan.steps_per_generation > 1:
-            for mb, out in zip(micro, forward_backward(self.policy.chunks, micro, collect, True)):
+        micro = [mb for step in steps for mb in step]
+        later = [mb for step in steps[1:] for mb in step]
+        if later:
+            for mb, out in zip(later, forward_backward(self.policy.chunks, later, collect, True)):
                 mb["old_logprobs"] = out["logprobs"]
         if self.args.grpo.beta > 0:
             for mb, out in zip(micro, self._reference_pass(micro, collect)):
@@ -187,8 +207,10 @@ class GRPOTrainer:
         mine = self.val_prompts[self.state.dp_rank::self.state.dp]
         group_ids = [EVAL_GROUP_OFFSET + i for i in range(self.state.dp_rank, len(self.val_prompts),
                                                           self.state.dp)]
+        self.collector.trainer_state.global_step = self.step
         with self.generating():
-            samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed)
+            samples = self.collector.generate_and_score(mine, group_ids, self.args.training.seed,
+                                                        self.args.grpo.num_generations_eval)
         names = [name for name, _ in self.reward_funcs]
         totals = torch.tensor([sum(s.reward for s in samples), len(samples),
                                sum(len(s.completion_ids) for s in samples)]
@@ -198,7 +220,8 @@ class GRPOTrainer:
         dist.all_reduce(totals, group=self.state.dp_group)
         count = max(totals[1].item(), 1.0)
         metrics = {"eval/reward/mean": totals[0].item() / count,
-                   "eval/completion_length_mean": totals[2].item() / count}
+                   "eval/completion_length_mean": totals[2].item() / count,
+                   "eval/num_completions": totals[1].item()}
         metrics.update({f"eval/reward/{name}/mean": totals[3 + j].item() / count
                         for j, name in enumerate(names)})
         return metrics
@@ -242,11 +265,14 @@ class GRPOTrainer:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _step_constants(self, micro: List[dict]) -> StepConstants:
-        tokens = torch.stack([mb["completion_mask"].sum() for mb in micro]).sum().reshape(1)
-        dist.all_reduce(tokens, group=self.state.dp_group)
+        """The step's totals over every DP rank (ranks may hold different numbers of
+        micro-batches with --max_tokens_per_micro_batch)."""
+        totals = torch.stack([torch.stack([mb["completion_mask"].sum() for mb in micro]).sum(),
+                              torch.tensor(float(len(micro)), device=self.state.device)])
+        dist.all_reduce(totals, group=self.state.dp_group)
         return StepConstants(
-            num_sequences=self.plan.global_batch_size, num_tokens=float(tokens.item()),
-            num_micro_batches=len(micro) * self.state.dp,
+            num_sequences=self.plan.global_batch_size, num_tokens=float(totals[0].item()),
+            num_micro_batches=int(totals[1].item()),
             contribution_scale=contribution_scale(len(micro), self.state.dp))
 
     def _from_last_stage(self, outputs: List[dict]) -> Dict[str, float]:
@@ -294,7 +320,9 @@ class GRPOTrainer:
     # ---- checkpoints -----------------------------------------------------------------------
     _saved_step = -1
 
-    def save(self) -> None:
+    def save(self, metrics: Dict[str, float]) -> None:
+        """A resumable checkpoint, the HF copies --save_safetensors asks for, then the rotation
+        of --save_total_limit (checkpoint/run.py). Collective."""
         t, pol = self.args.training, self.policy
         state = {"step": self.step, "train_iters": self.train_iters,
                  "adam_step": adam_step(pol.optimizer),
@@ -302,17 +330,37 @@ class GRPOTrainer:
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
                                "etp": self.state.etp}}
-        path = save_checkpoint(t.save, self.step, pol.chunks, pol.optimizer, state,
+        path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
                                write_extra=self._save_adapter)
+        if t.save_safetensors:
+            self._save_hf_copies()
+        reward = metrics.get("reward/mean")
+        run_checkpoint.on_rank0(lambda: (run_checkpoint.record_best(self.save_dir, self.step, reward),
+                                         run_checkpoint.rotate(self.save_dir, t.save_total_limit)))
         self._saved_step = self.step
         logger.info(f"saved checkpoint {path}")
+        if self.state.rank == 0:
+            write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
 
-    def _resume(self, load: str) -> None:
-        directory = resolve_load_dir(load)
-        pol = self.policy
-        state = load_checkpoint(directory, pol.chunks, pol.optimizer)
+    def _save_hf_copies(self) -> None:
+        """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
+        checkpoint-<step>-merged with --merge_lora)."""
+        pol, chunk = self.policy, self.policy.chunks[0]
+        directory = run_checkpoint.hf_dir(self.save_dir, self.step)
+        if pol.lora is None:
+            pol.bridge.save_hf(chunk, directory, source_dir=pol.model_dir, exist_ok=True)
+            return
+        save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
+        if self.args.training.merge_lora:
+            pol.bridge.save_hf(chunk, run_checkpoint.hf_dir(self.save_dir, self.step, merged=True),
+                               source_dir=pol.model_dir, exist_ok=True)
+
+    def _resume(self, directory: str) -> None:
+        t, pol = self.args.training, self.policy
+        state = load_checkpoint(directory, pol.chunks, pol.optimizer,
+                                load_optim=not t.no_load_optim, load_rng=not t.no_load_rng)
         if state is None:
             logger.info(f"initialised the policy from {directory} (weights only)")
             return
@@ -330,13 +378,23 @@ class GRPOTrainer:
 
     def export_final(self) -> None:
         """The trained policy as an HF checkpoint: {output_dir}/final_hf (adapters merged), and
-        with LoRA also the adapter in PEFT format: {output_dir}/final_adapter."""
+        with LoRA also the adapter in PEFT format: {output_dir}/final_adapter. Files the final
+        save already wrote are hard-linked, not written twice."""
         pol = self.policy
-        pol.bridge.save_hf(pol.chunks[0], os.path.join(self.output_dir, "final_hf"),
-                           source_dir=pol.model_dir, exist_ok=True)
-        if pol.lora is not None:
-            save_adapter(unwrap(pol.chunks[0]), os.path.join(self.output_dir, "final_adapter"),
-                         pol.model_dir, pol.lora)
+        merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=pol.lora is not None)
+        final_hf = os.path.join(self.output_dir, "final_hf")
+        if self._saved_step == self.step and os.path.isdir(merged):
+            run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
+        else:
+            pol.bridge.save_hf(pol.chunks[0], final_hf, source_dir=pol.model_dir, exist_ok=True)
+        if pol.lora is None:
+            return
+        adapter = run_checkpoint.hf_dir(self.save_dir, self.step)
+        final_adapter = os.path.join(self.output_dir, "final_adapter")
+        if self._saved_step == self.step and os.path.isdir(adapter):
+            run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(adapter, final_adapter))
+        else:
+            save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora)
 
     def close(self) -> None:
         self.metrics_log.close()

@@ -12,6 +12,7 @@ from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel
 from swift_megatron.parallel.state import ParallelState
 
 VOCAB, PADDED, TEMPERATURE = 9, 10, 0.7
+CHUNK = 3  # tokens per chunk: the 10 positions take four chunks, the last one short
 
 
 def inputs():
@@ -50,8 +51,8 @@ def main():
     logits, targets, (w_lp, w_ent) = inputs()
     width = PADDED // st.tp
     local = logits[..., st.tp_rank * width:(st.tp_rank + 1) * width].clone().requires_grad_(True)
-    lp = vocab_parallel_logprobs(local, targets, TEMPERATURE, VOCAB)
-    ent = vocab_parallel_entropy(local, TEMPERATURE, VOCAB)
+    lp = vocab_parallel_logprobs(local, targets, TEMPERATURE, VOCAB, chunk=CHUNK)
+    ent = vocab_parallel_entropy(local, TEMPERATURE, VOCAB, chunk=CHUNK)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     result = dict(logprobs=lp.tolist(), entropy=ent.tolist(), grad=gathered_grad(local.grad).tolist())
     naive = local.detach().clone().requires_grad_(True)

@@ -1,0 +1,251 @@
+"""GRPO wall time per rollout batch and peak GPU memory: swift-megatron against TRL's
+GRPOTrainer doing the same work on the same GPU, in one run.
+
+Both tools get the same random model of a real shape (bf16), the same 512-row synthetic math
+dataset and the same work: 16 prompts x 8 completions of at most 256 tokens per rollout batch,
+64 completions per optimizer step in micro-batches of 8, two optimizer steps per rollout batch,
+beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode with sleep level 1
+(TRL's level-2 sleep call is forced to level 1, as ours) and --vllm_gpu_memory_utilization 0.3.
+With --variable_length the model's EOS logit is raised (its output row set along the mean final
+hidden state, scaled so that EOS takes about 1/64 of the probability) and completion lengths
+spread over 1..256 tokens instead of all hitting 256.
+
+Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
+of rollout batches k-1 and k (the first batch, with warm-up, is left out of the averages).
+One JSON line per rollout batch and tool, one per tool with the averages (and for ours the
+per-phase times and the train-phase model FLOP/s against the GPU's dense bf16 peak), and a last
+line with the ratios.
+
+    python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5
+    python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5 --variable_length
+    python benchmarks/trl_compare.py --tool ours -- --train_type lora   # extra megatron rlhf flags
+
+TRL is a benchmark-only dependency (requirements/benchmarks.txt).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from grpo_step import build_model  # noqa: E402  (the same random-model presets)
+
+PROMPTS, GENERATIONS, MICRO, GLOBAL, STEPS_PER_ROLLOUT = 16, 8, 8, 64, 2
+SETTINGS = dict(beta=0.04, temperature=1.0, lr=1e-6, gpu_memory_utilization=0.3)
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+EOS_PROBABILITY = 1 / 64
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+# ---- the shared inputs ------------------------------------------------------------------------
+
+def raise_eos(model_dir: str, probability: float = EOS_PROBABILITY) -> float:
+    """Set the EOS output row along the mean final hidden state, scaled so that EOS gets about
+    `probability` at random positions; returns the measured probability."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    tokens = torch.randint(0, model.config.vocab_size, (16, 128), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        hidden = model(tokens, output_hidden_states=True).hidden_states[-1].float()
+    direction = hidden.mean(dim=(0, 1))
+    direction = direction / direction.norm()
+    head = model.get_output_embeddings().weight
+
+    def eos_probability(scale: float) -> float:
+        with torch.no_grad():
+            head[eos] = (scale * direction).to(head.dtype)
+            logits = model.lm_head(hidden.to(head.dtype)).float()
+        return torch.softmax(logits, -1)[..., eos].mean().item()
+
+    low, high = 0.0, 1.0
+    while eos_probability(high) < probability:
+        high *= 2
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if eos_probability(middle) < probability else (low, middle)
+    measured = eos_probability(high)
+    model.save_pretrained(model_dir)
+    return measured
+
+
+def prepare(a) -> tuple:
+    from swift_megatron.fixtures import build_math_dataset
+
+    model = build_model(a.preset, os.path.join(a.work_dir, a.preset), "bfloat16")
+    if a.variable_length:
+        emit(name="eos_raised", probability=round(raise_eos(model), 4))
+    dataset = build_math_dataset(os.path.join(a.work_dir, "math.jsonl"), num_rows=512)
+    return model, dataset
+
+
+# ---- ours -------------------------------------------------------------------------------------
+
+def run_ours(a, model: str, dataset: str) -> dict:
+    out = os.path.join(a.work_dir, "ours")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+           "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations", str(GENERATIONS),
+           "--micro_batch_size", str(MICRO), "--global_batch_size", str(GLOBAL),
+           "--steps_per_generation", str(STEPS_PER_ROLLOUT), "--max_completion_length",
+           str(a.completion_length), "--beta", str(SETTINGS["beta"]), "--temperature",
+           str(SETTINGS["temperature"]), "--lr", str(SETTINGS["lr"]), "--lr_decay_style",
+           "constant", "--train_iters", str(a.rollout_batches * STEPS_PER_ROLLOUT),
+           "--use_vllm", "true", "--vllm_mode", "colocate", "--sleep_level", "1",
+           "--vllm_gpu_memory_utilization", str(SETTINGS["gpu_memory_utilization"]),
+           "--recompute_granularity", "none", "--logging_steps", "1", "--report_to", "none",
+           "--output_dir", out, "--add_version", "false", "--save_safetensors", "false",
+           "--no_save_optim", "true", *a.rlhf_args]
+    subprocess.run(cmd, check=True, env=dict(os.environ, SWIFT_MEGATRON_NO_BAR="1"))
+    with open(os.path.join(out, "logging.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    walls = [b["time"] - a_["time"] for a_, b in zip(rows, rows[1:])]
+    for k, (row, wall) in enumerate(zip(rows[1:], walls), start=2):
+        emit(name="rollout_batch", tool="ours", batch=k, wall_s=round(wall, 3),
+             **{key: round(row[key], 4) for key in PHASE_KEYS if row.get(key) is not None})
+    later = rows[1:]
+    summary = dict(wall_s=statistics.mean(walls),
+                   peak_gib=max(r.get("perf/max_memory_allocated_gib") or 0 for r in rows),
+                   completion_tokens=statistics.mean(r["rollout/completion_tokens"] for r in later))
+    summary.update({key: statistics.mean(r[key] for r in later) for key in PHASE_KEYS
+                    if all(r.get(key) is not None for r in later)})
+    summary["train_tflops"] = train_tflops(model, summary.get("perf/train_tokens_per_s"))
+    return summary
+
+
+PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
+              "perf/train_tokens_per_s", "perf/max_memory_allocated_gib",
+              "rollout/completion_tokens", "rollout/completion_length_mean")
+
+
+def train_tflops(model_dir: str, tokens_per_s) -> float:
+    """Model FLOP/s of the train phase: 6 x parameters x tokens (forward + backward) plus the
+    attention score/value products (12 x layers x hidden x tokens x mean context, context ~ the
+    tokens of one sequence), per second, in TFLOP/s."""
+    if not tokens_per_s:
+        return 0.0
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    hidden, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    per_layer = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden \
+        + 3 * hidden * hf["intermediate_size"]
+    params = layers * per_layer + vocab * hidden
+    return 6 * params * tokens_per_s / 1e12
+
+
+# ---- TRL --------------------------------------------------------------------------------------
+
+def run_trl(a, model: str, dataset: str) -> dict:
+    log = os.path.join(a.work_dir, "trl_steps.jsonl")
+    if os.path.exists(log):
+        os.remove(log)
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
+           "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
+           str(a.rollout_batches), "--completion_length", str(a.completion_length)]
+    subprocess.run(cmd, check=True)
+    with open(log) as f:
+        steps = [json.loads(line) for line in f]
+    ends = [s for s in steps if s["step"] % STEPS_PER_ROLLOUT == 0]
+    walls = [b["time"] - a_["time"] for a_, b in zip(ends, ends[1:])]
+    for k, (end, wall) in enumerate(zip(ends[1:], walls), start=2):
+        emit(name="rollout_batch", tool="trl", batch=k, wall_s=round(wall, 3),
+             peak_gib=round(end["peak_gib"], 2))
+    return dict(wall_s=statistics.mean(walls), peak_gib=max(s["peak_gib"] for s in ends))
+
+
+def trl_worker(a) -> None:
+    """TRL's GRPOTrainer on the same model, data and settings (runs in its own process)."""
+    import torch
+    import vllm
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from swift_megatron.rewards import RewardConfig, resolve_reward_funcs
+
+    original_sleep = vllm.LLM.sleep
+    vllm.LLM.sleep = lambda self, level=1: original_sleep(self, level=1)  # as our --sleep_level 1
+    with open(a.dataset_path) as f:
+        rows = [json.loads(line) for line in f]
+    data = Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
+    (_, accuracy), = resolve_reward_funcs(["accuracy"], [], RewardConfig())
+
+    def accuracy_reward(completions, solution, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return accuracy(texts, solution=solution)
+
+    log = os.path.join(a.work_dir, "trl_steps.jsonl")
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            if state.global_step % STEPS_PER_ROLLOUT == 0:
+                torch.cuda.reset_peak_memory_stats()
+            with open(log, "a") as f:
+                f.write(json.dumps(dict(step=state.global_step, time=time.time(),
+                                        peak_gib=peak)) + "\n")
+
+    config = GRPOConfig(
+        output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=GLOBAL // MICRO, num_generations=GENERATIONS,
+        generation_batch_size=GLOBAL * STEPS_PER_ROLLOUT, max_completion_length=a.completion_length,
+        beta=SETTINGS["beta"], temperature=SETTINGS["temperature"],
+        learning_rate=SETTINGS["lr"], lr_scheduler_type="constant", loss_type="grpo", bf16=True,
+        use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
+        vllm_gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
+        vllm_importance_sampling_correction=False,  # ours has no importance correction here
+        max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
+        save_strategy="no", seed=42)
+    trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[accuracy_reward], args=config,
+                          train_dataset=data, callbacks=[Timer()])
+    trainer.train()
+
+
+# ---- the comparison ---------------------------------------------------------------------------
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen2.5-1.5b")
+    parser.add_argument("--rollout_batches", type=int, default=5)
+    parser.add_argument("--completion_length", type=int, default=256)
+    parser.add_argument("--variable_length", action="store_true")
+    parser.add_argument("--tool", default="both", choices=["both", "ours", "trl"])
+    parser.add_argument("--work_dir", default="/tmp/trl_compare")
+    parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model_dir", help=argparse.SUPPRESS)
+    parser.add_argument("--dataset_path", help=argparse.SUPPRESS)
+    parser.add_argument("rlhf_args", nargs="*")
+    a = parser.parse_args()
+    if a.trl_worker:
+        return trl_worker(a)
+    os.makedirs(a.work_dir, exist_ok=True)
+    model, dataset = prepare(a)
+    results = {}
+    if a.tool in ("both", "ours"):
+        results["ours"] = run_ours(a, model, dataset)
+        emit(name="summary", tool="ours", **{k: round(v, 4) for k, v in results["ours"].items()})
+    if a.tool in ("both", "trl"):
+        results["trl"] = run_trl(a, model, dataset)
+        emit(name="summary", tool="trl", **{k: round(v, 4) for k, v in results["trl"].items()})
+    if len(results) == 2:
+        ours, trl = results["ours"], results["trl"]
+        emit(name="ratio", variable_length=a.variable_length,
+             speedup_vs_trl=round(trl["wall_s"] / ours["wall_s"], 3),
+             memory_vs_trl=round(ours["peak_gib"] / trl["peak_gib"], 3))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Kernel and packing flags of ms-swift's Megatron mode. `--padding_free` packs a micro-batch's
+sequences back to back (THD) and `--attention_backend` picks the attention kernel of packed
+batches (model/spec.py). The fusion flags select Transformer Engine kernels, which swift-megatron
+does not use, so they are accepted and have no effect: a run that sets one says so once
+(arguments/parser.py `notices`)."""
+from dataclasses import dataclass
+
+from swift_megatron.arguments.fields import arg
+
+_TE_FUSION = "a Transformer Engine fusion; swift-megatron does not use Transformer Engine"
+
+
+@dataclass
+class KernelArguments:
+    """Kernels and packing (ms-swift names)"""
+
+    attention_backend: str = arg("flash", "Attention kernel of packed micro-batches: flash or "
+                                 "auto use torch's flash-attention varlen kernel on CUDA; fused, "
+                                 "unfused and local run scaled_dot_product_attention one "
+                                 "sequence at a time (what CPUs always do). Padded micro-batches "
+                                 "use scaled_dot_product_attention, which picks its own kernel.",
+                                 choices=["flash", "fused", "unfused", "local", "auto"])
+    padding_free: bool = arg(True, "Pack each micro-batch's sequences back to back without "
+                             "padding (megatron's THD format): no compute on padding tokens. "
+                             "false: right-pad them to the longest.")
+    gradient_accumulation_fusion: bool = arg(True, "Fused weight-gradient accumulation.",
+                                             no_effect=_TE_FUSION)
+    cross_entropy_loss_fusion: bool = arg(True, "Fused cross entropy.",
+                                          no_effect="logprobs come from our own vocab-parallel "
+                                                    "log-softmax")
+    moe_permute_fusion: bool = arg(False, "Fused MoE token permutation.", no_effect=_TE_FUSION)

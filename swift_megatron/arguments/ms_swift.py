@@ -1,0 +1,113 @@
+"""What we know about flag names that are not ours, so an unknown flag gets a useful answer.
+
+- `NOT_SUPPORTED`: flags ms-swift's Megatron GRPO accepts that swift-megatron does not (yet),
+  each with the reason, or the feature (and its tracking issue) that will add it.
+- `HINTS`: names users bring from TRL, transformers or Megatron-LM, and what to use instead.
+
+Used by arguments/parser.py when it reports unknown flags (all at once, each with the table's
+answer, else the closest known flag when one is really close). Nothing here is accepted as a
+flag: a name in these tables still fails the parse, with the reason.
+"""
+from typing import Dict, Optional
+
+_MULTIMODAL = "vision-language models are not supported yet (issue 12: multimodal GRPO)"
+_ALGORITHMS = "not supported yet (issue 14: GRPO algorithm coverage)"
+_TEACHER = "on-policy distillation with a teacher is " + _ALGORITHMS
+_MULTI_TURN = "multi-turn / agentic rollouts are not supported yet (issue 15)"
+_CP_VPP = "not supported yet (issue 16: context parallelism and the interleaved pipeline)"
+_TE = "needs Transformer Engine, which swift-megatron does not use"
+
+NOT_SUPPORTED: Dict[str, str] = {
+    # multimodal
+    **{name: _MULTIMODAL for name in (
+        "freeze_vit", "freeze_aligner", "freeze_llm", "vit_gradient_checkpointing", "vit_lr",
+        "aligner_lr", "vit_attn_impl", "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb",
+        "language_model_only", "max_pixels")},
+    # algorithms
+    **{name: "loss_type sapo is " + _ALGORITHMS for name in ("tau_pos", "tau_neg")},
+    "real_tau": "loss_type real is " + _ALGORITHMS,
+    **{name: "loss_type fipo is " + _ALGORITHMS for name in (
+        "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only", "fipo_safety_threshold")},
+    **{name: _ALGORITHMS for name in (
+        "advantage_estimator", "kl_in_reward", "off_policy_sequence_mask_delta",
+        "top_entropy_quantile", "log_entropy", "num_iterations")},
+    **{name: _TEACHER for name in (
+        "teacher_model", "teacher_model_type", "teacher_model_revision", "teacher_model_server",
+        "teacher_kl_coef", "offload_teacher_model", "teacher_tag_key")},
+    # multi-turn and asynchronous generation
+    **{name: _MULTI_TURN for name in (
+        "multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env",
+        "completion_length_limit_scope", "vllm_server_pass_dataset")},
+    "async_generate": "asynchronous generation is not supported yet (issue 15)",
+    # parallelism
+    **{name: _CP_VPP for name in ("cp_comm_type", "microbatch_group_size_per_vp_stage",
+                                 "pipeline_model_parallel_layout")},
+    # not planned
+    "use_ray": "swift-megatron launches with torchrun, not Ray: pass the flags of the `train:` and "
+               "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
+               "--vllm_mode colocate (colocate_groups) or server (a `megatron rollout` server)",
+    "colocate_groups": "a Ray launcher setting (see use_ray)",
+    **{name: "reward models are " + _ALGORITHMS for name in ("reward_model", "reward_model_plugin")},
+    **{name: "reference-model options are " + _ALGORITHMS for name in (
+        "sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "ref_model",
+        "ref_adapters", "mcore_ref_model", "mcore_ref_adapter")},
+    "router_replay_mode": "MoE router replay is not supported",
+    "bridge_backend": "swift-megatron has its own bridge (swift_megatron/bridge)",
+    "optimizer": "only Adam(W) is supported",
+    "use_megatron_fsdp": "Megatron-FSDP is not supported: use --use_distributed_optimizer",
+    "fp8_format": "FP8 training " + _TE, "fp8_recipe": "FP8 training " + _TE,
+    "fp4_format": "FP4 training " + _TE,
+    "tp_comm_overlap": "tensor-parallel communication overlap " + _TE,
+    "packing": "packing is not supported yet (issue 10: GRPO throughput)",
+    "streaming": "streaming datasets are not supported: datasets are loaded into memory",
+    "save_strategy": "checkpoints are saved every --save_steps optimizer steps",
+    "metric_for_best_model": "--save_total_limit keeps the checkpoint with the best reward/mean",
+    "use_vllm_lora": "vLLM LoRA adapters are not supported: weights are synced merged",
+    "vllm_enable_lora": "vLLM LoRA adapters are not supported: weights are synced merged",
+    "template": "prompts use the tokenizer's chat template",
+    "custom_register_path": "custom model registration is not supported",
+}
+
+HINTS: Dict[str, str] = {
+    "per_device_train_batch_size": "--micro_batch_size (completions per forward pass)",
+    "gradient_accumulation_steps": "--global_batch_size (= micro_batch_size x dp_size x "
+                                   "accumulation steps)",
+    "learning_rate": "--lr",
+    "max_steps": "--train_iters",
+    "warmup_ratio": "--lr_warmup_fraction",
+    "warmup_steps": "--lr_warmup_iters",
+    "max_grad_norm": "--clip_grad",
+    "lr_scheduler_type": "--lr_decay_style",
+    "max_prompt_length": "--max_length (prompt + completion) with --max_completion_length",
+    "model_name_or_path": "--model",
+    "model_id": "--model",
+    "dataset_name": "--dataset",
+    "logging_dir": "--tensorboard_dir",
+    "run_name": "--wandb_exp_name",
+    "lora_r": "--lora_rank",
+    "lora_target_modules": "--target_modules",
+    "deepspeed": "Megatron parallelism: --tensor_model_parallel_size, "
+                 "--pipeline_model_parallel_size, --use_distributed_optimizer",
+    "nproc_per_node": "the environment variable NPROC_PER_NODE",
+    "nnodes": "the environment variable NNODES",
+    "tp": "--tensor_model_parallel_size", "tp_size": "--tensor_model_parallel_size",
+    "pp": "--pipeline_model_parallel_size", "pp_size": "--pipeline_model_parallel_size",
+    "ep": "--expert_model_parallel_size", "ep_size": "--expert_model_parallel_size",
+    "vllm_tp": "--vllm_tensor_parallel_size",
+    "seq_length": "--max_length",
+    "kl_coef": "--beta",
+    "num_completions": "--num_generations",
+    "group_size": "--num_generations",
+    "max_new_tokens": "--max_completion_length",
+    "eval_strategy": "--eval_steps",
+    "save_dir": "--save (or --output_dir)",
+}
+
+
+def explain(name: str) -> Optional[str]:
+    """The table's answer for an unknown flag name (without dashes), or None."""
+    if name in NOT_SUPPORTED:
+        return f"ms-swift flag not supported here: {NOT_SUPPORTED[name]}"
+    if name in HINTS:
+        return f"use {HINTS[name]}"
+    return None

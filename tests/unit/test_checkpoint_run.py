@@ -1,0 +1,97 @@
+"""What a run saves and where it starts from (checkpoint/run.py, checkpoint/start.py), on
+directories laid out as the trainer writes them: --save_total_limit keeps the latest and the
+best, final_hf hard-links the last save, and ms-swift's --mcore_model / --mcore_adapter /
+--finetune map onto weights, adapters and resumed state."""
+import json
+import os
+
+import pytest
+
+from swift_megatron.arguments.lora import LoraArguments
+from swift_megatron.arguments.training import TrainingArguments
+from swift_megatron.checkpoint import run
+from swift_megatron.checkpoint.start import plan_start
+from swift_megatron.errors import UserError
+
+
+def fake_save(save_dir, step, hf=True, lora=False):
+    """The files the trainer writes for one save (markers only)."""
+    iteration = os.path.join(save_dir, f"iter_{step:07d}")
+    os.makedirs(iteration)
+    open(os.path.join(iteration, "swift_megatron.json"), "w").write("{}")
+    if lora:
+        os.makedirs(os.path.join(iteration, "adapter"))
+    if hf:
+        os.makedirs(run.hf_dir(save_dir, step))
+        open(os.path.join(run.hf_dir(save_dir, step), "model.safetensors"), "w").write(str(step))
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(step))
+
+
+def test_rotation_keeps_the_newest_and_the_best(tmp_path):
+    save = str(tmp_path)
+    rewards = {10: 0.1, 20: 0.9, 30: 0.3, 40: 0.2, 50: 0.4}
+    deleted = []
+    for step, reward in rewards.items():
+        fake_save(save, step)
+        run.record_best(save, step, reward)
+        deleted += run.rotate(save, limit=3)
+    assert run.saved_steps(save) == [20, 40, 50]  # best 20, then the newest
+    assert deleted == [10, 30]
+    assert not os.path.exists(run.hf_dir(save, 10))
+    assert json.load(open(os.path.join(save, run.BEST_FILE))) == {"step": 20, "reward": 0.9}
+    assert run.rotate(save, limit=None) == []
+
+
+def test_best_ignores_non_finite_rewards(tmp_path):
+    fake_save(str(tmp_path), 1)
+    run.record_best(str(tmp_path), 1, float("nan"))
+    assert not os.path.exists(os.path.join(tmp_path, run.BEST_FILE))
+
+
+def test_link_tree_makes_hard_links(tmp_path):
+    fake_save(str(tmp_path), 4)
+    final = str(tmp_path / "final_hf")
+    run.link_tree(run.hf_dir(str(tmp_path), 4), final)
+    source = os.path.join(run.hf_dir(str(tmp_path), 4), "model.safetensors")
+    assert os.path.samefile(source, os.path.join(final, "model.safetensors"))
+    run.link_tree(run.hf_dir(str(tmp_path), 4), final)  # replacing works too
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4", "final_hf", "iter_0000004",
+                                            "latest_checkpointed_iteration.txt"]
+
+
+def start(lora=(), **training):
+    return plan_start(TrainingArguments(**training), LoraArguments(adapters=list(lora)))
+
+
+def test_starting_points(tmp_path):
+    save = str(tmp_path / "ckpt")
+    fake_save(save, 2, lora=True)
+    iteration = os.path.join(save, "iter_0000002")
+    assert start() == run_start(None, None, None)
+    assert start(load=save) == run_start(None, None, iteration)
+    assert start(mcore_model=save) == run_start(iteration, None, None)       # finetune: weights
+    assert start(mcore_model=save, finetune=False) == run_start(iteration, None, iteration)
+    adapter = os.path.join(iteration, "adapter")
+    assert start(mcore_adapter=save) == run_start(None, adapter, None)
+    assert start(mcore_adapter=iteration, finetune=False) == run_start(None, adapter, iteration)
+    assert start(lora=["peft_dir"]) == run_start(None, "peft_dir", None)
+
+
+def run_start(weights, adapter, resume):
+    from swift_megatron.checkpoint.start import Start
+
+    return Start(weights, adapter, resume)
+
+
+def test_bad_starting_points(tmp_path):
+    with pytest.raises(UserError, match="--mcore_model .*missing: no such directory"):
+        start(mcore_model=str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="--load .*: neither a save directory"):
+        start(load=str(tmp_path))
+    save = str(tmp_path / "full")
+    fake_save(save, 1)
+    with pytest.raises(UserError, match="no adapter/ directory"):
+        start(mcore_adapter=save)
+    with pytest.raises(UserError, match="not both"):
+        start(load=save, mcore_model=save)

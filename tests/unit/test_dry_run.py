@@ -1,0 +1,77 @@
+"""`megatron rlhf --dry_run true` checks everything that needs no weights, so a configuration
+that would fail at run time fails here: the model family and config, the weight files
+(--check_model), the datasets' rows, the plugin files and reward names, the --system file."""
+import json
+import os
+import shutil
+
+import pytest
+
+from swift_megatron.cli.main import run
+from swift_megatron.errors import UserError
+
+
+@pytest.fixture
+def base(tiny_model_dir, math_dataset_path, monkeypatch):
+    for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return ["rlhf", "--dry_run", "true", "--model", tiny_model_dir("qwen3"), "--dataset",
+            math_dataset_path, "--reward_funcs", "accuracy", "format", "--global_batch_size", "8"]
+
+
+def test_a_good_configuration_prints_plan_and_checks(base, capsys):
+    assert run(base) == 0
+    out = capsys.readouterr().out
+    assert "generation_batch_size" in out
+    assert "checked model:" in out and "(qwen3)" in out
+    assert "checked dataset" in out and "64 rows" in out
+    assert "checked rewards: accuracy, format" in out
+
+
+def copy_model(source, target, **config_changes):
+    shutil.copytree(source, target)
+    path = os.path.join(target, "config.json")
+    config = json.load(open(path))
+    config.update(config_changes)
+    json.dump(config, open(path, "w"))
+    return str(target)
+
+
+def test_unsupported_family_from_local_config(base, tiny_model_dir, tmp_path):
+    model = copy_model(tiny_model_dir("qwen3"), tmp_path / "m", model_type="gpt_oss")
+    with pytest.raises(UserError, match="model_type 'gpt_oss' is not supported"):
+        run(base + ["--model", model])
+
+
+def test_truncated_weights_are_found(base, tiny_model_dir, tmp_path):
+    model = copy_model(tiny_model_dir("qwen3"), tmp_path / "m")
+    weights = os.path.join(model, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(UserError, match=r"model\.safetensors: truncated"):
+        run(base + ["--model", model])
+    assert run(base + ["--model", model, "--check_model", "false"]) == 0
+
+
+def test_dataset_rows_are_checked(base, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"query": "ok"}) + "\n" + json.dumps({"question": "?"}) + "\n")
+    with pytest.raises(UserError, match=r"d\.jsonl row 2: no prompt"):
+        run(base + ["--dataset", str(data)])
+    with pytest.raises(UserError, match="missing.jsonl: no such file"):
+        run(base + ["--dataset", str(tmp_path / "missing.jsonl")])
+
+
+def test_plugins_and_reward_names_are_checked(base, tmp_path):
+    with pytest.raises(UserError, match="Did you mean 'accuracy'"):
+        run(base + ["--reward_funcs", "acuracy"])
+    with pytest.raises(UserError, match="--external_plugins: .*nope.py does not exist"):
+        run(base + ["--external_plugins", str(tmp_path / "nope.py")])
+    plugin = tmp_path / "plug.py"
+    plugin.write_text("def my_reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    assert run(base + ["--external_plugins", str(plugin), "--reward_funcs", "my_reward"]) == 0
+
+
+def test_system_file_is_checked(base, tmp_path):
+    with pytest.raises(UserError, match="--system .*prompt.txt: no such file"):
+        run(base + ["--system", str(tmp_path / "prompt.txt")])

@@ -1,0 +1,158 @@
+"""--vllm_max_num_seqs and --vllm_engine_kwargs without starting vLLM: the LLM(...) keywords of
+the colocate engine (built by the trainer's factory) and of the `megatron rollout` replicas, the
+precedence (flags over the kwargs dict, swift-megatron's required keywords over both), and the
+UserErrors for keys vLLM does not take or that would break weight sync / logprobs. An engine
+really started with them: tests/vllm/test_colocate.py and tests/vllm/test_server.py."""
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swift_megatron.arguments.commands import RlhfArguments, RolloutCommandArguments
+from swift_megatron.arguments.parser import parse_command
+from swift_megatron.errors import UserError
+from swift_megatron.rollout import vllm_compat
+from swift_megatron.rollout.vllm_compat import EngineSettings, check_engine_kwargs, engine_kwargs
+from swift_megatron.rollout.weight_sync import WORKER_EXTENSION
+
+KWARGS = '{"max_num_batched_tokens": 1024, "block_size": 32}'
+
+
+def rlhf(*argv):
+    return parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *argv], "megatron rlhf")
+
+
+@pytest.fixture
+def colocate_settings(monkeypatch):
+    """Build the trainer's colocate engine with a stand-in LLM; returns the EngineSettings the
+    engine asked vLLM for."""
+    from swift_megatron.rollout import factory
+
+    seen = {}
+    monkeypatch.setattr(vllm_compat, "create_llm", lambda s: seen.setdefault("settings", s))
+    monkeypatch.setattr(vllm_compat, "version", lambda: (0, 0, 0))
+
+    def build(*argv):
+        args = rlhf("--use_vllm", "true", "--vllm_mode", "colocate", *argv)
+        factory.build_engine(args, model_dir="/models/m", device=torch.device("cpu"),
+                             dtype=torch.float32, eos_token_ids=[2], pad_token_id=0)
+        return seen["settings"]
+
+    return build
+
+
+def test_colocate_engine_gets_both_flags(colocate_settings):
+    settings = colocate_settings("--vllm_max_num_seqs", "16", "--vllm_engine_kwargs", KWARGS,
+                                 "--seed", "3", "--max_length", "512")
+    assert engine_kwargs(settings, sleep_mode_available=False) == dict(
+        model="/models/m", dtype="float32", seed=3, tensor_parallel_size=1,
+        gpu_memory_utilization=0.9, max_model_len=512, max_num_seqs=16, enforce_eager=False,
+        enable_prefix_caching=True, load_format="dummy", disable_log_stats=True,
+        max_num_batched_tokens=1024, block_size=32, logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION)
+
+
+def test_without_the_flags_vllm_keeps_its_defaults(colocate_settings):
+    kwargs = engine_kwargs(colocate_settings(), sleep_mode_available=False)
+    assert "max_num_seqs" not in kwargs and "max_num_batched_tokens" not in kwargs
+
+
+def test_rollout_server_replicas_get_both_flags():
+    from swift_megatron.rollout.server import engine_settings
+
+    args = parse_command(RolloutCommandArguments,
+                         ["--model", "m", "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs",
+                          KWARGS], "megatron rollout")
+    kwargs = engine_kwargs(engine_settings(args, "/models/m"), sleep_mode_available=True)
+    assert kwargs == dict(model="/models/m", tensor_parallel_size=1, gpu_memory_utilization=0.9,
+                          max_num_seqs=8, enforce_eager=False, enable_prefix_caching=True,
+                          load_format="auto", disable_log_stats=True,
+                          max_num_batched_tokens=1024, block_size=32,
+                          logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
+
+
+def test_a_set_flag_wins_over_the_same_key_and_says_so(swift_logs):
+    settings = EngineSettings(model="m", max_num_seqs=16, gpu_memory_utilization=0.5,
+                              extra={"max_num_seqs": 4, "gpu_memory_utilization": 0.5})
+    assert engine_kwargs(settings, False)["max_num_seqs"] == 16
+    assert [(r.levelno, r.getMessage()) for r in swift_logs.records] == [
+        (logging.WARNING, "--vllm_engine_kwargs max_num_seqs=4 is overridden by "
+                          "--vllm_max_num_seqs (16)")]   # the same value: nothing to say
+
+
+def test_an_unset_flag_leaves_the_key_to_the_kwargs_dict(swift_logs):
+    settings = EngineSettings(model="m", extra={"max_num_seqs": 4, "max_model_len": 128,
+                                                "seed": 9, "load_format": "auto"})
+    kwargs = engine_kwargs(settings, False)
+    assert (kwargs["max_num_seqs"], kwargs["max_model_len"], kwargs["seed"],
+            kwargs["load_format"]) == (4, 128, 9, "auto")
+    assert swift_logs.records == []
+
+
+def test_sleep_mode_only_where_vllm_has_it():
+    settings = EngineSettings(model="m", sleep_level=1)
+    assert engine_kwargs(settings, True)["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in engine_kwargs(settings, False)
+
+
+@pytest.mark.parametrize("key, value, external, reason", [
+    ("logprobs_mode", "raw_logprobs", False, "the GRPO loss compares"),
+    ("worker_extension_cls", "my.Ext", False, "weight sync runs through"),
+    ("distributed_executor_backend", "mp", True, "colocate mode runs one engine per"),
+])
+def test_keys_swift_megatron_depends_on_are_user_errors(key, value, external, reason):
+    settings = EngineSettings(model="m", worker_extension_cls=WORKER_EXTENSION,
+                              external_launcher=external, extra={key: value})
+    with pytest.raises(UserError, match=rf"^--vllm_engine_kwargs: {key} must stay .*\({reason}"):
+        engine_kwargs(settings, False)
+
+
+def test_the_servers_backend_is_the_users_to_choose():
+    settings = EngineSettings(model="m", extra={"distributed_executor_backend": "mp"})
+    assert engine_kwargs(settings, False)["distributed_executor_backend"] == "mp"
+
+
+def test_keys_vllm_does_not_take_are_user_errors():
+    accepted = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
+    check_engine_kwargs({"max_num_batched_tokens": 1, "block_size": 16}, accepted)
+    with pytest.raises(UserError, match=r"^--vllm_engine_kwargs: vLLM's engine takes no "
+                                        r"max_num_batch_tokens \(did you mean "
+                                        r"max_num_batched_tokens\?\), colour; see vLLM's "
+                                        r"EngineArgs"):
+        check_engine_kwargs({"max_num_batch_tokens": 1, "block_size": 16, "colour": 1}, accepted)
+
+
+@pytest.fixture
+def failing_llm(monkeypatch):
+    """create_llm with a stand-in vLLM whose engine start raises `error`."""
+    def fail_with(error):
+        def llm(**kwargs):
+            raise error
+        monkeypatch.setattr(vllm_compat, "import_vllm", lambda: SimpleNamespace(LLM=llm))
+        monkeypatch.setattr(vllm_compat, "check_model_supported", lambda model: None)
+        monkeypatch.setattr(vllm_compat, "accepted_engine_keys", lambda: ["block_size"])
+        monkeypatch.setattr(vllm_compat, "sleep_mode_available", lambda: False)
+    return fail_with
+
+
+def test_a_value_vllm_rejects_at_start_is_a_user_error(failing_llm):
+    failing_llm(ValueError("block_size must be a power of two, got 7"))
+    with pytest.raises(UserError, match=r"^--vllm_engine_kwargs: vLLM rejected block_size: "
+                                        r"ValueError: block_size must be a power of two, got 7$"):
+        vllm_compat.create_llm(EngineSettings(model="m", extra={"block_size": 7}))
+
+
+def test_a_start_failure_that_names_no_key_still_points_at_the_kwargs(failing_llm):
+    # what vLLM 0.32 raises for {"max_num_batched_tokens": "abc"}
+    failing_llm(TypeError("'<' not supported between instances of 'str' and 'int'"))
+    with pytest.raises(UserError, match=r'^--vllm_engine_kwargs: vLLM could not start with '
+                                        r'\{"block_size": "abc"\} \(check their values\): '
+                                        r"TypeError: '<' not supported"):
+        vllm_compat.create_llm(EngineSettings(model="m", extra={"block_size": "abc"}))
+
+
+def test_without_engine_kwargs_start_failures_keep_their_traceback(failing_llm):
+    failing_llm(TypeError("a bug"))
+    with pytest.raises(TypeError, match="^a bug$"):
+        vllm_compat.create_llm(EngineSettings(model="m"))
