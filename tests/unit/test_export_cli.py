@@ -211,7 +211,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(hf_model, tmp_path, capsys, 
     assert proc.returncode == 0, proc.stderr
     for line in (f"base weights      HF checkpoint {hf_model} (qwen3_moe, float32)",
                  f"writes            Megatron model directory (float32) at {out}",
-                 "layout            TP=2 PP=1 EP=1 ETP=1 on 2 process(es) (DP=1)",
+                 "layout            TP=2 PP=1 EP=1 ETP=2 on 2 process(es) (DP=1)",  # ETP follows TP
                  f"precision check   bfloat16 logits vs transformers on {hf_model}"):
         assert line in proc.stdout, proc.stdout
     assert not out.exists() and os.listdir(tmp_path) == []
