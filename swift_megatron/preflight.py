@@ -82,7 +82,56 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
 
 # ---- --dry_run only ------------------------------------------------------------------------
 
-def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict]) -> List[str]:
+def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[str]:
+    """The per-GPU memory estimate (model/memory.py) as lines, and a warning line when it
+    exceeds the visible GPU's memory."""
+    from swift_megatron.model.memory import estimate
+
+    device = _device_bytes(args)
+    result = estimate(hf_config, run_shape(args, plan, hf_config), device)
+    lines = ["memory per GPU (estimate, GiB): " + ", ".join(
+        f"{name} {result[name]:.1f}" for name in ("weights", "gradients", "optimizer",
+                                                    "reference", "activations", "logits", "vllm",
+                                                    "train", "generate", "peak"))]
+    if device and result["peak"] > result["device"]:
+        lines.append(f"WARNING: the estimated peak {result['peak']:.1f} GiB exceeds this GPU's "
+                     f"{result['device']:.1f} GiB: lower --micro_batch_size (or set "
+                     f"--max_tokens_per_micro_batch), --vllm_gpu_memory_utilization, raise "
+                     f"TP/PP, or offload (--offload_model/--offload_optimizer)")
+    return lines
+
+
+def _device_bytes(args: RlhfArguments) -> Optional[int]:
+    if args.model.device == "cpu":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
+    from swift_megatron.model.memory import RunShape
+
+    p, t, g = args.parallel, args.training, args.grpo
+    longest = args.data.max_length or g.max_completion_length + 512
+    tokens = args.batch.max_tokens_per_micro_batch or plan.micro_batch_size * longest
+    dtype = args.model.torch_dtype or str(hf_config.get("torch_dtype") or hf_config.get("dtype")
+                                          or "bfloat16")
+    colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
+    return RunShape(
+        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        ep=p.expert_model_parallel_size, dp=plan.dp_size, sequence_parallel=p.sequence_parallel,
+        lora=t.train_type == "lora", lora_rank=args.lora.lora_rank,
+        reference_copy=g.beta > 0 and t.train_type != "lora",
+        distributed_optimizer=p.use_distributed_optimizer,
+        optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,
+        full_recompute=p.recompute_granularity == "full",
+        vllm_fraction=args.vllm.vllm_gpu_memory_utilization if colocate else 0.0,
+        offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer)
+
+
+def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:
     """The checks only the dry run pays for; returns a line per thing checked."""
     done = []
     if hf_config is not None:
@@ -93,6 +142,7 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict]) -> List[str]:
         if args.model.check_model:
             check_model_dir(args.model.model)
         done.append(f"model: {args.model.model} ({args.model.model_type or hf_config['model_type']})")
+        done += memory_lines(args, plan, hf_config)
     done += [_check_dataset(spec, args) for spec in args.data.dataset + args.data.val_dataset]
     done += _check_rewards(args)
     return done
@@ -132,4 +182,4 @@ def _check_rewards(args: RlhfArguments) -> List[str]:
 def print_dry_run(plan: BatchPlan, checked: List[str]) -> None:
     print(plan.table())
     for line in checked:
-        print(f"checked {line}")
+        print(line if line.startswith(("memory", "WARNING")) else f"checked {line}")
