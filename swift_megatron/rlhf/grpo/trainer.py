@@ -35,6 +35,7 @@ from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_devic
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.training.profile import maybe_profile, phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
@@ -82,8 +83,9 @@ class GRPOTrainer:
         self.sync_weights()
         metrics: Dict[str, float] = {}
         t = self.args.training
-        for _ in progress(range(batches), desc="GRPO"):
-            metrics = self.train_rollout_batch()
+        for index in progress(range(1, batches + 1), desc="GRPO"):
+            with maybe_profile(index, self.state.rank):
+                metrics = self.train_rollout_batch()
             if self._crossed(self.eval_steps):
                 metrics.update(self.evaluate())
             if self._crossed(t.logging_steps):
@@ -102,17 +104,21 @@ class GRPOTrainer:
     def train_rollout_batch(self) -> Dict[str, float]:
         timings: Dict[str, float] = {}
         start = time.perf_counter()
-        samples, metrics = self.collect()
+        with phase("rollout"):
+            samples, metrics = self.collect()
         timings["time/rollout_s"] = time.perf_counter() - start
         steps = self.step_micro_batches(samples)
         start = time.perf_counter()
-        self.fill_logprobs(steps)
+        with phase("logprobs"):
+            self.fill_logprobs(steps)
         timings["time/logprobs_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        train_metrics = [self.optimizer_step(micro) for micro in steps]
+        with phase("train"):
+            train_metrics = [self.optimizer_step(micro) for micro in steps]
         timings["time/train_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        metrics.update(self.sync_weights())
+        with phase("sync"):
+            metrics.update(self.sync_weights())
         timings["time/sync_s"] = time.perf_counter() - start
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
