@@ -29,7 +29,7 @@ from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
-from swift_megatron.parallel.layout import check_layout
+from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 from swift_megatron.rewards.reward_model import reward_model_funcs
@@ -189,14 +189,13 @@ def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtyp
     layout: weights from `weights_dir` (a Megatron model directory) or the HF checkpoint, plus
     an optional PEFT adapter; eval mode, no gradients. `flag` names it in errors."""
     hf_config = load_hf_config(model_dir)
-    p = args.parallel
+    moe = num_experts(hf_config) is not None   # the expert degrees apply to MoE models only
     try:
-        check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+        check_layout(hf_config, state.tp, state.pp, state.ep if moe else 1, state.etp if moe else 1)
     except UserError as error:
         raise UserError(f"{flag} {model_dir}: {error}") from None
     model, config, shape = build_model(
-        hf_config, dtype, state.device, sequence_parallel=p.sequence_parallel,
+        hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
     if weights_dir:
