@@ -11,7 +11,9 @@ model's own chat template, and logit 0 of its classification head as the reward.
 the class registered as NAME in `rm_plugins` by a file of --external_plugins, as
 `cls(model, tokenizer)`, and calls `plugin(inputs=rows, **reward kwargs)` with one row per
 completion, {"messages": [...], **dataset columns}; it returns one float (or None) per row.
-That is how a generative reward model (an LLM judge calling model.generate) plugs in.
+That is how a generative reward model (an LLM judge calling model.generate) plugs in: as in
+ms-swift, a checkpoint whose config names a sequence-classification architecture (or one label)
+loads as a classifier, any other as a causal LM.
 """
 import os
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -23,21 +25,36 @@ from swift_megatron.errors import UserError
 BATCH_SIZE = 16  # completions per forward pass
 
 
-def load_reward_model(name: str, device: torch.device, use_hf: bool = False):
-    """(model, tokenizer) of a sequence-classification checkpoint, eval mode, on `device`:
-    float32 on the CPU, the checkpoint's dtype elsewhere. A tokenizer without a pad token pads
-    with its eos token (the head reads the last non-pad token)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def is_classifier(config) -> bool:
+    """Whether an HF config describes a sequence-classification model (ms-swift's test: the
+    architecture's name, or a single label)."""
+    names = [arch.lower() for arch in getattr(config, "architectures", None) or []]
+    return any("sequenceclassification" in arch for arch in names) or config.num_labels == 1
+
+
+def load_reward_model(name: str, device: torch.device, use_hf: bool = False,
+                      plugin: bool = False):
+    """(model, tokenizer) of a reward model, eval mode, on `device` (float32 on the CPU, the
+    checkpoint's dtype elsewhere): a sequence classifier, or with a plugin any causal LM. A
+    tokenizer without a pad token pads with its eos token (the head reads the last non-pad
+    token)."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              AutoTokenizer)
 
     from swift_megatron.model.hub import resolve_model_dir
 
     directory = resolve_model_dir(name, use_hf, None)
     dtype = torch.float32 if device.type == "cpu" else "auto"
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=dtype)
+        classifier = is_classifier(AutoConfig.from_pretrained(directory))
+        if not (classifier or plugin):
+            raise ValueError("its config names no sequence-classification architecture; a "
+                             "generative reward model needs a --reward_model_plugin")
+        loader = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+        model = loader.from_pretrained(directory, dtype=dtype)
     except (OSError, ValueError) as error:
-        raise UserError(f"--reward_model {name}: not a sequence-classification checkpoint "
-                        f"transformers can load ({error})") from None
+        raise UserError(f"--reward_model {name}: not a reward model transformers can load "
+                        f"({error})") from None
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -100,7 +117,7 @@ def reward_model_funcs(names: Sequence[str], plugins: Sequence[str], device: tor
     funcs: List[Tuple[str, Callable]] = []
     for index, name in enumerate(names):
         plugin: Optional[str] = plugins[index] if plugins else "default"
-        model, tokenizer = load_reward_model(name, device, use_hf)
+        model, tokenizer = load_reward_model(name, device, use_hf, plugin != "default")
         scorer = RewardModel(model, tokenizer) if plugin == "default" else \
             PluginReward(_plugin_class(plugin)(model, tokenizer))
         label = os.path.basename(os.path.normpath(name)) or f"reward_model{index}"

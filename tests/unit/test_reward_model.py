@@ -56,6 +56,23 @@ def test_plugin_class_gets_model_tokenizer_and_rows(rm_dir):
         reward_model_funcs([rm_dir], ["nope"], torch.device("cpu"))
 
 
-def test_not_a_classification_checkpoint(tmp_path):
-    with pytest.raises(UserError, match="--reward_model"):
+def test_generative_reward_model_loads_as_causal_lm_for_a_plugin(tiny_model_dir):
+    from swift_megatron.rollout.plugin_registry import RM_PLUGINS
+
+    class Judge:
+        def __init__(self, model, tokenizer):
+            self.kind = type(model).__name__
+
+        def __call__(self, inputs, **kwargs):
+            return [1.0 if self.kind == "Qwen3ForCausalLM" else 0.0] * len(inputs)
+
+    RM_PLUGINS.register("judge", Judge, "test")
+    [(_, scorer)] = reward_model_funcs([tiny_model_dir("qwen3")], ["judge"], torch.device("cpu"))
+    assert compute_rewards([scorer], ["4", "blue"], messages=CHATS) == [[1.0, 1.0]]
+    with pytest.raises(UserError, match="needs a --reward_model_plugin"):
+        reward_model_funcs([tiny_model_dir("qwen3")], [], torch.device("cpu"))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="--reward_model .*: not a reward model"):
         reward_model_funcs([str(tmp_path)], [], torch.device("cpu"))
