@@ -116,12 +116,16 @@ def test_sapo_distillation_with_lora_teacher_and_reference_adapter(files, tmp_pa
     assert "clip_ratio/high" not in first  # sapo has no hard clipping
 
 
-def test_fipo_gdpo_against_another_reference_model(files, tmp_path):
+def test_fipo_gdpo_two_iterations_against_another_reference_model(files, tmp_path):
+    """One optimizer step per pass, two passes (--num_iterations 2): the second pass compares
+    with the logprobs of the policy that generated the rollout, so its future KL is not 0 (it
+    would be exactly 0 on both steps if the old logprobs were the current ones)."""
     out = tmp_path / "fipo"
     rlhf(*base(files, output_dir=out, loss_type="fipo", delta=2, scale_rewards="gdpo",
                reward_funcs=["digit_ratio", "contains_answer"], ref_model=files["teacher"],
-               train_iters=2, fipo_decay_rate=4))
+               steps_per_generation=1, num_iterations=2, train_iters=2, fipo_decay_rate=4))
     [row] = logged(out)
+    assert row["step"] == 2 and row["fipo/future_kl_mean"] != 0.0
     assert row["kl"] > 0  # another model from the first step on
     assert row["fipo/influence_weight_mean"] >= 1.0  # clip_high_only: weights in [1, 1.2]
     assert row["fipo/safety_keep_ratio"] == 1.0 and row["grad_norm"] > 0

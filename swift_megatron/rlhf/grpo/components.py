@@ -302,10 +302,10 @@ def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference
     return moved
 
 
-def rewards(args: RlhfArguments, state: ParallelState):
-    """--reward_funcs then --reward_model as [(name, callable)], after importing
-    --external_plugins. Reward classes get, besides their RewardConfig values, `args`: every
-    flag of the run as an attribute (what ms-swift's ORM classes receive)."""
+def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
+    """--reward_funcs then --reward_model (loaded on `device`) as [(name, callable)], after
+    importing --external_plugins. Reward classes get, besides their RewardConfig values,
+    `args`: every flag of the run as an attribute (what ms-swift's ORM classes receive)."""
     g = args.grpo
     if not (g.reward_funcs or g.reward_model or g.teacher_model):
         raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
@@ -313,7 +313,7 @@ def rewards(args: RlhfArguments, state: ParallelState):
     plugins = load_plugins(g.external_plugins)
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []
-    return funcs + reward_model_funcs(g.reward_model, g.reward_model_plugin, state.device,
+    return funcs + reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
                                       use_hf=args.model.use_hf)
 
 

@@ -68,7 +68,7 @@ class GRPOTrainer:
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
         frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
-        self.reward_funcs = build.rewards(args, self.state)
+        self.reward_funcs = build.rewards(args, self.state.device)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh)
         self.collector.trainer_state.max_steps = self.train_iters
