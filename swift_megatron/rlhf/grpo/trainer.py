@@ -293,7 +293,8 @@ class GRPOTrainer:
         completion = sum(len(s.completion_ids) for s in samples)
         total = completion + sum(len(s.prompt_ids) for s in samples)
         return {"perf/rollout_tokens_per_s": completion / max(timings["time/rollout_s"], 1e-9),
-                "perf/train_tokens_per_s": total * self.plan.dp_size / max(timings["time/train_s"], 1e-9)}
+                "perf/train_tokens_per_s": total * self.plan.dp_size * self.args.grpo.num_iterations
+                / max(timings["time/train_s"], 1e-9)}
 
     def _crossed(self, interval: Optional[int]) -> bool:
         """Whether the last rollout batch's steps reached a multiple of interval."""
