@@ -101,3 +101,22 @@ def test_teacher_allows_one_generation_and_no_rewards():
 def test_teacher_server_is_refused_with_the_alternative():
     with pytest.raises(UserError, match="--teacher_model_server: .* --teacher_model"):
         grpo("--teacher_model_server", "http://localhost:8000")
+
+
+def test_real_checks_whole_groups_before_building_anything():
+    from swift_megatron.arguments.batch_plan import BatchPlanError, make_batch_plan
+    from swift_megatron.arguments.commands import batch_inputs
+    from swift_megatron.rlhf.grpo.components import check_group_loss
+
+    def check(*argv):
+        args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", "--loss_type",
+                                             "real", *map(str, argv)], "megatron rlhf")
+        check_group_loss(args, make_batch_plan(batch_inputs(args, world_size=1)))
+
+    check("--num_generations", 4, "--micro_batch_size", 4, "--global_batch_size", 16)
+    with pytest.raises(BatchPlanError, match="--loss_type real .* micro_batch_size=2 must be a "
+                                             "multiple of num_generations=4"):
+        check("--num_generations", 4, "--micro_batch_size", 2, "--global_batch_size", 16)
+    with pytest.raises(UserError, match="--max_tokens_per_micro_batch cuts micro-batches"):
+        check("--num_generations", 4, "--micro_batch_size", 4, "--global_batch_size", 16,
+              "--max_tokens_per_micro_batch", 512)
