@@ -48,11 +48,10 @@ ACCEPTED = {
     "moe_permute_fusion": "true", "moe_expert_capacity_factor": 2, "check_model": "false",
     "log_rollout_offpolicy_metrics": "true", "cross_entropy_loss_fusion": "true",
     "lr_warmup_fraction": "0.0", "min_lr": "5e-5", "seed": 42,
-    "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000,
+    "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000, "tau_pos": 1, "tau_neg": "1.05",
+    "teacher_model": "Qwen/Qwen3.5-9B", "advantage_estimator": "rloo", "teacher_kl_coef": "1.0",
 }
-OTHER_ISSUES = {"tau_pos": "issue 14", "tau_neg": "issue 14", "teacher_model": "issue 14",
-                "advantage_estimator": "issue 14", "teacher_kl_coef": "issue 14",
-                "multi_turn_scheduler": "issue 15", "use_gym_env": "issue 15",
+OTHER_ISSUES = {"teacher_model_server": "--teacher_model", "multi_turn_scheduler": "issue 15", "use_gym_env": "issue 15",
                 "gym_env": "issue 15", "max_turns": "issue 15", "freeze_vit": "issue 12",
                 "use_ray": "torchrun, not Ray"}
 
@@ -145,11 +144,16 @@ def test_silent_adjustments_and_ignored_flags_are_noticed():
     assert notices(rlhf()) == []
 
 
-def test_algorithm_values_of_later_issues_are_refused_with_the_reason():
-    with pytest.raises(UserError, match="--loss_type sapo is not supported yet.*issue 14"):
-        rlhf("--loss_type", "sapo")
-    with pytest.raises(UserError, match="--scale_rewards gdpo is not supported yet"):
-        rlhf("--scale_rewards", "gdpo")
+def test_algorithm_flags_of_the_examples_parse_together():
+    """examples/megatron/grpo/sapo.sh, real.sh and opd_rl.sh: their algorithm flags together."""
+    sapo = rlhf("--loss_type", "sapo", "--tau_pos", 1, "--tau_neg", "1.05", "--epsilon_high", "0.2")
+    assert (sapo.grpo.loss_type, sapo.grpo.tau_pos, sapo.grpo.tau_neg) == ("sapo", 1.0, 1.05)
+    real = rlhf("--loss_type", "real", "--micro_batch_size", 8, "--num_generations", 8,
+                "--beta", "0.001")
+    assert (real.grpo.scale_rewards, real.grpo.real_tau) == ("none", 0.5)  # ms-swift forces none
+    opd = rlhf("--teacher_model", "Qwen/Qwen3.5-9B", "--num_generations", 1, "--beta", 0,
+               "--loss_type", "grpo", "--log_rollout_offpolicy_metrics", "true")
+    assert opd.grpo.has_teacher and opd.grpo.num_generations == 1 and opd.grpo.teacher_kl_coef == 1.0
 
 
 def test_server_base_url():
