@@ -11,7 +11,7 @@ import importlib.util
 import os
 from typing import List, Optional, Tuple
 
-from swift_megatron.arguments.batch_plan import BatchPlan, make_batch_plan
+from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.data.system import system_prompt
@@ -77,7 +77,20 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
                             "--sequence_parallel true (megatron-core refuses to train MoE with "
                             "TP but without sequence parallelism)")
     system_prompt(args.data.system)
+    check_group_loss(args, plan)
     return plan, hf_config
+
+
+def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:
+    """--loss_type real compares the completions of a group inside one micro-batch: before any
+    model is built, check that micro-batches hold whole groups."""
+    if args.grpo.loss_type != "real":
+        return
+    if args.batch.max_tokens_per_micro_batch:
+        raise UserError("--loss_type real needs whole groups in each micro-batch; "
+                        "--max_tokens_per_micro_batch cuts micro-batches by tokens: drop it")
+    check_whole_groups(plan, "--loss_type real compares the completions of a group")
+
 
 
 # ---- --dry_run only ------------------------------------------------------------------------
@@ -167,16 +180,23 @@ def _check_dataset(spec: str, args: RlhfArguments) -> str:
     return f"dataset {spec}: {len(rows)} rows"
 
 
+def check_reward_sources(args: RlhfArguments) -> None:
+    """A run needs something to learn from: reward functions, a reward model or a teacher."""
+    g = args.grpo
+    if not (g.reward_funcs or g.reward_model or g.teacher_model):
+        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
+                        "or --reward_model, or a --teacher_model to distil")
+
+
 def _check_rewards(args: RlhfArguments) -> List[str]:
     from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 
     g = args.grpo
-    if not g.reward_funcs:
-        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
+    check_reward_sources(args)
     modules = load_plugins(g.external_plugins)
     resolve_reward_funcs(g.reward_funcs, modules, RewardConfig.from_args(g))
     return [f"plugin: {path}" for path in g.external_plugins] + \
-        [f"rewards: {', '.join(g.reward_funcs)}"]
+        [f"rewards: {', '.join(g.reward_funcs + g.reward_model) or '(teacher only)'}"]
 
 
 def print_dry_run(plan: BatchPlan, checked: List[str]) -> None:

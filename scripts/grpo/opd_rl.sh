@@ -4,8 +4,7 @@
 # t becomes A + teacher_kl_coef x (teacher logprob - student logprob) (docs/rlhf.md). One
 # completion per prompt (--num_generations 1), LoRA on TP 2, vLLM colocate. ms-swift's script
 # distils Qwen3.5-9B into Qwen3.5-2B (Qwen3.5: issue 11); here Qwen3-8B into Qwen3-1.7B.
-# ms-swift's script has no reward function (the teacher is the only signal), which runs here
-# too; --reward_funcs accuracy is added because `--dry_run true` still asks for one.
+# As in ms-swift's script there is no reward function: the teacher is the only signal.
 #
 #   bash scripts/grpo/opd_rl.sh [extra megatron rlhf flags]
 #   MODEL=... TEACHER=... DATASET=... bash scripts/grpo/opd_rl.sh
@@ -33,7 +32,6 @@ megatron rlhf \
     --sequence_parallel true \
     --system "You are a helpful math assistant. Solve the problem step by step and put your final answer within \\boxed{}." \
     --dataset "$DATASET" \
-    --reward_funcs accuracy \
     --num_train_epochs 1 \
     --global_batch_size 16 \
     --micro_batch_size 2 \

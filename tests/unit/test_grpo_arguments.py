@@ -106,7 +106,7 @@ def test_teacher_server_is_refused_with_the_alternative():
 def test_real_checks_whole_groups_before_building_anything():
     from swift_megatron.arguments.batch_plan import BatchPlanError, make_batch_plan
     from swift_megatron.arguments.commands import batch_inputs
-    from swift_megatron.rlhf.grpo.components import check_group_loss
+    from swift_megatron.preflight import check_group_loss
 
     def check(*argv):
         args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", "--loss_type",

@@ -31,6 +31,7 @@ from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
+from swift_megatron.preflight import check_reward_sources
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 from swift_megatron.rewards.reward_model import reward_model_funcs
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
@@ -107,17 +108,6 @@ def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dty
     else:
         bridge.load(model, model_dir)
     return model, config, bridge
-
-
-def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:
-    """--loss_type real compares the completions of a group inside one micro-batch: before any
-    model is built, check that micro-batches hold whole groups."""
-    if args.grpo.loss_type != "real":
-        return
-    if args.batch.max_tokens_per_micro_batch:
-        raise UserError("--loss_type real needs whole groups in each micro-batch; "
-                        "--max_tokens_per_micro_batch cuts micro-batches by tokens: drop it")
-    check_whole_groups(plan, "--loss_type real compares the completions of a group")
 
 
 def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
@@ -307,9 +297,7 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     importing --external_plugins. Reward classes get, besides their RewardConfig values,
     `args`: every flag of the run as an attribute (what ms-swift's ORM classes receive)."""
     g = args.grpo
-    if not (g.reward_funcs or g.reward_model or g.teacher_model):
-        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
-                        "or --reward_model, or a --teacher_model to distil")
+    check_reward_sources(args)
     plugins = load_plugins(g.external_plugins)
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []

@@ -51,7 +51,6 @@ SYNC_CHECK_PROMPTS, SYNC_CHECK_TOKENS = 4, 16  # --check_weight_sync: fixed prom
 class GRPOTrainer:
     def __init__(self, args: RlhfArguments, plan: BatchPlan):
         self.args, self.plan = args, plan
-        build.check_group_loss(args, plan)
         self.steps_per_rollout = plan.steps_per_generation * args.grpo.num_iterations
         self.state = build.parallel_state(args)
         start = plan_start(args.training, args.lora)
