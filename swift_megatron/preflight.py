@@ -104,8 +104,9 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
     result = estimate(hf_config, run_shape(args, plan, hf_config), device)
     lines = ["memory per GPU (estimate, GiB): " + ", ".join(
         f"{name} {result[name]:.1f}" for name in ("weights", "gradients", "optimizer",
-                                                    "reference", "activations", "logits", "vllm",
-                                                    "train", "generate", "peak"))]
+                                                    "reference", "teacher", "activations",
+                                                    "logits", "vllm", "train", "generate",
+                                                    "peak"))]
     if device and result["peak"] > result["device"]:
         lines.append(f"WARNING: the estimated peak {result['peak']:.1f} GiB exceeds this GPU's "
                      f"{result['device']:.1f} GiB: lower --micro_batch_size (or set "
@@ -125,8 +126,11 @@ def _device_bytes(args: RlhfArguments) -> Optional[int]:
 def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
     from swift_megatron.model.memory import RunShape
 
+    from swift_megatron.model.memory import rank_parameters
+
     p, t, g = args.parallel, args.training, args.grpo
     longest = args.data.max_length or g.max_completion_length + 512
+    teacher_config = read_local_hf_config(g.teacher_model) if g.teacher_model else None
     tokens = args.batch.max_tokens_per_micro_batch or plan.micro_batch_size * longest
     dtype = args.model.torch_dtype or str(hf_config.get("torch_dtype") or hf_config.get("dtype")
                                           or "bfloat16")
@@ -136,12 +140,15 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         ep=p.expert_model_parallel_size, dp=plan.dp_size, sequence_parallel=p.sequence_parallel,
         lora=t.train_type == "lora", lora_rank=args.lora.lora_rank,
-        reference_copy=g.beta > 0 and t.train_type != "lora",
+        reference_copy=g.beta > 0 and (t.train_type != "lora" or bool(g.ref_model)),
         distributed_optimizer=p.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,
         full_recompute=p.recompute_granularity == "full",
         vllm_fraction=args.vllm.vllm_gpu_memory_utilization if colocate else 0.0,
-        offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer)
+        offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
+        teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
+        rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
+                                                 pp=p.pipeline_model_parallel_size)))
 
 
 def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:

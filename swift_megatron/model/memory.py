@@ -7,7 +7,8 @@ Per rank, in bytes:
   each; LoRA: the adapters only);
 - optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
   divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
-- reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA;
+- reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
+  --ref_model, that model's weights); teacher: --teacher_model's weights (unless offloaded);
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
   saved inputs and outputs; flash attention keeps no S x S scores), / TP with sequence
@@ -47,6 +48,7 @@ class RunShape:
     vllm_fraction: float = 0.0           # colocate: --vllm_gpu_memory_utilization; else 0
     offload_model: bool = False
     offload_optimizer: bool = False
+    teacher_parameters: int = 0          # --teacher_model's parameters on this rank (0: none)
 
 
 def parameter_counts(hf: Mapping) -> Dict[str, int]:
@@ -111,13 +113,14 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
         run.dp if run.distributed_optimizer else 1)
     parts = dict(weights=params * width, gradients=4 * trainable, optimizer=optimizer,
                  reference=params * width if run.reference_copy else 0,
+                 teacher=run.teacher_parameters * width,
                  activations=activation_bytes(hf, run),
                  logits=2 * run.micro_batch_tokens * hf["vocab_size"] / run.tp * width
                  + _LOGPROB_CHUNK_BYTES)
     train = sum(parts.values())
-    resident = parts["weights"] * (not run.offload_model) + parts["reference"] * (
-        not run.offload_model) + (parts["gradients"] * (not run.offload_model)) + \
-        parts["optimizer"] * (not run.offload_optimizer)
+    resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
+        not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \
+        parts["teacher"]
     vllm = run.vllm_fraction * (device_bytes or 0)
     result = {name: value / GIB for name, value in parts.items()}
     result.update(vllm=vllm / GIB, train=train / GIB, generate=(resident + vllm) / GIB)
