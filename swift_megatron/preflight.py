@@ -52,6 +52,28 @@ def check_model_family(hf_config: dict, model_type: Optional[str], source: str) 
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
+_SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
+                 "vllm_server_timeout")
+_COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
+                   "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                   "vllm_max_model_len", "vllm_enforce_eager", "vllm_enable_prefix_caching",
+                   "vllm_max_num_seqs", "vllm_engine_kwargs")
+
+
+def _note_ignored_flags(args: RlhfArguments, colocate: bool) -> None:
+    """A notice for each flag the user set that the chosen mode does not read."""
+    rules = ((args.training.train_type != "lora", _LORA_FLAGS, "--train_type lora"),
+             (args.rollout.vllm_mode != "server" or not uses_vllm(args), _SERVER_FLAGS,
+              "--vllm_mode server"),
+             (not colocate, _COLOCATE_FLAGS, "the vLLM colocate engine"))
+    notes = [f"ignored here, they only act with {mode}: "
+             f"{', '.join('--' + f for f in flags if f in args.explicit)}"
+             for ignored, flags, mode in rules if ignored and any(f in args.explicit for f in flags)]
+    if notes:
+        args.rollout.adjustments = getattr(args.rollout, "adjustments", []) + notes
+
+
 def _adjust_sleep_level(args: RlhfArguments, colocate: bool) -> None:
     r = args.rollout
     if colocate and r.sleep_level == 2 and args.model.device != "cpu":
@@ -66,6 +88,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
     _adjust_sleep_level(args, colocate)
+    _note_ignored_flags(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, args.model.model)

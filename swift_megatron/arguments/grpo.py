@@ -178,6 +178,9 @@ class GRPOArguments:
             raise UserError(f"--max_completion_length must be >= 1, got {self.max_completion_length}")
         if self.temperature <= 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if self.repetition_penalty <= 0:
+            raise UserError(f"--repetition_penalty must be > 0 (1.0 disables it), got "
+                            f"{self.repetition_penalty}")
         if self.top_k < -1:
             raise UserError(f"--top_k must be >= -1 (-1 or 0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
