@@ -192,12 +192,19 @@ def logprob_mismatch(engine, model_dir: str, dtype) -> None:
          vs_transformers=report)
 
 
+import torch  # noqa: E402  (the probe reads tensors of the in-process engine)
+
+
 def model_checksums(engine) -> dict:
-    """{name: (sum, abs sum)} of every parameter and buffer of the engine's model (in-process)."""
+    """{name: (sum, abs sum)} of every parameter, buffer and other tensor attribute of the
+    engine's model's modules (in-process)."""
     def checksums(model):
         tensors = list(model.named_parameters()) + list(model.named_buffers())
+        for module_name, module in model.named_modules():
+            tensors += [(f"{module_name}.{key}[attr]", value) for key, value in vars(module).items()
+                        if isinstance(value, torch.Tensor)]
         return {name: (t.double().sum().item(), t.double().abs().sum().item())
-                for name, t in tensors}
+                for name, t in tensors if t.numel()}
 
     return engine.llm.apply_model(checksums)[0]
 

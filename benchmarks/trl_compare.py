@@ -7,8 +7,9 @@ dataset and the same work: 16 prompts x 8 completions of at most 256 tokens per 
 beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode with sleep level 1
 (TRL's level-2 sleep call is forced to level 1, as ours) and --vllm_gpu_memory_utilization 0.3.
 With --variable_length the model's EOS logit is raised (its output row set along the mean final
-hidden state, scaled so that EOS takes about 1/64 of the probability) and completion lengths
-spread over 1..256 tokens instead of all hitting 256.
+hidden state of its own sampled continuations of the prompts, scaled so that EOS takes about
+1/64 of the probability there) and completion lengths spread over 1..256 tokens instead of all
+hitting 256.
 
 Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
 of rollout batches k-1 and k (the first batch, with warm-up, is left out of the averages).
@@ -47,18 +48,26 @@ def emit(**fields) -> None:
 
 # ---- the shared inputs ------------------------------------------------------------------------
 
-def raise_eos(model_dir: str, probability: float = EOS_PROBABILITY) -> float:
-    """Set the EOS output row along the mean final hidden state, scaled so that EOS gets about
-    `probability` at random positions; returns the measured probability."""
+def raise_eos(model_dir: str, dataset: str, probability: float = EOS_PROBABILITY) -> float:
+    """Set the EOS output row along the mean final hidden state of the model's own sampled
+    continuations of the dataset's prompts, scaled so that EOS gets about `probability` there;
+    returns the probability measured on those contexts."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
-    tokens = torch.randint(0, model.config.vocab_size, (16, 128), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(0))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = tokenizer.eos_token_id
+    with open(dataset) as f:
+        prompts = [json.loads(line)["messages"] for line in f][:32]
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+             for m in prompts]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left").to("cuda")
     with torch.no_grad():
-        hidden = model(tokens, output_hidden_states=True).hidden_states[-1].float()
+        sequences = model.generate(**batch, do_sample=True, max_new_tokens=128,
+                                   pad_token_id=eos, eos_token_id=None)
+        hidden = model(sequences, output_hidden_states=True).hidden_states[-1]
+    hidden = hidden[:, batch["input_ids"].shape[1]:].float()  # the sampled contexts only
     direction = hidden.mean(dim=(0, 1))
     direction = direction / direction.norm()
     head = model.get_output_embeddings().weight
@@ -84,9 +93,9 @@ def prepare(a) -> tuple:
     from swift_megatron.fixtures import build_math_dataset
 
     model = build_model(a.preset, os.path.join(a.work_dir, a.preset), "bfloat16")
-    if a.variable_length:
-        emit(name="eos_raised", probability=round(raise_eos(model), 4))
     dataset = build_math_dataset(os.path.join(a.work_dir, "math.jsonl"), num_rows=512)
+    if a.variable_length:
+        emit(name="eos_raised", probability=round(raise_eos(model, dataset), 4))
     return model, dataset
 
 
@@ -162,7 +171,7 @@ def run_trl(a, model: str, dataset: str) -> dict:
     walls = [b["time"] - a_["time"] for a_, b in zip(ends, ends[1:])]
     for k, (end, wall) in enumerate(zip(ends[1:], walls), start=2):
         emit(name="rollout_batch", tool="trl", batch=k, wall_s=round(wall, 3),
-             peak_gib=round(end["peak_gib"], 2))
+             peak_gib=round(end["peak_gib"], 2), completion_length_mean=end["completion_length_mean"])
     return dict(wall_s=statistics.mean(walls), peak_gib=max(s["peak_gib"] for s in ends))
 
 
@@ -190,13 +199,18 @@ def trl_worker(a) -> None:
     log = os.path.join(a.work_dir, "trl_steps.jsonl")
 
     class Timer(TrainerCallback):
+        length = None
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.length = (logs or {}).get("completions/mean_length", self.length)
+
         def on_step_end(self, args, state, control, **kwargs):
             peak = torch.cuda.max_memory_allocated() / 2**30
             if state.global_step % STEPS_PER_ROLLOUT == 0:
                 torch.cuda.reset_peak_memory_stats()
             with open(log, "a") as f:
-                f.write(json.dumps(dict(step=state.global_step, time=time.time(),
-                                        peak_gib=peak)) + "\n")
+                f.write(json.dumps(dict(step=state.global_step, time=time.time(), peak_gib=peak,
+                                        completion_length_mean=self.length)) + "\n")
 
     config = GRPOConfig(
         output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,

@@ -17,7 +17,7 @@ def main(argv) -> int:
     plan, hf_config = preflight_rlhf(args, planned_world_size())
     if args.training.dry_run:
         warn_notices(args)
-        print_dry_run(plan, dry_run_checks(args, hf_config))
+        print_dry_run(plan, dry_run_checks(args, hf_config, plan))
         return 0
     cmd = torchrun_argv("rlhf", argv)
     if cmd:

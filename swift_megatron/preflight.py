@@ -11,7 +11,7 @@ import importlib.util
 import os
 from typing import List, Optional, Tuple
 
-from swift_megatron.arguments.batch_plan import BatchPlan, make_batch_plan
+from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.data.system import system_prompt
@@ -52,6 +52,28 @@ def check_model_family(hf_config: dict, model_type: Optional[str], source: str) 
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
+_SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
+                 "vllm_server_timeout")
+_COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
+                   "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                   "vllm_max_model_len", "vllm_enforce_eager", "vllm_enable_prefix_caching",
+                   "vllm_max_num_seqs", "vllm_engine_kwargs")
+
+
+def _note_ignored_flags(args: RlhfArguments, colocate: bool) -> None:
+    """A notice for each flag the user set that the chosen mode does not read."""
+    rules = ((args.training.train_type != "lora", _LORA_FLAGS, "--train_type lora"),
+             (args.rollout.vllm_mode != "server" or not uses_vllm(args), _SERVER_FLAGS,
+              "--vllm_mode server"),
+             (not colocate, _COLOCATE_FLAGS, "the vLLM colocate engine"))
+    notes = [f"ignored here, they only act with {mode}: "
+             f"{', '.join('--' + f for f in flags if f in args.explicit)}"
+             for ignored, flags, mode in rules if ignored and any(f in args.explicit for f in flags)]
+    if notes:
+        args.rollout.adjustments = getattr(args.rollout, "adjustments", []) + notes
+
+
 def _adjust_sleep_level(args: RlhfArguments, colocate: bool) -> None:
     r = args.rollout
     if colocate and r.sleep_level == 2 and args.model.device != "cpu":
@@ -66,6 +88,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
     _adjust_sleep_level(args, colocate)
+    _note_ignored_flags(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, args.model.model)
@@ -77,12 +100,81 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
                             "--sequence_parallel true (megatron-core refuses to train MoE with "
                             "TP but without sequence parallelism)")
     system_prompt(args.data.system)
+    check_group_loss(args, plan)
     return plan, hf_config
+
+
+def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:
+    """--loss_type real compares the completions of a group inside one micro-batch: before any
+    model is built, check that micro-batches hold whole groups."""
+    if args.grpo.loss_type != "real":
+        return
+    if args.batch.max_tokens_per_micro_batch:
+        raise UserError("--loss_type real needs whole groups in each micro-batch; "
+                        "--max_tokens_per_micro_batch cuts micro-batches by tokens: drop it")
+    check_whole_groups(plan, "--loss_type real compares the completions of a group")
+
 
 
 # ---- --dry_run only ------------------------------------------------------------------------
 
-def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict]) -> List[str]:
+def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[str]:
+    """The per-GPU memory estimate (model/memory.py) as lines, and a warning line when it
+    exceeds the visible GPU's memory."""
+    from swift_megatron.model.memory import estimate
+
+    device = _device_bytes(args)
+    result = estimate(hf_config, run_shape(args, plan, hf_config), device)
+    lines = ["memory per GPU (estimate, GiB): " + ", ".join(
+        f"{name} {result[name]:.1f}" for name in ("weights", "gradients", "optimizer",
+                                                    "reference", "teacher", "activations",
+                                                    "logits", "vllm", "train", "generate",
+                                                    "peak"))]
+    if device and result["peak"] > result["device"]:
+        lines.append(f"WARNING: the estimated peak {result['peak']:.1f} GiB exceeds this GPU's "
+                     f"{result['device']:.1f} GiB: lower --micro_batch_size (or set "
+                     f"--max_tokens_per_micro_batch), --vllm_gpu_memory_utilization, raise "
+                     f"TP/PP, or offload (--offload_model/--offload_optimizer)")
+    return lines
+
+
+def _device_bytes(args: RlhfArguments) -> Optional[int]:
+    if args.model.device == "cpu":
+        return None
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
+    from swift_megatron.model.memory import RunShape
+
+    from swift_megatron.model.memory import rank_parameters
+
+    p, t, g = args.parallel, args.training, args.grpo
+    longest = args.data.max_length or g.max_completion_length + 512
+    teacher_config = read_local_hf_config(g.teacher_model) if g.teacher_model else None
+    tokens = args.batch.max_tokens_per_micro_batch or plan.micro_batch_size * longest
+    dtype = args.model.torch_dtype or str(hf_config.get("torch_dtype") or hf_config.get("dtype")
+                                          or "bfloat16")
+    colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
+    return RunShape(
+        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
+        tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+        ep=p.expert_model_parallel_size, dp=plan.dp_size, sequence_parallel=p.sequence_parallel,
+        lora=t.train_type == "lora", lora_rank=args.lora.lora_rank,
+        reference_copy=g.beta > 0 and (t.train_type != "lora" or bool(g.ref_model)),
+        distributed_optimizer=p.use_distributed_optimizer,
+        optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,
+        full_recompute=p.recompute_granularity == "full",
+        vllm_fraction=args.vllm.vllm_gpu_memory_utilization if colocate else 0.0,
+        offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
+        teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
+        rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
+                                                 pp=p.pipeline_model_parallel_size)))
+
+
+def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:
     """The checks only the dry run pays for; returns a line per thing checked."""
     done = []
     if hf_config is not None:
@@ -93,6 +185,7 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict]) -> List[str]:
         if args.model.check_model:
             check_model_dir(args.model.model)
         done.append(f"model: {args.model.model} ({args.model.model_type or hf_config['model_type']})")
+        done += memory_lines(args, plan, hf_config)
     done += [_check_dataset(spec, args) for spec in args.data.dataset + args.data.val_dataset]
     done += _check_rewards(args)
     return done
@@ -117,19 +210,26 @@ def _check_dataset(spec: str, args: RlhfArguments) -> str:
     return f"dataset {spec}: {len(rows)} rows"
 
 
+def check_reward_sources(args: RlhfArguments) -> None:
+    """A run needs something to learn from: reward functions, a reward model or a teacher."""
+    g = args.grpo
+    if not (g.reward_funcs or g.reward_model or g.teacher_model):
+        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
+                        "or --reward_model, or a --teacher_model to distil")
+
+
 def _check_rewards(args: RlhfArguments) -> List[str]:
     from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 
     g = args.grpo
-    if not g.reward_funcs:
-        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
+    check_reward_sources(args)
     modules = load_plugins(g.external_plugins)
     resolve_reward_funcs(g.reward_funcs, modules, RewardConfig.from_args(g))
     return [f"plugin: {path}" for path in g.external_plugins] + \
-        [f"rewards: {', '.join(g.reward_funcs)}"]
+        [f"rewards: {', '.join(g.reward_funcs + g.reward_model) or '(teacher only)'}"]
 
 
 def print_dry_run(plan: BatchPlan, checked: List[str]) -> None:
     print(plan.table())
     for line in checked:
-        print(f"checked {line}")
+        print(line if line.startswith(("memory", "WARNING")) else f"checked {line}")

@@ -247,3 +247,29 @@ RULE_H = Rule(
                f"{_or(e for e in range(1, i.num_experts + 1) if i.num_experts % e == 0)}"))
 
 _RULES = (RULE_A, RULE_B, RULE_C, RULE_D, RULE_E, RULE_F, RULE_G, RULE_H)
+
+
+# ---- rules of particular loss types --------------------------------------------------------
+
+def _whole_groups(i: BatchInputs) -> bool:
+    return i.micro_batch_size % i.num_generations == 0
+
+
+def check_whole_groups(plan: BatchPlan, why: str) -> None:
+    """A loss that compares the completions of a group inside one micro-batch (`why` says
+    which) needs micro_batch_size to be a multiple of num_generations (the samples of a group
+    are consecutive); BatchPlanError with the nearest micro_batch_size that passes every rule."""
+    inputs = BatchInputs(world_size=plan.world_size, micro_batch_size=plan.micro_batch_size,
+                         global_batch_size=plan.global_batch_size,
+                         num_generations=plan.num_generations,
+                         generation_batch_size=plan.generation_batch_size,
+                         tensor_model_parallel_size=plan.world_size // plan.dp_size)
+    if _whole_groups(inputs):
+        return
+    values = _nearest(inputs, "micro_batch_size", lambda i: _whole_groups(i) and is_valid(i))
+    hint = (f"use micro_batch_size={_or(values)}" if values else
+            f"raise global_batch_size so that micro_batch_size can be a multiple of "
+            f"{plan.num_generations}")
+    raise BatchPlanError(f"{why}: micro_batch_size={plan.micro_batch_size} must be a multiple of "
+                         f"num_generations={plan.num_generations} (each micro-batch holds whole "
+                         f"groups): {hint}")

@@ -16,7 +16,7 @@ from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.model import ModelArguments
 from swift_megatron.arguments.parallel import ParallelArguments
 from swift_megatron.arguments.rollout import RolloutArguments, ServeArguments, VllmEngineArguments
-from swift_megatron.arguments.training import BatchArguments, TrainingArguments
+from swift_megatron.arguments.training import BatchArguments, TrainingArguments, check_lr_bounds
 from swift_megatron.errors import UserError
 
 
@@ -43,6 +43,7 @@ class RlhfArguments:
             self.training.adjustments = ["--adapters/--mcore_adapter given: --train_type lora"]
         if self.training.lr is None:
             self.training.lr = 1e-4 if self.training.train_type == "lora" else 1e-5
+        check_lr_bounds(self.training)
         self._check_optimizer_flags()
         if self.model.model is None and not (self.training.dry_run or self.training.mcore_model):
             raise UserError("--model is required (a local HF directory or a hub id)")

@@ -11,8 +11,6 @@ flag: a name in these tables still fails the parse, with the reason.
 from typing import Dict, Optional
 
 _MULTIMODAL = "vision-language models are not supported yet (issue 12: multimodal GRPO)"
-_ALGORITHMS = "not supported yet (issue 14: GRPO algorithm coverage)"
-_TEACHER = "on-policy distillation with a teacher is " + _ALGORITHMS
 _MULTI_TURN = "multi-turn / agentic rollouts are not supported yet (issue 15)"
 _CP_VPP = "not supported yet (issue 16: context parallelism and the interleaved pipeline)"
 _TE = "needs Transformer Engine, which swift-megatron does not use"
@@ -23,17 +21,12 @@ NOT_SUPPORTED: Dict[str, str] = {
         "freeze_vit", "freeze_aligner", "freeze_llm", "vit_gradient_checkpointing", "vit_lr",
         "aligner_lr", "vit_attn_impl", "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb",
         "language_model_only", "max_pixels")},
-    # algorithms
-    **{name: "loss_type sapo is " + _ALGORITHMS for name in ("tau_pos", "tau_neg")},
-    "real_tau": "loss_type real is " + _ALGORITHMS,
-    **{name: "loss_type fipo is " + _ALGORITHMS for name in (
-        "fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only", "fipo_safety_threshold")},
-    **{name: _ALGORITHMS for name in (
-        "advantage_estimator", "kl_in_reward", "off_policy_sequence_mask_delta",
-        "top_entropy_quantile", "log_entropy", "num_iterations")},
-    **{name: _TEACHER for name in (
-        "teacher_model", "teacher_model_type", "teacher_model_revision", "teacher_model_server",
-        "teacher_kl_coef", "offload_teacher_model", "teacher_tag_key")},
+    # on-policy distillation
+    "teacher_model_server": "a teacher served over HTTP is not supported: load it in the trainer "
+                            "with --teacher_model (an HF directory or hub id; "
+                            "--offload_teacher_model keeps it in host memory between passes)",
+    "teacher_tag_key": "multi-teacher routing needs --teacher_model_server, which is not "
+                       "supported: one --teacher_model scores every completion",
     # multi-turn and asynchronous generation
     **{name: _MULTI_TURN for name in (
         "multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env",
@@ -47,10 +40,6 @@ NOT_SUPPORTED: Dict[str, str] = {
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
                "--vllm_mode colocate (colocate_groups) or server (a `megatron rollout` server)",
     "colocate_groups": "a Ray launcher setting (see use_ray)",
-    **{name: "reward models are " + _ALGORITHMS for name in ("reward_model", "reward_model_plugin")},
-    **{name: "reference-model options are " + _ALGORITHMS for name in (
-        "sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "ref_model",
-        "ref_adapters", "mcore_ref_model", "mcore_ref_adapter")},
     "router_replay_mode": "MoE router replay is not supported",
     "bridge_backend": "swift-megatron has its own bridge (swift_megatron/bridge)",
     "optimizer": "only Adam(W) is supported",

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import os
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -76,8 +77,11 @@ class FlagSpec:
             return parse_bool(text)
         if self.base is dict:
             return text if isinstance(text, dict) else json.loads(text)
-        if self.base is float and isinstance(text, str):
-            return float(text)
+        if self.base is float:
+            number = float(text)
+            if not math.isfinite(number):  # nan / inf never make sense as a setting
+                raise ValueError(f"expected a finite number, got {text}")
+            return number
         if self.base is int and isinstance(text, float) and text != int(text):
             raise ValueError(f"expected an integer, got {text}")
         return self.base(text)

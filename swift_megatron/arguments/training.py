@@ -8,6 +8,16 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 REPORT_TARGETS = ("tensorboard", "wandb", "swanlab", "none")
+
+
+def check_lr_bounds(values) -> None:
+    """--min_lr and --lr_warmup_init must not exceed --lr (`values`: the training flags or the
+    optimizer settings built from them)."""
+    if values.min_lr > values.lr:
+        raise UserError(f"--min_lr {values.min_lr} must not exceed --lr {values.lr}")
+    if values.lr_warmup_init > values.lr:
+        raise UserError(f"--lr_warmup_init {values.lr_warmup_init} must not exceed "
+                        f"--lr {values.lr}")
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
@@ -125,6 +135,7 @@ class TrainingArguments:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} must be >= 1, got {value}")
+        self._check_optimizer_values()
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction < 1:
             raise UserError(f"--lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
@@ -148,6 +159,22 @@ class TrainingArguments:
             self.merge_lora = self.save_safetensors
         if "none" in self.report_to:
             self.report_to = []
+
+
+    def _check_optimizer_values(self) -> None:
+        """Ranges of the optimizer and schedule values (NaN and inf are refused by the parser)."""
+        if self.lr is not None and self.lr <= 0:
+            raise UserError(f"--lr must be > 0, got {self.lr}")
+        for name in ("min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr_warmup_iters < 0:
+            raise UserError(f"--lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise UserError(f"--adam_eps must be > 0, got {self.adam_eps}")
 
 
 @dataclass

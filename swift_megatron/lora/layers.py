@@ -216,11 +216,14 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
         output, bias = super().forward(input_, weight, runtime_gather_output)
         if not self.lora_enabled:
             return output, bias
-        delta = self._lora(input_)
-        return output.index_add(-1, self.lora_positions, delta, alpha=self.lora_scale), bias
+        # the matmul's output is not saved for its backward: adding in place is safe and saves
+        # a copy of the (large) fused output
+        return output.add_(self._lora(input_), alpha=self.lora_scale), bias
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., adapted rows of this rank], projection after projection (unscaled)."""
+        """The unscaled adapter output in the layout of this rank's fused output rows: one
+        matmul with every projection's A stacked [k r, in], one with their B placed at their
+        output rows [rows, k r] (zeros elsewhere)."""
         a = torch.cat(list(self.lora_A.values()))
         if self.explicit_expert_comm:
             a = copy_to_tensor_model_parallel_region(a, group=self.tp_group)
@@ -229,8 +232,13 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
             z = gather_from_sequence_parallel_region(z, group=self.tp_group)
         elif not self.explicit_expert_comm:
             z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
-        return torch.cat([F.linear(part, b) for part, b in
-                          zip(z.split(self.lora_r, dim=-1), self.lora_B.values())], dim=-1)
+        return F.linear(z, self._placed_b())
+
+    def _placed_b(self) -> torch.Tensor:
+        """[this rank's fused output rows, k r]: projection i's B at its rows, columns i r.."""
+        blocks = torch.block_diag(*self.lora_B.values())
+        placed = blocks.new_zeros(self.lora_local_size, blocks.shape[1])
+        return placed.index_copy(0, self.lora_positions, blocks)
 
     def _add_delta(self, weight: torch.Tensor) -> torch.Tensor:
         delta = torch.cat([b.float() @ a.float() for a, b in

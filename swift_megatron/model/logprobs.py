@@ -89,8 +89,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             scaled = shard.scaled(flat[a:b])
             chunk_grad = -torch.exp(scaled - lse[a:b].unsqueeze(-1)) * flat_grad[a:b].unsqueeze(-1)
             local = flat_targets[a:b] - shard.start
-            rows = torch.nonzero((local >= 0) & (local < flat.shape[-1])).squeeze(-1)
-            chunk_grad[rows, local[rows]] += flat_grad[a:b][rows]
+            mine = (local >= 0) & (local < flat.shape[-1])
+            # + g at each target column of this shard (no host sync: a masked scatter-add)
+            chunk_grad.scatter_add_(-1, local.clamp(0, flat.shape[-1] - 1).unsqueeze(-1),
+                                    torch.where(mine, flat_grad[a:b], 0.0).unsqueeze(-1))
             grad[a:b] = (chunk_grad / shard.temperature).to(grad.dtype)
         return grad.reshape(logits.shape), None, None, None
 

@@ -97,8 +97,8 @@ _VARLEN_BACKENDS = (AttnBackend.flash, AttnBackend.auto)
 
 def varlen_causal(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
     """Causal flash attention over packed sequences with torch's varlen kernel (CUDA). Its API
-    changed between torch releases: newer ones take window_size and enable_gqa, older ones
-    is_causal and equal head counts (then K/V heads are repeated)."""
+    changed between torch releases: causality is window_size (-1, 0) (torch 2.11+) or
+    is_causal; without enable_gqa (torch 2.11) the K/V heads are repeated."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -106,13 +106,17 @@ def varlen_causal(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
         raise ValueError("this torch's varlen_attn has no scale argument; use "
                          "--attention_backend unfused")
     cu = cu_seqlens.to(torch.int32)
-    if "window_size" in params:
-        return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=scale,
-                           window_size=(-1, 0), enable_gqa=query.shape[1] != key.shape[1])
-    repeat = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    if query.shape[1] != key.shape[1] and "enable_gqa" not in params:  # repeat the K/V heads
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     kwargs = {"scale": scale} if "scale" in params else {}
-    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, is_causal=True, **kwargs)
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = query.shape[1] != key.shape[1]
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 def _dense_mlp() -> ModuleSpec:

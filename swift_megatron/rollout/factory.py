@@ -14,11 +14,9 @@ from typing import Sequence
 import torch
 
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.logging import get_logger
 from swift_megatron.preflight import vllm_installed
 from swift_megatron.rollout.engine import RolloutEngine
 
-logger = get_logger(__name__)
 
 
 def engine_kind(args: RlhfArguments, device: torch.device) -> str:
@@ -28,21 +26,10 @@ def engine_kind(args: RlhfArguments, device: torch.device) -> str:
     return args.rollout.vllm_mode
 
 
-def _warn_ignored(args: RlhfArguments, kind: str) -> None:
-    r = args.rollout
-    ignored = [f"--{name}" for name, value in (("sleep_level", r.sleep_level),
-                                               ("offload_model", r.offload_model),
-                                               ("offload_optimizer", r.offload_optimizer)) if value]
-    if ignored and kind != "colocate":
-        logger.warning(f"{', '.join(ignored)} only act in colocate mode; ignored with the "
-                       f"{kind} engine")
-
-
 def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: Sequence[int], pad_token_id: int) -> RolloutEngine:
     """The engine the flags ask for (see the module docstring)."""
     kind = engine_kind(args, device)
-    _warn_ignored(args, kind)
     bucket_bytes = args.rollout.weight_sync_bucket_mb << 20
     if kind == "hf":
         from swift_megatron.rollout.hf import HFEngine

@@ -7,7 +7,7 @@ Multi-turn rollouts look them up by name:
     from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
     env_cls = GYM_ENVS.lookup(name)          # UserError listing the registered names if unknown
 
-Nothing in swift-megatron consumes RM_PLUGINS yet: it has no reward models.
+RM_PLUGINS feeds --reward_model_plugin (rewards/reward_model.py).
 Torch-free (cheap to import).
 """
 import difflib

@@ -35,6 +35,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import optimizer_config as _optimizer_config_module
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from swift_megatron.arguments.training import check_lr_bounds
 from swift_megatron.errors import UserError
 
 
@@ -84,7 +85,7 @@ def _te_fused_adam_available() -> bool:
 def check_settings(settings: OptimizerSettings, device: torch.device, dtype: torch.dtype) -> None:
     """UserError, before any model is built, for settings megatron-core 0.16.1 cannot run in
     this configuration (see the module docstring) and for a schedule that does not fit."""
-    _check_lr_bounds(settings)
+    check_lr_bounds(settings)
     schedule_steps(settings)
     if settings.optimizer_cpu_offload:
         _check_cpu_offload(settings, device, dtype)
@@ -178,17 +179,9 @@ def schedule_steps(settings: OptimizerSettings) -> ScheduleSteps:
     return ScheduleSteps(warmup=warmup, decay=decay, wsd_decay=wsd)
 
 
-def _check_lr_bounds(settings: OptimizerSettings) -> None:
-    if settings.min_lr > settings.lr:
-        raise UserError(f"--min_lr {settings.min_lr} must not exceed --lr {settings.lr}")
-    if settings.lr_warmup_init > settings.lr:
-        raise UserError(f"--lr_warmup_init {settings.lr_warmup_init} must not exceed "
-                        f"--lr {settings.lr}")
-
-
 def build_scheduler(optimizer, settings: OptimizerSettings) -> OptimizerParamScheduler:
     """megatron's schedule (see the module docstring); weight decay stays constant."""
-    _check_lr_bounds(settings)
+    check_lr_bounds(settings)
     steps = schedule_steps(settings)
     return OptimizerParamScheduler(
         optimizer, init_lr=settings.lr_warmup_init, max_lr=settings.lr, min_lr=settings.min_lr,

@@ -2,7 +2,11 @@
 (per-request seeds), so the same rewards, advantages, losses and grad norms, to 1e-5.
 
 Each run is the real command, `megatron rlhf`, relaunched under torchrun through NPROC_PER_NODE,
-with the old-policy pass (steps_per_generation 2) and the reference model (beta > 0) active."""
+with the old-policy pass (steps_per_generation 2) and the reference model (beta > 0) active.
+Configurations: dapo and grpo; `mix`, what reduces across ranks or stages in issue 14's options
+(cispo's step-token normalisation, reinforce_plus_plus's batch std with the KL in the rewards,
+a teacher of another size, the entropy mask and its max/min summaries, token_mask IS); `real`,
+whose group loss is normalised by the step's number of groups."""
 import json
 import os
 import subprocess
@@ -39,35 +43,50 @@ def run_rlhf(model, dataset, out_dir, extra, nproc):
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir, math_dataset_path, tmp_path_factory):
-    return tiny_model_dir("qwen3"), math_dataset_path, tmp_path_factory.mktemp("grpo_layouts")
+    from swift_megatron.fixtures import build_tiny_model
+
+    root = tmp_path_factory.mktemp("grpo_layouts")
+    teacher = build_tiny_model("qwen3", str(root / "teacher"), seed=1, hidden_size=32,
+                               num_hidden_layers=2, intermediate_size=64)
+    configs = {
+        "dapo": ["--loss_type", "dapo"], "grpo": ["--loss_type", "grpo"],
+        "mix": ["--loss_type", "cispo", "--epsilon_high", "5", "--advantage_estimator",
+                "reinforce_plus_plus", "--teacher_model", teacher, "--log_entropy", "true",
+                "--top_entropy_quantile", "0.5", "--rollout_importance_sampling_mode", "token_mask"],
+        "real": ["--loss_type", "real", "--num_generations", "2"],  # micro-batches of 2: whole groups
+    }
+    return tiny_model_dir("qwen3"), math_dataset_path, root, configs
 
 
 _REFERENCES = {}
 
 
-def reference(setup, loss_type):
-    """The single-process run for a loss type (run once per module)."""
-    if loss_type not in _REFERENCES:
-        model, dataset, root = setup
-        _REFERENCES[loss_type] = run_rlhf(model, dataset, root / f"single_{loss_type}",
-                                          ["--loss_type", loss_type], 1)
-    return _REFERENCES[loss_type]
+def reference(setup, config):
+    """The single-process run of a configuration (run once per module)."""
+    if config not in _REFERENCES:
+        model, dataset, root, configs = setup
+        _REFERENCES[config] = run_rlhf(model, dataset, root / f"single_{config}", configs[config], 1)
+    return _REFERENCES[config]
 
 
-KEYS = ["loss/policy", "grad_norm", "reward/mean", "kl", "entropy", "rollout/completion_tokens"]
-# dapo normalises by the token count of the whole step (all DP ranks): the most layout-
-# sensitive loss, run under every layout; grpo under DP=2.
-CASES = [("dapo", "tp2"), ("dapo", "pp2"), ("dapo", "dp2"), ("grpo", "dp2")]
+KEYS = ["loss/policy", "grad_norm", "reward/mean", "entropy", "rollout/completion_tokens"]
+EXTRA_KEYS = {"dapo": ["kl"], "grpo": ["kl"], "real": ["kl"],
+              "mix": ["reward/kl", "teacher_kl", "entropy/completion_max",
+                      "entropy/completion_min", "entropy/kept_fraction", "rollout_correction/ess"]}
+# dapo normalises by the token count of the whole step (all DP ranks), as cispo in `mix` does:
+# mix runs under every layout, the others under DP=2.
+CASES = [("mix", "tp2"), ("mix", "pp2"), ("mix", "dp2"), ("dapo", "dp2"), ("grpo", "dp2"),
+         ("real", "dp2")]
 
 
-@pytest.mark.parametrize("loss_type,layout", CASES)
-def test_layout_reproduces_single_process(setup, loss_type, layout):
-    expected = reference(setup, loss_type)
-    model, dataset, root = setup
-    got = run_rlhf(model, dataset, root / f"{layout}_{loss_type}",
-                   LAYOUTS[layout] + ["--loss_type", loss_type], 2)
+@pytest.mark.parametrize("config,layout", CASES)
+def test_layout_reproduces_single_process(setup, config, layout):
+    expected = reference(setup, config)
+    model, dataset, root, configs = setup
+    got = run_rlhf(model, dataset, root / f"{layout}_{config}", LAYOUTS[layout] + configs[config], 2)
     assert len(got) == len(expected) == 2
     for mine, ref in zip(got, expected):
-        for key in KEYS:
+        for key in KEYS + EXTRA_KEYS[config]:
             assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (layout, key)
-    assert expected[1]["kl"] > 0 and expected[0]["grad_norm"] > 0  # the policy really moved
+    kl = "reward/kl" if config == "mix" else "kl"
+    assert expected[1][kl] > 0 and expected[0]["grad_norm"] > 0  # the policy really moved

@@ -6,8 +6,10 @@ TP=1 (DP=2).
 
 Checked: losses and grad norms (rel 1e-6 at step 0, 2e-5 after Adam updates), the step-0
 adapter gradients in HF layout, the saved PEFT adapters (bit-exact before training; after it,
-within 0.1% of how far training moved them: Adam's first update is lr * g / (|g| + eps), which
-amplifies float noise where |g| ~ eps), and a distributed checkpoint of the TP=2 LoRA model
+within 0.3% of how far training moved them: Adam's first update is lr * g / (|g| + eps), which
+amplifies float noise where |g| ~ eps; measured 1e-6..4e-5 on a movement of 0.03, the MoE
+layouts' all-to-all summing in another order; a missing reduction moves them by O(0.03)), and a
+distributed checkpoint of the TP=2 LoRA model
 reloading with TP=1 bit-exactly.
 """
 import json
@@ -86,7 +88,7 @@ def test_saved_adapters_match(runs, job):
     moved = max_diff(adapter(out, reference, "final"), adapter(out, reference, "init"))
     diff = max_diff(adapter(out, job, "final"), adapter(out, reference, "final"))
     print(f"{job}: trained adapters max abs diff {diff:.2e} (training moved them {moved:.3f})")
-    assert diff <= 1e-3 * moved
+    assert diff <= 3e-3 * moved
 
 
 def test_distributed_checkpoint_of_tp2_lora_model_reloads_with_tp1(runs):

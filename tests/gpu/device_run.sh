@@ -12,6 +12,12 @@
 #   grpo_lora_1p5b  the same with --train_type lora (reference = adapters disabled)
 #   vllm_tests      tests/gpu/test_vllm_gpu.py (colocate engine, MoE sync, offload; server: 2 GPUs)
 #   bridge_tests    tests/gpu/test_bridge_gpu.py (HF vs Megatron logits; TP=2 parts need 2 GPUs)
+#   trl_compare     benchmarks/trl_compare.py: ours vs TRL's GRPOTrainer, Qwen2.5-1.5B shape
+#   trl_varlen      the same with completions of spread lengths (--variable_length)
+#   rollout_probe   benchmarks/rollout.py colocate (0.5B shape): sync speed, logprob mismatch,
+#                   sleep levels 1 and 2 with the tensors each changed
+#   profile         ours alone on the trl_compare setup, the 3rd rollout batch under the torch
+#                   profiler ($OUT/profile/profile_rank0.txt, training/profile.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -38,6 +44,14 @@ phase() {
                             --vllm_gpu_memory_utilization 0.3 --train_type lora ;;
         vllm_tests) python3 -m pytest tests/gpu/test_vllm_gpu.py -q -s -x ;;
         bridge_tests) python3 -m pytest tests/gpu/test_bridge_gpu.py -q -s ;;
+        trl_compare) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                         --work_dir /tmp/trl_compare ;;
+        trl_varlen) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --work_dir /tmp/trl_varlen --variable_length ;;
+        profile) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
+                     --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile ;;
+        rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
+                           --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
         *) echo "unknown phase $1"; return 2 ;;
     esac
 }

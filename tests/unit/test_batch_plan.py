@@ -143,3 +143,21 @@ def test_plan_table_lists_every_quantity():
                  "completions_per_rank"):
         assert name in table
     assert "512" in table and "64" in table
+
+
+def test_whole_groups_rule_for_group_losses():
+    from swift_megatron.arguments.batch_plan import check_whole_groups
+
+    # ms-swift's real.sh: 2 GPUs, mbs 8, gbs 128, G 8 -> every micro-batch is one whole group
+    check_whole_groups(make_batch_plan(inputs(world=2, mbs=8, gbs=128, G=8)), "real")
+    plan = make_batch_plan(inputs(world=2, mbs=4, gbs=128, G=8))  # 16 prompts / 2 ranks
+    with pytest.raises(BatchPlanError) as error:
+        check_whole_groups(plan, "--loss_type real compares the completions of a group")
+    # multiples of 8 that pass every rule: 8 (8 prompts per DP rank are a multiple of 8); 16 is not
+    assert str(error.value) == (
+        "--loss_type real compares the completions of a group: micro_batch_size=4 must be a "
+        "multiple of num_generations=8 (each micro-batch holds whole groups): use "
+        "micro_batch_size=8")
+    tight = make_batch_plan(inputs(world=1, mbs=1, gbs=4, G=4))  # 1 prompt: mbs 4 fails rule e
+    with pytest.raises(BatchPlanError, match="raise global_batch_size"):
+        check_whole_groups(tight, "real")

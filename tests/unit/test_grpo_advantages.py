@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from swift_megatron.rlhf.grpo.advantages import group_advantages, weighted_rewards
+from swift_megatron.rlhf.grpo.advantages import (compute_advantages, gdpo_advantages,
+                                                 group_advantages, weighted_rewards)
 
 EPS = 1e-4
 
@@ -116,3 +117,89 @@ def test_weighted_rewards_nan_is_zero():
     assert weighted_rewards(per_func, weights).tolist() == [1.0, 1.5, 0.0]
     with pytest.raises(ValueError):
         weighted_rewards(per_func, torch.tensor([1.0]))
+
+
+# ------------------------------------------------------- estimators, gdpo, kl_in_reward
+def test_rloo_is_leave_one_out_by_hand():
+    rewards, ids = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0]), torch.tensor([0, 0, 0, 0, 1, 1])
+    adv, _ = group_advantages(rewards, ids, "none", estimator="rloo")
+    # R_0 = 1 minus the mean of the others (0, 0, 1) = 2/3 = 4/3 * (1 - 0.5); group 1: 0.
+    expected = torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0])
+    torch.testing.assert_close(adv, expected, atol=1e-7, rtol=0)
+    adv, _ = group_advantages(rewards, ids, "group", EPS, estimator="rloo")
+    s = math.sqrt(1 / 3)  # group 0: mean 0.5, var (4 * 0.25) / 3
+    torch.testing.assert_close(adv, expected / torch.tensor([s + EPS] * 4 + [EPS] * 2),
+                               atol=1e-6, rtol=0)
+    single, _ = group_advantages(torch.tensor([5.0]), torch.tensor([0]), "none", estimator="rloo")
+    assert single.tolist() == [0.0]  # K = 1: R - mean
+
+
+def test_reinforce_plus_plus_scales_by_std_of_centered_rewards():
+    rewards, ids = torch.tensor([1.0, 3.0, 10.0, 10.0]), torch.tensor([0, 0, 1, 1])
+    centered = torch.tensor([-1.0, 1.0, 0.0, 0.0])
+    adv, _ = group_advantages(rewards, ids, "batch", EPS, estimator="reinforce_plus_plus")
+    # std of the centered values: sum of squares 2 over 3 -> sqrt(2/3)
+    torch.testing.assert_close(adv, centered / (math.sqrt(2 / 3) + EPS), atol=1e-6, rtol=0)
+    grpo, _ = group_advantages(rewards, ids, "batch", EPS)
+    # grpo divides by the std of the rewards: deviations from 6: -5 -3 4 4 -> sqrt(66 / 3)
+    torch.testing.assert_close(grpo, centered / (math.sqrt(22) + EPS), atol=1e-6, rtol=0)
+    adv, _ = group_advantages(rewards, ids, "group", EPS, estimator="reinforce_plus_plus")
+    torch.testing.assert_close(adv, centered / torch.tensor([math.sqrt(2) + EPS] * 2 + [EPS] * 2),
+                               atol=1e-6, rtol=0)
+
+
+def test_gdpo_by_hand():
+    nan = float("nan")
+    per_func = torch.tensor([[1.0, 0.5], [0.0, nan], [1.0, 0.2], [1.0, 0.4]], dtype=torch.float64)
+    ids = torch.tensor([0, 0, 1, 1])
+    adv = gdpo_advantages(per_func, torch.tensor([1.0, 2.0], dtype=torch.float64), ids)
+    # f1: group 0 [1, 0] -> +-0.5 / (sqrt(0.5) + 1e-8); group 1 [1, 1] -> 0.
+    # f2: group 0 has one value (0.5): 0 / 1e-8 = 0, NaN -> 0; group 1 [0.2, 0.4] -> -+0.1 /
+    #   (sqrt(0.02) + 1e-8). Weighted sum: [a, -a, -2b, 2b]; mean 0; then / (std + 1e-8).
+    a, b = 0.5 / (math.sqrt(0.5) + 1e-8), 0.1 / (math.sqrt(0.02) + 1e-8)
+    summed = [a, -a, -2 * b, 2 * b]
+    std = math.sqrt(sum(x * x for x in summed) / 3)
+    expected = torch.tensor([x / (std + 1e-8) for x in summed], dtype=torch.float64)
+    torch.testing.assert_close(adv, expected, atol=1e-12, rtol=0)
+
+
+def test_compute_advantages_subtracts_beta_kl_before_the_estimator():
+    per_func = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
+    ids = torch.tensor([0, 0, 1, 1])
+    adv, metrics = compute_advantages(per_func, torch.tensor([1.0]), ids, scale_rewards="group",
+                                      kl=torch.tensor([0.4, 0.0, 0.0, 2.0]), beta=0.5)
+    # shaped rewards [0.8, 0, 1, 0]: group 0 +-0.4 / (sqrt(0.32) + eps), group 1 +-0.5 / ...
+    expected = torch.tensor([0.4 / (math.sqrt(0.32) + EPS), -0.4 / (math.sqrt(0.32) + EPS),
+                             0.5 / (math.sqrt(0.5) + EPS), -0.5 / (math.sqrt(0.5) + EPS)])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    assert metrics["reward_mean"] == 0.75  # the metrics are of the rewards themselves
+    gdpo, _ = compute_advantages(per_func, torch.tensor([1.0]), ids, scale_rewards="gdpo")
+    torch.testing.assert_close(gdpo, gdpo_advantages(per_func, torch.tensor([1.0]), ids))
+    with pytest.raises(ValueError, match="gdpo"):
+        compute_advantages(per_func, torch.tensor([1.0]), ids, scale_rewards="gdpo",
+                           kl=torch.zeros(4), beta=0.1)
+    # no reward functions (pure distillation): every advantage is 0
+    empty, _ = compute_advantages(torch.zeros(4, 0), torch.zeros(0), ids)
+    assert empty.tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_estimators_are_permutation_invariant(estimator, scale):
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(32, generator=g)
+    ids = torch.arange(8).repeat_interleave(4)
+    adv, _ = group_advantages(rewards, ids, scale, EPS, estimator=estimator)
+    perm = torch.randperm(32, generator=g)
+    adv_p, _ = group_advantages(rewards[perm], ids[perm], scale, EPS, estimator=estimator)
+    assert torch.equal(adv_p, adv[perm])
+
+
+def test_gdpo_is_permutation_invariant():
+    g = torch.Generator().manual_seed(3)
+    per_func = torch.rand(24, 3, generator=g, dtype=torch.float64)
+    per_func[::5, 1] = float("nan")
+    ids, weights = torch.arange(6).repeat_interleave(4), torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    perm = torch.randperm(24, generator=g)
+    assert torch.equal(gdpo_advantages(per_func[perm], weights, ids[perm]),
+                       gdpo_advantages(per_func, weights, ids)[perm])

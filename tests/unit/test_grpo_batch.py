@@ -5,22 +5,27 @@ import torch
 from swift_megatron.rlhf.grpo.batch import Sample, collate, split_micro_batches
 
 
-def sample(prompt, completion, finish="stop", logprobs=None, advantage=0.0):
-    return Sample(group_id=0, prompt_id=0, prompt_ids=prompt, completion_ids=completion,
+def sample(prompt, completion, finish="stop", logprobs=None, advantage=0.0, group_id=0):
+    return Sample(group_id=group_id, prompt_id=0, prompt_ids=prompt, completion_ids=completion,
                   rollout_logprobs=logprobs, finish_reason=finish, rewards=[], advantage=advantage)
 
 
 def test_collate_aligns_targets_and_mask():
     batch = collate([sample([1, 2, 3], [4, 5], logprobs=[-0.5, -0.25], advantage=1.5),
-                     sample([7], [8, 9, 10], advantage=-1.0)], pad_id=0)
+                     sample([7], [8, 9, 10], logprobs=[-1.0, -2.0, -3.0], advantage=-1.0,
+                            group_id=5)], pad_id=0)
     # model input: sequence[:-1]; targets: sequence[1:]; right padded to the longest (4)
     assert batch["tokens"].tolist() == [[1, 2, 3, 4], [7, 8, 9, 0]]
     assert batch["targets"].tolist() == [[2, 3, 4, 5], [8, 9, 10, 0]]
     # the mask marks target positions that are completion tokens (4, 5 and 8, 9, 10)
     assert batch["completion_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
-    assert batch["rollout_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
+    assert batch["rollout_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [-1, -2, -3, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert batch["advantages"].tolist() == [1.5, -1.0]
+    assert batch["group_ids"].tolist() == [0, 5]
+    # the engine's logprobs only when every sample has them
+    assert "rollout_logprobs" not in collate([sample([1], [2], logprobs=[-0.5]), sample([1], [2])],
+                                             pad_id=0)
 
 
 def test_collate_pads_to_multiple_and_filters_overlong():

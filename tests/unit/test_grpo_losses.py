@@ -289,21 +289,6 @@ def test_bnpo_is_mean_of_micro_batch_token_means_and_depends_on_split():
     assert abs(got - unsplit) > 1e-3
 
 
-def test_rollout_correction_token_and_sequence_truncate():
-    from swift_megatron.rlhf.grpo.losses import rollout_correction
-    old = torch.tensor([[-1.0, -2.0, -0.5]])
-    rollout = torch.tensor([[-1.5, -1.0, -0.5]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    token = rollout_correction(old, rollout, mask, "token_truncate", threshold=1.5)
-    # exp(0.5) = 1.6487 -> truncated to 1.5; exp(-1) = 0.3679; masked position -> 1
-    assert torch.allclose(token, torch.tensor([[1.5, math.exp(-1.0), 1.0]]), atol=1e-6)
-    seq = rollout_correction(old, rollout, mask, "sequence_truncate", threshold=2.0)
-    # sum of (old - rollout) over valid tokens = 0.5 - 1.0 = -0.5 -> exp(-0.5) on valid tokens
-    assert torch.allclose(seq, torch.tensor([[math.exp(-0.5), math.exp(-0.5), 1.0]]), atol=1e-6)
-    with pytest.raises(ValueError):
-        rollout_correction(old, rollout, mask, "clip", 2.0)
-
-
 def test_logprob_mismatch_masks_and_summarises():
     from swift_megatron.rlhf.grpo.losses import logprob_mismatch
     trainer = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, -0.5, -0.5]])

@@ -47,12 +47,11 @@ ACCEPTED = {
     "load_from_cache_file": "false", "split_dataset_ratio": 0, "recompute_method": None,
     "moe_permute_fusion": "true", "moe_expert_capacity_factor": 2, "check_model": "false",
     "log_rollout_offpolicy_metrics": "true", "cross_entropy_loss_fusion": "true",
-    "lr_warmup_fraction": "0.0", "min_lr": "5e-5", "seed": 42,
-    "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000,
+    "lr_warmup_fraction": "0.0", "min_lr": "1e-7", "seed": 42,
+    "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000, "tau_pos": 1, "tau_neg": "1.05",
+    "teacher_model": "Qwen/Qwen3.5-9B", "advantage_estimator": "rloo", "teacher_kl_coef": "1.0",
 }
-OTHER_ISSUES = {"tau_pos": "issue 14", "tau_neg": "issue 14", "teacher_model": "issue 14",
-                "advantage_estimator": "issue 14", "teacher_kl_coef": "issue 14",
-                "multi_turn_scheduler": "issue 15", "use_gym_env": "issue 15",
+OTHER_ISSUES = {"teacher_model_server": "--teacher_model", "multi_turn_scheduler": "issue 15", "use_gym_env": "issue 15",
                 "gym_env": "issue 15", "max_turns": "issue 15", "freeze_vit": "issue 12",
                 "use_ray": "torchrun, not Ray"}
 
@@ -145,11 +144,16 @@ def test_silent_adjustments_and_ignored_flags_are_noticed():
     assert notices(rlhf()) == []
 
 
-def test_algorithm_values_of_later_issues_are_refused_with_the_reason():
-    with pytest.raises(UserError, match="--loss_type sapo is not supported yet.*issue 14"):
-        rlhf("--loss_type", "sapo")
-    with pytest.raises(UserError, match="--scale_rewards gdpo is not supported yet"):
-        rlhf("--scale_rewards", "gdpo")
+def test_algorithm_flags_of_the_examples_parse_together():
+    """examples/megatron/grpo/sapo.sh, real.sh and opd_rl.sh: their algorithm flags together."""
+    sapo = rlhf("--loss_type", "sapo", "--tau_pos", 1, "--tau_neg", "1.05", "--epsilon_high", "0.2")
+    assert (sapo.grpo.loss_type, sapo.grpo.tau_pos, sapo.grpo.tau_neg) == ("sapo", 1.0, 1.05)
+    real = rlhf("--loss_type", "real", "--micro_batch_size", 8, "--num_generations", 8,
+                "--beta", "0.001")
+    assert (real.grpo.scale_rewards, real.grpo.real_tau) == ("none", 0.5)  # ms-swift forces none
+    opd = rlhf("--teacher_model", "Qwen/Qwen3.5-9B", "--num_generations", 1, "--beta", 0,
+               "--loss_type", "grpo", "--log_rollout_offpolicy_metrics", "true")
+    assert opd.grpo.has_teacher and opd.grpo.num_generations == 1 and opd.grpo.teacher_kl_coef == 1.0
 
 
 def test_server_base_url():
@@ -222,3 +226,28 @@ def test_dry_run_checks_node_rank():
                           env=dict(os.environ, NPROC_PER_NODE="1", NNODES="2", NODE_RANK="2"))
     assert proc.returncode == 2 and "NODE_RANK=2 must be smaller than NNODES=2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_flags_the_chosen_mode_ignores_are_noticed():
+    from swift_megatron.preflight import preflight_rlhf
+
+    args = rlhf("--lora_rank", 16, "--vllm_server_port", 9000, "--sleep_level", 1,
+                "--global_batch_size", 8, "--device", "cpu")
+    preflight_rlhf(args, world_size=1)
+    lines = notices(args)
+    assert "ignored here, they only act with --train_type lora: --lora_rank" in lines
+    assert "ignored here, they only act with --vllm_mode server: --vllm_server_port" in lines
+    assert "ignored here, they only act with the vLLM colocate engine: --sleep_level" in lines
+    quiet = rlhf("--train_type", "lora", "--lora_rank", 16, "--global_batch_size", 8)
+    preflight_rlhf(quiet, world_size=1)
+    assert not any(line.startswith("ignored here") for line in notices(quiet))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "nan"], "expected a finite number"), (["--adam_beta1", "1.5"], r"in \[0, 1\)"),
+    (["--weight_decay", "-5"], ">= 0"), (["--repetition_penalty", "-1"], "> 0"),
+    (["--temperature", "inf"], "expected a finite number"), (["--min_lr", "1"], "must not exceed"),
+    (["--lr_warmup_iters", "-3"], ">= 0"), (["--clip_grad", "-1"], ">= 0")])
+def test_numeric_values_are_checked_up_front(argv, message):
+    with pytest.raises(UserError, match=message):
+        rlhf(*argv)

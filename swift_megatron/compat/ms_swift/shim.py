@@ -178,5 +178,5 @@ def register_additions(added: Registries, source: str) -> None:
         for name, obj in added.get(key, {}).items():
             registry.register(name, obj, source)
     if added.get("rm_plugins"):
-        logger.info(f"{source} registered reward-model plugins ({', '.join(added['rm_plugins'])}); "
-                    f"swift-megatron has no reward models, so they are not used")
+        logger.info(f"{source} registered reward-model plugins ({', '.join(added['rm_plugins'])}) "
+                    f"for --reward_model_plugin")

@@ -42,9 +42,10 @@ class Sample:
 
 def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
             overlong_filter: bool = False, packed: bool = False) -> Dict[str, torch.Tensor]:
-    """One micro-batch: targets/completion_mask/rollout_logprobs [B, S], advantages/truncated
-    [B], and the model inputs of the chosen layout (module docstring). With overlong_filter,
-    truncated completions get an empty mask."""
+    """One micro-batch: targets/completion_mask [B, S], rollout_logprobs [B, S] (when every
+    sample has the engine's logprobs), advantages/truncated/group_ids [B], and the model inputs
+    of the chosen layout (module docstring). With overlong_filter, truncated completions get an
+    empty mask."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
     width = -(-max(lengths) // (1 if packed else pad_to_multiple)) * (1 if packed else pad_to_multiple)
     batch = len(samples)
@@ -61,10 +62,13 @@ def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
         if sample.rollout_logprobs is not None:
             rollout[row, start:n] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
     micro = dict(
-        tokens=tokens, targets=targets, completion_mask=mask, rollout_logprobs=rollout,
+        tokens=tokens, targets=targets, completion_mask=mask,
         position_ids=torch.arange(width).expand(batch, width).contiguous(),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool))
+        truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool),
+        group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long))
+    if all(s.rollout_logprobs is not None for s in samples):
+        micro["rollout_logprobs"] = rollout
     if packed:
         micro.update(pack(tokens, targets, lengths, pad_id, pad_to_multiple))
     return micro

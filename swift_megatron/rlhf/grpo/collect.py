@@ -1,4 +1,5 @@
-"""Collect one rollout batch for this data-parallel rank: generate, score, resample, advantage.
+"""Collect one rollout batch for this data-parallel rank: generate, score, resample; then
+(once the trainer has the logprobs --kl_in_reward needs) the advantages.
 
 The DP rank's prompts are expanded into num_generations requests each; the ranks of one model
 replica (TP x PP x CP, "mp group") split those requests evenly, generate and compute rewards for
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from swift_megatron.data import Prompt
 from swift_megatron.logging import get_logger
 from swift_megatron.rewards import compute_rewards
-from swift_megatron.rlhf.grpo.advantages import group_advantages
+from swift_megatron.rlhf.grpo.advantages import compute_advantages
 from swift_megatron.rlhf.grpo.batch import Sample
 from swift_megatron.rlhf.grpo.filtering import zero_std_prompt_ids
 from swift_megatron.rollout.engine import RolloutEngine, SamplingConfig
@@ -34,6 +35,8 @@ class CollectSettings:
     scale_rewards: str
     dynamic_sample: bool
     max_resample_times: int
+    advantage_estimator: str = "grpo"
+    kl_beta: float = 0.0          # --kl_in_reward: rewards minus kl_beta x completion KL
 
 
 @dataclasses.dataclass
@@ -120,21 +123,28 @@ class RolloutCollector:
         return zero_std_prompt_ids(rewards, groups).tolist()
 
     # ---- advantages over the whole rollout batch -----------------------------------------
-    def assign_advantages(self, samples: List[Sample]) -> Dict[str, float]:
-        """Set each sample's advantage from the rewards of every DP rank; returns rollout metrics."""
-        rows = _sample_rows(samples, len(self.reward_funcs)).to(self.device)
+    def assign_advantages(self, samples: List[Sample],
+                          kl: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """Set each sample's advantage from the rewards of every DP rank (with --kl_in_reward,
+        `kl` [len(samples)]: each sample's KL to the reference); returns rollout metrics."""
+        n_funcs, s = len(self.reward_funcs), self.settings
+        rows = _sample_rows(samples, n_funcs, kl).to(self.device)
         table = _gather_rows(rows, self.dp_group).cpu()
-        n_funcs = len(self.reward_funcs)
-        rewards, groups = table[:, n_funcs], table[:, n_funcs + 1].long()
-        advantages, metrics = group_advantages(rewards, groups, self.settings.scale_rewards)
+        groups = table[:, n_funcs + 1].long()
+        weights = torch.tensor(s.reward_weights, dtype=table.dtype)
+        advantages, metrics = compute_advantages(
+            table[:, :n_funcs], weights, groups, estimator=s.advantage_estimator,
+            scale_rewards=s.scale_rewards, kl=None if kl is None else table[:, n_funcs + 4],
+            beta=s.kl_beta)
         start = dist.get_rank(self.dp_group) * len(samples)
         for sample, value in zip(samples, advantages[start:start + len(samples)].tolist()):
             sample.advantage = value
-        return _rollout_metrics(table, metrics, self.settings.reward_names)
+        return _rollout_metrics(table, metrics, s.reward_names, kl is not None)
 
     def collect(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int
                 ) -> Tuple[List[Sample], Dict[str, float]]:
-        """This DP rank's scored samples (group ids: unique per prompt slot over the run)."""
+        """This DP rank's scored samples (group ids: unique per prompt slot over the run),
+        advantages not yet assigned (assign_advantages)."""
         samples = self.generate_and_score(prompts, group_ids, seed)
         unresolved = 0
         if self.settings.dynamic_sample:
@@ -143,9 +153,8 @@ class RolloutCollector:
                 logger.warning(f"dynamic_sample: {unresolved} group(s) still had zero reward std "
                                f"after {self.settings.max_resample_times} resampling round(s); "
                                "kept them")
-        metrics = self.assign_advantages(samples)
-        metrics["rollout/unresolved_zero_std_groups"] = float(
-            self._reduce(unresolved, dist.ReduceOp.SUM, self.dp_group))
+        metrics = {"rollout/unresolved_zero_std_groups":
+                   float(self._reduce(unresolved, dist.ReduceOp.SUM, self.dp_group))}
         return samples, metrics
 
     def _reduce(self, value: int, op, group=None) -> int:
@@ -202,12 +211,15 @@ def _replace_groups(samples: List[Sample], fresh: List[Sample]) -> List[Sample]:
     return result
 
 
-def _sample_rows(samples: List[Sample], n_funcs: int) -> torch.Tensor:
-    """[N, F + 4]: rewards per function (NaN for None), total, group id, length, truncated."""
+def _sample_rows(samples: List[Sample], n_funcs: int,
+                 kl: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[N, F + 5]: rewards per function (NaN for None), total, group id, length, truncated, KL
+    to the reference (0 without kl)."""
+    kl_values = [0.0] * len(samples) if kl is None else kl.tolist()
     rows = [[math.nan if r is None else float(r) for r in s.rewards]
-            + [s.reward, float(s.group_id), float(len(s.completion_ids)), float(s.truncated)]
-            for s in samples]
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(samples), n_funcs + 4)
+            + [s.reward, float(s.group_id), float(len(s.completion_ids)), float(s.truncated), k]
+            for s, k in zip(samples, kl_values)]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(samples), n_funcs + 5)
 
 
 def _gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
@@ -217,7 +229,7 @@ def _gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
 
 
 def _rollout_metrics(table: torch.Tensor, adv_metrics: Dict[str, float],
-                     names: List[str]) -> Dict[str, float]:
+                     names: List[str], with_kl: bool) -> Dict[str, float]:
     n_funcs = len(names)
     lengths, truncated = table[:, n_funcs + 2], table[:, n_funcs + 3]
     metrics = {"reward/mean": adv_metrics["reward_mean"], "reward/std": adv_metrics["reward_std"],
@@ -227,6 +239,8 @@ def _rollout_metrics(table: torch.Tensor, adv_metrics: Dict[str, float],
                "rollout/completion_length_max": lengths.max().item(),
                "rollout/truncated_fraction": truncated.mean().item(),
                "rollout/completion_tokens": lengths.sum().item()}
+    if with_kl:  # --kl_in_reward: the mean completion KL taken out of the rewards (before beta)
+        metrics["reward/kl"] = table[:, n_funcs + 4].mean().item()
     for column, name in enumerate(names):
         values = table[:, column]
         metrics[f"reward/{name}/mean"] = values.nanmean().item()

@@ -1,6 +1,7 @@
 """Build everything a GRPO run needs from the flags, one small function per component:
-parallel state, policy (Megatron DDP model + optimizer + schedule + bridge), reference model,
-tokenizer and prompts, rollout engine, reward functions, loggers. The trainer only runs the loop.
+parallel state, policy (Megatron DDP model + optimizer + schedule + bridge), reference and
+teacher models, tokenizer and prompts, rollout engine, reward functions and reward models,
+loggers. The trainer only runs the loop.
 """
 import dataclasses
 import json
@@ -12,7 +13,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from swift_megatron.arguments.batch_plan import BatchPlan
+from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
@@ -28,10 +29,16 @@ from swift_megatron.model.build import build_model
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
+from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
+from swift_megatron.preflight import check_reward_sources
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
+from swift_megatron.rewards.reward_model import reward_model_funcs
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
+from swift_megatron.rlhf.grpo.losses import FipoSettings
 from swift_megatron.rlhf.grpo.objective import LossSettings
+from swift_megatron.rlhf.grpo.references import Reference, reference_source
+from swift_megatron.rlhf.grpo.teacher import Teacher, check_same_tokenizer
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
 from swift_megatron.training.offload import model_offloader, optimizer_offloader
@@ -107,7 +114,7 @@ def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
     if args.training.train_iters:
         return args.training.train_iters
     batches = math.ceil(args.training.num_train_epochs * num_prompts / plan.rollout_prompts)
-    return max(batches, 1) * plan.steps_per_generation
+    return max(batches, 1) * plan.steps_per_generation * args.grpo.num_iterations
 
 
 def attach_lora(args: RlhfArguments, model, bridge: Bridge,
@@ -165,17 +172,63 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
-def reference(args: RlhfArguments, state: ParallelState, pol: Policy,
-              start: Start) -> Optional[List[torch.nn.Module]]:
-    """A frozen copy of the initial weights (--model or --mcore_model), only when the KL term
-    needs it (beta > 0) and the policy is not LoRA (then the reference is the policy with its
-    adapters disabled)."""
-    if args.grpo.beta == 0 or pol.lora is not None:
-        return None
-    model, _, _ = _load_model(args, state, pol.model_dir, pol.hf_config, pol.dtype,
-                              start.weights_dir)
+def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtype, *,
+                 model_type: Optional[str] = None, weights_dir: Optional[str] = None,
+                 adapter_dir: Optional[str] = None, flag: str) -> Tuple[torch.nn.Module, Bridge]:
+    """A forward-only model of this stage (a reference or a teacher), in the policy's parallel
+    layout: weights from `weights_dir` (a Megatron model directory) or the HF checkpoint, plus
+    an optional PEFT adapter; eval mode, no gradients. `flag` names it in errors."""
+    hf_config = load_hf_config(model_dir)
+    moe = num_experts(hf_config) is not None   # the expert degrees apply to MoE models only
+    try:
+        check_layout(hf_config, state.tp, state.pp, state.ep if moe else 1, state.etp if moe else 1)
+    except UserError as error:
+        raise UserError(f"{flag} {model_dir}: {error}") from None
+    model, config, shape = build_model(
+        hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
+        model_type=model_type, random_init=False, **_config_overrides(args))
+    bridge = Bridge(hf_config, shape, config)
+    if weights_dir:
+        load_model_dir([model], weights_dir)
+    else:
+        bridge.load(model, model_dir)
+    if adapter_dir:
+        load_adapter(model, adapter_dir, bridge.mappings)
     model.eval().requires_grad_(False)
-    return [model]
+    return model, bridge
+
+
+def reference_model(args: RlhfArguments, state: ParallelState, pol: Policy, start: Start,
+                    tok) -> Reference:
+    """The reference of the KL term (references.py says which), with --sync_ref_model's
+    requirements checked."""
+    m, g = args.model, args.grpo
+    source = reference_source(g, pol.lora is not None, pol.model_dir, start.weights_dir,
+                              lambda name: resolve_model_dir(name, m.use_hf, None))
+    frozen = None
+    if source is not None:
+        if source.model_dir != pol.model_dir:
+            check_same_tokenizer(source.model_dir, tok, "--ref_model")
+        model, _ = frozen_model(args, state, source.model_dir, pol.dtype,
+                                weights_dir=source.weights_dir, adapter_dir=source.adapter_dir,
+                                flag="--ref_model")
+        frozen = [model]
+    if g.sync_ref_model and (frozen is None or pol.lora is not None):
+        raise UserError("--sync_ref_model true mixes the policy into a frozen reference: it needs "
+                        "--train_type full")
+    return Reference(frozen, pol.chunks)
+
+
+def teacher(args: RlhfArguments, state: ParallelState, pol: Policy, tok) -> Optional[Teacher]:
+    """--teacher_model (on-policy distillation), loaded in the policy's layout, or None."""
+    g = args.grpo
+    if g.teacher_model is None:
+        return None
+    directory = resolve_model_dir(g.teacher_model, args.model.use_hf, g.teacher_model_revision)
+    check_same_tokenizer(directory, tok)
+    model, bridge = frozen_model(args, state, directory, pol.dtype, model_type=g.teacher_model_type,
+                                 flag="--teacher_model")
+    return Teacher([model], bridge.shape.vocab_size, g.offload_teacher_model)
 
 
 def tokenizer(model_dir: str):
@@ -227,8 +280,8 @@ def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok):
 
 
 def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference) -> list:
-    """Colocate mode: what moves to host memory while vLLM generates (--offload_model,
-    --offload_optimizer)."""
+    """Colocate mode: what moves to host memory while vLLM generates (--offload_model: the
+    policy and `reference`, a list of the other models' chunks; --offload_optimizer)."""
     if engine_kind(args, state.device) != "colocate":
         return []
     moved = []
@@ -239,16 +292,17 @@ def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference
     return moved
 
 
-def rewards(args: RlhfArguments):
-    """--reward_funcs as [(name, callable)], after importing --external_plugins. Reward classes
-    get, besides their RewardConfig values, `args`: every flag of the run as an attribute (what
-    ms-swift's ORM classes receive)."""
+def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
+    """--reward_funcs then --reward_model (loaded on `device`) as [(name, callable)], after
+    importing --external_plugins. Reward classes get, besides their RewardConfig values,
+    `args`: every flag of the run as an attribute (what ms-swift's ORM classes receive)."""
     g = args.grpo
-    if not g.reward_funcs:
-        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md)")
+    check_reward_sources(args)
     plugins = load_plugins(g.external_plugins)
-    return resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
-                                init_kwargs={"args": flat_args(args)})
+    funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
+                                 init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []
+    return funcs + reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
+                                      use_hf=args.model.use_hf)
 
 
 def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
@@ -261,7 +315,8 @@ def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
         reward_names=[name for name, _ in reward_funcs],
         reward_weights=g.reward_weights or [1.0] * len(reward_funcs),
         scale_rewards=g.scale_rewards, dynamic_sample=g.dynamic_sample,
-        max_resample_times=g.max_resample_times)
+        max_resample_times=g.max_resample_times, advantage_estimator=g.advantage_estimator,
+        kl_beta=g.beta if g.kl_in_reward else 0.0)
     return RolloutCollector(eng, reward_funcs, tok, settings, state.mp_group, state.dp_group,
                             fresh, state.device)
 
@@ -274,7 +329,16 @@ def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:
                         temperature=g.temperature, max_completion_length=g.max_completion_length,
                         vocab_size=pol.bridge.shape.vocab_size,
                         rollout_correction=g.rollout_importance_sampling_mode,
-                        rollout_correction_threshold=g.rollout_importance_sampling_threshold)
+                        rollout_correction_threshold=g.rollout_importance_sampling_threshold,
+                        offpolicy_metrics=bool(g.log_rollout_offpolicy_metrics
+                                               or g.rollout_importance_sampling_mode),
+                        tau_pos=g.tau_pos, tau_neg=g.tau_neg, real_tau=g.real_tau,
+                        fipo=FipoSettings(g.fipo_decay_rate, g.fipo_clip_range,
+                                          g.fipo_clip_high_only, g.fipo_safety_threshold),
+                        num_generations=g.num_generations, kl_in_reward=g.kl_in_reward,
+                        top_entropy_quantile=g.top_entropy_quantile, log_entropy=g.log_entropy,
+                        off_policy_sequence_mask_delta=g.off_policy_sequence_mask_delta,
+                        teacher_kl_coef=g.teacher_kl_coef)
 
 
 def output_dir(args: RlhfArguments, state: ParallelState) -> str:

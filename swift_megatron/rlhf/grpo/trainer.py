@@ -1,8 +1,10 @@
 """The GRPO loop on Megatron-core (DESIGN.md section 2), one rollout batch at a time:
 
-  rollout (generate + rewards + advantages) -> old / ref logprobs when needed (pipelined
-  forward-only passes) -> steps_per_generation optimizer steps of global_batch_size completions
-  through forward_backward_func -> weight sync to the engine -> metrics -> checkpoint.
+  rollout (generate + rewards) -> old / ref / teacher logprobs when needed (pipelined
+  forward-only passes, passes.py) -> advantages -> num_iterations x steps_per_generation
+  optimizer steps of global_batch_size completions through forward_backward_func (with
+  --sync_ref_model, the reference follows the policy every ref_model_sync_steps) -> weight sync
+  to the engine -> metrics -> checkpoint.
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
@@ -26,7 +28,7 @@ from swift_megatron.errors import WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
-from swift_megatron.lora import disabled, save_adapter
+from swift_megatron.lora import save_adapter
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
@@ -34,7 +36,10 @@ from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
+from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
+from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.training.profile import maybe_profile, phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
@@ -46,6 +51,7 @@ SYNC_CHECK_PROMPTS, SYNC_CHECK_TOKENS = 4, 16  # --check_weight_sync: fixed prom
 class GRPOTrainer:
     def __init__(self, args: RlhfArguments, plan: BatchPlan):
         self.args, self.plan = args, plan
+        self.steps_per_rollout = plan.steps_per_generation * args.grpo.num_iterations
         self.state = build.parallel_state(args)
         start = plan_start(args.training, args.lora)
         model_dir = build.model_dir(args, start)
@@ -55,11 +61,13 @@ class GRPOTrainer:
         self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
         self.policy = build.policy(args, self.state, model_dir, self.train_iters, start)
-        self.reference = build.reference(args, self.state, self.policy, start)
+        self.reference = build.reference_model(args, self.state, self.policy, start, self.tokenizer)
+        self.teacher = build.teacher(args, self.state, self.policy, self.tokenizer)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
-        self.offloaders = build.offloaders(args, self.state, self.policy, self.reference)
-        self.reward_funcs = build.rewards(args)
+        frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
+        self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
+        self.reward_funcs = build.rewards(args, self.state.device)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh)
         self.collector.trainer_state.max_steps = self.train_iters
@@ -76,14 +84,15 @@ class GRPOTrainer:
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> Dict[str, float]:
-        batches = math.ceil((self.train_iters - self.step) / self.plan.steps_per_generation)
+        batches = math.ceil((self.train_iters - self.step) / self.steps_per_rollout)
         logger.info(f"GRPO: {self.train_iters} optimizer steps, {batches} rollout batches\n"
                     f"{self.plan.table()}")
         self.sync_weights()
         metrics: Dict[str, float] = {}
         t = self.args.training
-        for _ in progress(range(batches), desc="GRPO"):
-            metrics = self.train_rollout_batch()
+        for index in progress(range(1, batches + 1), desc="GRPO"):
+            with maybe_profile(index, self.state.rank):
+                metrics = self.train_rollout_batch()
             if self._crossed(self.eval_steps):
                 metrics.update(self.evaluate())
             if self._crossed(t.logging_steps):
@@ -102,17 +111,23 @@ class GRPOTrainer:
     def train_rollout_batch(self) -> Dict[str, float]:
         timings: Dict[str, float] = {}
         start = time.perf_counter()
-        samples, metrics = self.collect()
+        with phase("rollout"):
+            samples, metrics = self.collect()
         timings["time/rollout_s"] = time.perf_counter() - start
         steps = self.step_micro_batches(samples)
         start = time.perf_counter()
-        self.fill_logprobs(steps)
+        with phase("logprobs"):
+            self.fill_logprobs(steps)
         timings["time/logprobs_s"] = time.perf_counter() - start
+        metrics.update(self.assign_advantages(samples, [mb for step in steps for mb in step]))
         start = time.perf_counter()
-        train_metrics = [self.optimizer_step(micro) for micro in steps]
+        with phase("train"):
+            train_metrics = [self.optimizer_step(micro)
+                             for micro in steps * self.args.grpo.num_iterations]
         timings["time/train_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        metrics.update(self.sync_weights())
+        with phase("sync"):
+            metrics.update(self.sync_weights())
         timings["time/sync_s"] = time.perf_counter() - start
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
@@ -164,30 +179,25 @@ class GRPOTrainer:
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
 
-    @torch.no_grad()
     def fill_logprobs(self, steps: List[List[dict]]) -> None:
-        """Old-policy logprobs when several optimizer steps reuse one rollout, and reference
-        logprobs when beta > 0 (forward-only pipelined passes; stored on the last stage).
-        The first optimizer step's micro-batches need no old-policy pass: their old logprobs
-        are their own forward's, detached (the policy has not moved yet), as the loss takes
-        them when `old_logprobs` is absent; only the later steps' micro-batches get one."""
-        collect = partial(collect_logprobs, self.loss_settings)
-        micro = [mb for step in steps for mb in step]
-        later = [mb for step in steps[1:] for mb in step]
-        if later:
-            for mb, out in zip(later, forward_backward(self.policy.chunks, later, collect, True)):
-                mb["old_logprobs"] = out["logprobs"]
-        if self.args.grpo.beta > 0:
-            for mb, out in zip(micro, self._reference_pass(micro, collect)):
-                mb["ref_logprobs"] = out["logprobs"]
+        """The forward-only passes of passes.py over every step's micro-batches. The first
+        optimizer step's micro-batches skip the old-policy pass unless they are trained again or
+        their KL enters the rewards."""
+        g = self.args.grpo
+        all_old = g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
+        fill_logprobs([mb for step in steps for mb in step], self.policy.chunks, self.reference,
+                      self.teacher, self.loss_settings, skip_old=0 if all_old else len(steps[0]),
+                      beta=g.beta)
 
-    def _reference_pass(self, micro: List[dict], collect) -> List[dict]:
-        """The reference model's forward pass: a frozen copy, or with LoRA the policy itself
-        with its adapters disabled (no second model in memory)."""
-        if self.reference is not None:
-            return forward_backward(self.reference, micro, collect, True)
-        with disabled(unwrap(self.policy.chunks[0])):
-            return forward_backward(self.policy.chunks, micro, collect, True)
+    def assign_advantages(self, samples: List[Sample], micro: List[dict]) -> Dict[str, float]:
+        """Advantages from every DP rank's rewards (minus beta x KL with --kl_in_reward), into
+        the samples and the micro-batches; returns the reward metrics."""
+        g = self.args.grpo
+        kl = completion_kl(micro, len(samples), self.state) if g.kl_in_reward and g.beta > 0 \
+            else None
+        metrics = self.collector.assign_advantages(samples, kl)
+        write_advantages(micro, samples)
+        return metrics
 
     def optimizer_step(self, micro: List[dict]) -> Dict[str, float]:
         constants = self._step_constants(micro)
@@ -196,7 +206,10 @@ class GRPOTrainer:
         outputs = forward_backward(pol.chunks, micro, partial(grpo_loss, self.loss_settings, constants))
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
         self.step += 1
-        metrics = self._from_last_stage(outputs)
+        g = self.args.grpo
+        if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
+            self.reference.mix_in_policy(g.ref_model_mixup_alpha)
+        metrics = step_metrics(outputs, self.state)
         metrics.update({"grad_norm": grad_norm, "lr": pol.optimizer.param_groups[0]["lr"],
                         "update_skipped": float(not ok)})
         return metrics
@@ -275,36 +288,19 @@ class GRPOTrainer:
             num_micro_batches=int(totals[1].item()),
             contribution_scale=contribution_scale(len(micro), self.state.dp))
 
-    def _from_last_stage(self, outputs: List[dict]) -> Dict[str, float]:
-        """Step metrics: loss summed over micro-batches and DP ranks, the rest averaged;
-        computed on the last stage and sent to the first (where global rank 0 logs)."""
-        metrics: List[Optional[Dict[str, float]]] = [None]
-        if self.state.is_last_stage:
-            local = reduce_metrics(outputs)
-            local["loss"] *= len(outputs)
-            keys = sorted(local)
-            values = torch.tensor([local[k] for k in keys], dtype=torch.float64,
-                                  device=self.state.device)
-            dist.all_reduce(values, group=self.state.dp_group)
-            reduced = {k: v / (1 if k == "loss" else self.state.dp) for k, v in zip(keys, values.tolist())}
-            metrics = [{"loss/policy" if k == "loss" else k: v for k, v in reduced.items()}]
-        if self.state.pp > 1:
-            dist.broadcast_object_list(metrics, src=self.state.last_stage_rank(),
-                                       group=self.state.pp_group)
-        return metrics[0]
-
     def _throughput(self, samples: List[Sample], timings: Dict[str, float]) -> Dict[str, float]:
         completion = sum(len(s.completion_ids) for s in samples)
         total = completion + sum(len(s.prompt_ids) for s in samples)
         return {"perf/rollout_tokens_per_s": completion / max(timings["time/rollout_s"], 1e-9),
-                "perf/train_tokens_per_s": total * self.plan.dp_size / max(timings["time/train_s"], 1e-9)}
+                "perf/train_tokens_per_s": total * self.plan.dp_size * self.args.grpo.num_iterations
+                / max(timings["time/train_s"], 1e-9)}
 
     def _crossed(self, interval: Optional[int]) -> bool:
         """Whether the last rollout batch's steps reached a multiple of interval."""
         if not interval:
             return False
-        spg = self.plan.steps_per_generation
-        return self.step // interval > (self.step - spg) // interval or self.step >= self.train_iters
+        spr = self.steps_per_rollout
+        return self.step // interval > (self.step - spr) // interval or self.step >= self.train_iters
 
     def _log_completions(self, samples: List[Sample]) -> None:
         if not self.args.grpo.log_completions or self.state.rank != 0:
@@ -333,7 +329,7 @@ class GRPOTrainer:
         path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
-                               write_extra=self._save_adapter)
+                               write_extra=self._save_extra)
         if t.save_safetensors:
             self._save_hf_copies()
         reward = metrics.get("reward/mean")
@@ -365,13 +361,18 @@ class GRPOTrainer:
             logger.info(f"initialised the policy from {directory} (weights only)")
             return
         self.step = int(state["step"])
+        if self.args.grpo.sync_ref_model and self.reference.load(directory):
+            logger.info(f"restored the synced reference model from {directory}")
         pol.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         logger.info(f"resumed from {directory} at step {self.step}")
 
-    def _save_adapter(self, directory: str) -> None:
-        """With LoRA, the adapter in PEFT format under directory/adapter (collective)."""
+    def _save_extra(self, directory: str) -> None:
+        """With LoRA, the adapter in PEFT format under directory/adapter; with --sync_ref_model,
+        the reference weights under directory/ref_model (collective)."""
         pol = self.policy
+        if self.args.grpo.sync_ref_model:
+            self.reference.save(directory)
         if pol.lora is not None:
             save_adapter(unwrap(pol.chunks[0]), os.path.join(directory, "adapter"),
                          pol.model_dir, pol.lora)

@@ -83,10 +83,12 @@ def capacity_case(model_dir, state, factor, tokens):
 
 
 def reference_logits(args, state, model_dir, bridge, tokens):
-    """Logits of components.reference() for this policy (beta > 0, full training)."""
+    """Logits of components.reference_model() for this policy (beta > 0, full training)."""
     policy = SimpleNamespace(lora=None, model_dir=model_dir, hf_config=load_hf_config(model_dir),
-                             dtype=torch.float32)
-    [model] = components.reference(args, state, policy, SimpleNamespace(weights_dir=None))
+                             dtype=torch.float32, chunks=[])
+    reference = components.reference_model(args, state, policy, SimpleNamespace(weights_dir=None),
+                                           tok=None)
+    [model] = reference.frozen
     return logits_of(model, bridge, state, tokens), model.config.moe_expert_capacity_factor
 
 

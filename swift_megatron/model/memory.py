@@ -1,0 +1,130 @@
+"""A per-GPU memory estimate of a GRPO run, from the HF config and the flags alone (pure; the dry
+run prints it and warns when it exceeds the device).
+
+Per rank, in bytes:
+- weights: this rank's parameters (its PP stage's layers / TP, experts / EP) x dtype bytes;
+- gradients: megatron's DDP keeps float32 main gradients of the trainable parameters (4 bytes
+  each; LoRA: the adapters only);
+- optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
+  divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
+- reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
+  --ref_model, that model's weights); teacher: --teacher_model's weights (unless offloaded);
+- activations of one micro-batch kept for the backward: per token and layer about
+  2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
+  saved inputs and outputs; flash attention keeps no S x S scores), / TP with sequence
+  parallelism, a layer's worth only with full recomputation;
+- logits: the micro-batch's [tokens, vocab / TP] in the model dtype, twice (output and its
+  gradient), plus the chunked log-softmax's float32 working set;
+- vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
+  nothing while asleep (sleep level >= 1).
+The peak is the larger of training (everything but vLLM) and generation (vLLM + what stays
+resident: the weights and, unless offloaded, gradients, optimizer and reference).
+"""
+import dataclasses
+from typing import Dict, Mapping, Optional
+
+GIB = 1 << 30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_LOGPROB_CHUNK_BYTES = 3 * (256 << 20)  # model/logprobs.py CHUNK_BYTES, a few live copies
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs from the flags and the batch plan."""
+
+    dtype: str = "bfloat16"
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    lora: bool = False
+    lora_rank: int = 8
+    reference_copy: bool = True          # beta > 0 and not LoRA
+    distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
+    micro_batch_tokens: int = 4096       # prompt + completion tokens of one micro-batch
+    full_recompute: bool = False
+    vllm_fraction: float = 0.0           # colocate: --vllm_gpu_memory_utilization; else 0
+    offload_model: bool = False
+    offload_optimizer: bool = False
+    teacher_parameters: int = 0          # --teacher_model's parameters on this rank (0: none)
+
+
+def parameter_counts(hf: Mapping) -> Dict[str, int]:
+    """Parameters of the embedding, the output head (0 when tied), one layer's attention, its
+    dense MLP or its experts (all of them) and shared parts (norms, router)."""
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if experts:
+        mlp = experts * 3 * hidden * hf["moe_intermediate_size"] + experts * hidden
+    else:
+        mlp = 3 * hidden * hf["intermediate_size"]
+    embedding = hf["vocab_size"] * hidden
+    return dict(embedding=embedding, head=0 if hf.get("tie_word_embeddings") else embedding,
+                attention=attention, mlp=mlp, experts=experts, norms=2 * hidden)
+
+
+def rank_parameters(hf: Mapping, run: RunShape) -> int:
+    """Parameters held by the first pipeline stage's ranks (it holds the embedding; the last
+    stage holds the head: the larger of the two is counted, a safe side)."""
+    counts = parameter_counts(hf)
+    layers = hf["num_hidden_layers"] // run.pp
+    mlp = counts["mlp"] / (run.ep if counts["experts"] else 1)
+    per_layer = (counts["attention"] + mlp) / run.tp + counts["norms"]
+    ends = max(counts["embedding"], counts["head"]) / run.tp
+    if run.pp == 1:
+        ends = (counts["embedding"] + counts["head"]) / run.tp
+    return int(layers * per_layer + ends)
+
+
+def _trainable(hf: Mapping, run: RunShape, params: int) -> int:
+    """Every parameter, or with LoRA the adapters of the 7 linears of each layer: A [r, in] and
+    B [out, r] of q, k, v, o, gate, up, down = r (10 hidden + 3 ffn + 2 kv) per layer."""
+    if not run.lora:
+        return params
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv = (hf.get("num_key_value_heads") or heads) * (hf.get("head_dim") or hidden // heads)
+    per_layer = run.lora_rank * (10 * hidden + 3 * hf["intermediate_size"] + 2 * kv)
+    return per_layer * (hf["num_hidden_layers"] // run.pp) // run.tp
+
+
+def activation_bytes(hf: Mapping, run: RunShape) -> int:
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    kv = (hf.get("num_key_value_heads") or heads) * (hf.get("head_dim") or hidden // heads)
+    ffn = hf.get("moe_intermediate_size", 0) * hf.get("num_experts_per_tok", 0) \
+        or hf["intermediate_size"]
+    per_token_layer = 2 * (7 * hidden + 2 * kv) + 6 * ffn
+    layers = 1 if run.full_recompute else hf["num_hidden_layers"] // run.pp
+    scale = run.tp if run.sequence_parallel else 1
+    return int(run.micro_batch_tokens * per_token_layer * layers / scale)
+
+
+def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> Dict[str, float]:
+    """{part: GiB} per GPU (module docstring), with `train`, `generate`, `peak` and, when
+    `device_bytes` is given, `device`."""
+    width = _DTYPE_BYTES[run.dtype]
+    params = rank_parameters(hf, run)
+    trainable = _trainable(hf, run, params)
+    optimizer = 0 if run.optimizer_cpu_offload else 12 * trainable / (
+        run.dp if run.distributed_optimizer else 1)
+    parts = dict(weights=params * width, gradients=4 * trainable, optimizer=optimizer,
+                 reference=params * width if run.reference_copy else 0,
+                 teacher=run.teacher_parameters * width,
+                 activations=activation_bytes(hf, run),
+                 logits=2 * run.micro_batch_tokens * hf["vocab_size"] / run.tp * width
+                 + _LOGPROB_CHUNK_BYTES)
+    train = sum(parts.values())
+    resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
+        not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \
+        parts["teacher"]
+    vllm = run.vllm_fraction * (device_bytes or 0)
+    result = {name: value / GIB for name, value in parts.items()}
+    result.update(vllm=vllm / GIB, train=train / GIB, generate=(resident + vllm) / GIB)
+    result["peak"] = max(result["train"], result["generate"])
+    if device_bytes:
+        result["device"] = device_bytes / GIB
+    return result

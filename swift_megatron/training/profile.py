@@ -1,0 +1,36 @@
+"""Optional torch-profiler capture of one rollout batch, for performance work:
+
+    SWIFT_MEGATRON_PROFILE=DIR megatron rlhf ...    # profiles the 3rd rollout batch on rank 0
+
+writes DIR/profile_rank0.txt: the operators sorted by their CUDA (else CPU) self time, and the
+time each named phase took (record_function ranges: rollout, logprobs, train, sync)."""
+import contextlib
+import os
+
+import torch
+
+ENV = "SWIFT_MEGATRON_PROFILE"
+PROFILED_BATCH = 3
+
+
+@contextlib.contextmanager
+def maybe_profile(batch_index: int, rank: int):
+    """Profile this rollout batch when the environment asks for it (rank 0, the 3rd batch)."""
+    directory = os.environ.get(ENV)
+    if not directory or rank != 0 or batch_index != PROFILED_BATCH:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    os.makedirs(directory, exist_ok=True)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(os.path.join(directory, f"profile_rank{rank}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+
+
+def phase(name: str):
+    """A named range in the profile (a no-op context when not profiling)."""
+    return torch.profiler.record_function(name)

@@ -1,0 +1,55 @@
+"""The dry run's per-GPU memory estimate (model/memory.py) against hand-computed bytes."""
+import pytest
+
+from swift_megatron.model.memory import GIB, RunShape, activation_bytes, estimate, rank_parameters
+
+HF = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+          intermediate_size=128, num_hidden_layers=4, vocab_size=1000, tie_word_embeddings=False)
+# attention 64*16*(4+4) + 4*16*64 = 12288; mlp 3*64*128 = 24576; norms 128; embedding 64000
+LAYER = 12288 + 24576 + 128
+
+
+def test_parameters_per_rank():
+    assert rank_parameters(HF, RunShape()) == 4 * LAYER + 2 * 64000
+    # TP 2: the linears and the vocab split, the norms not
+    assert rank_parameters(HF, RunShape(tp=2)) == 4 * ((12288 + 24576) // 2 + 128) + 64000
+    # PP 2: half the layers, and the larger of embedding / head on a stage
+    assert rank_parameters(HF, RunShape(pp=2)) == 2 * LAYER + 64000
+
+
+def test_activations_per_micro_batch():
+    per_token_layer = 2 * (7 * 64 + 2 * 32) + 6 * 128      # kv = 2 heads x 16
+    assert activation_bytes(HF, RunShape(micro_batch_tokens=100)) == 100 * per_token_layer * 4
+    assert activation_bytes(HF, RunShape(micro_batch_tokens=100, full_recompute=True)) == \
+        100 * per_token_layer
+    assert activation_bytes(HF, RunShape(micro_batch_tokens=100, tp=2, sequence_parallel=True)) \
+        == 100 * per_token_layer * 4 // 2
+
+
+def test_full_parameter_run_and_peak():
+    params = 4 * LAYER + 2 * 64000
+    run = RunShape(dtype="bfloat16", dp=2, micro_batch_tokens=100, vllm_fraction=0.5)
+    result = estimate(HF, run, device_bytes=8 * GIB)
+    assert result["weights"] * GIB == pytest.approx(2 * params)
+    assert result["gradients"] * GIB == pytest.approx(4 * params)
+    assert result["optimizer"] * GIB == pytest.approx(12 * params / 2)   # sharded over DP 2
+    assert result["reference"] == result["weights"]
+    assert result["vllm"] == 4.0 and result["device"] == 8.0
+    resident = result["weights"] + result["reference"] + result["gradients"] + result["optimizer"]
+    assert result["generate"] == pytest.approx(resident + 4.0)
+    assert result["peak"] == max(result["train"], result["generate"])
+
+
+def test_lora_and_offloads_shrink_it():
+    full = estimate(HF, RunShape(micro_batch_tokens=100))
+    lora = estimate(HF, RunShape(micro_batch_tokens=100, lora=True, reference_copy=False))
+    adapters = 4 * 8 * (10 * 64 + 3 * 128 + 2 * 32)          # 4 layers of r (10h + 3ffn + 2kv)
+    assert lora["optimizer"] * GIB == pytest.approx(12 * adapters)
+    assert lora["optimizer"] < full["optimizer"] and lora["reference"] == 0
+    resident = estimate(HF, RunShape(micro_batch_tokens=100, vllm_fraction=0.5),
+                        device_bytes=8 * GIB)
+    offloaded = estimate(HF, RunShape(micro_batch_tokens=100, vllm_fraction=0.5,
+                                      offload_optimizer=True), device_bytes=8 * GIB)
+    assert offloaded["generate"] == pytest.approx(resident["generate"] - resident["optimizer"])
+    assert offloaded["train"] == resident["train"]   # the optimizer comes back to train
+    assert estimate(HF, RunShape(optimizer_cpu_offload=True))["optimizer"] == 0
