@@ -620,12 +620,9 @@ def _as_peft(inputs: ExportInputs, tmp_dir: str) -> ExportInputs:
     PEFT directory under `tmp_dir` (each process its own: no shared file system needed)."""
     if inputs.adapter is None or inputs.adapter.peft_dir:
         return inputs
-    from swift_megatron.checkpoint.ms_swift import read_ms_swift_checkpoint
-    from swift_megatron.checkpoint.ms_swift_lora import write_peft_adapter
+    from swift_megatron.checkpoint.sources import peft_dir_of
 
-    peft_dir = os.path.join(tmp_dir, "adapter")
-    write_peft_adapter(read_ms_swift_checkpoint(inputs.adapter.ms_swift), inputs.hf_config,
-                       peft_dir)
+    peft_dir = peft_dir_of(inputs.adapter, inputs.hf_config, tmp_dir)
     return dataclasses.replace(inputs, adapter=dataclasses.replace(inputs.adapter,
                                                                    peft_dir=peft_dir))
 

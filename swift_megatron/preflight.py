@@ -44,6 +44,18 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
     return read_config(model)
 
 
+def _model_files(args: RlhfArguments) -> Optional[str]:
+    """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
+    --mcore_adapter), whose paths are checked here, before any process starts."""
+    if args.model.model:
+        return args.model.model
+    from swift_megatron.checkpoint.start import plan_start
+
+    start = plan_start(args.training, args.lora)
+    weights = start.weights or (start.adapter.base if start.adapter else None)
+    return weights.hf_files if weights else None
+
+
 def check_model_family(hf_config: dict, model_type: Optional[str], source: str) -> None:
     """UserError when the checkpoint's family (or --model_type) is not one we support."""
     family = model_type or hf_config.get("model_type")
@@ -84,14 +96,15 @@ def _adjust_sleep_level(args: RlhfArguments, colocate: bool) -> None:
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
     """The batch plan and (when readable) the model's HF config; raises UserError on any rule."""
     check_launch_env()
-    hf_config = read_local_hf_config(args.model.model)
+    model_files = _model_files(args)
+    hf_config = read_local_hf_config(model_files)
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
     _adjust_sleep_level(args, colocate)
     _note_ignored_flags(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
-        check_model_family(hf_config, args.model.model_type, args.model.model)
+        check_model_family(hf_config, args.model.model_type, model_files)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size)

@@ -45,8 +45,12 @@ class RlhfArguments:
             self.training.lr = 1e-4 if self.training.train_type == "lora" else 1e-5
         check_lr_bounds(self.training)
         self._check_optimizer_flags()
-        if self.model.model is None and not (self.training.dry_run or self.training.mcore_model):
-            raise UserError("--model is required (a local HF directory or a hub id)")
+        t = self.training
+        if self.model.model is None and not (t.dry_run or t.mcore_model or t.mcore_adapter
+                                             or t.load):
+            raise UserError("--model is required (a local HF directory or a hub id), unless "
+                            "--mcore_model, --mcore_adapter or --load gives a checkpoint that "
+                            "holds or names it")
         if not self.data.dataset and not self.training.dry_run:
             raise UserError("--dataset is required (a local file, HF datasets name or ModelScope id)")
 

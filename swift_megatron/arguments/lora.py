@@ -6,7 +6,6 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 
-
 @dataclass
 class LoraArguments:
     """LoRA"""
@@ -18,7 +17,8 @@ class LoraArguments:
     target_modules: List[str] = arg(["all-linear"], "HF module names to adapt (q_proj, k_proj, "
                                     "v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
     use_rslora: bool = arg(False, "Rank-stabilised LoRA scaling.")
-    adapters: List[str] = arg([], "A PEFT adapter directory to load: continue training it "
+    adapters: List[str] = arg([], "A LoRA adapter to load: a PEFT adapter directory, or a LoRA "
+                              "checkpoint (ours or ms-swift's); continue training it "
                               "(--train_type lora), or merge it (`megatron export --merge_lora "
                               "true`).")
 

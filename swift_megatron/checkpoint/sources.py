@@ -171,6 +171,19 @@ def adapter_source(path: str, flag: str) -> AdapterSource:
                     "a LoRA checkpoint")
 
 
+def peft_dir_of(adapter: AdapterSource, hf_config: dict, tmp_dir: str) -> str:
+    """A PEFT directory holding `adapter`: its own, or an ms-swift adapter kept in its
+    distributed checkpoint converted under `tmp_dir` (each process its own copy: no shared file
+    system needed)."""
+    if adapter.peft_dir:
+        return adapter.peft_dir
+    from swift_megatron.checkpoint.ms_swift_lora import write_peft_adapter
+
+    peft_dir = os.path.join(tmp_dir, "adapter")
+    write_peft_adapter(ms_swift.read_ms_swift_checkpoint(adapter.ms_swift), hf_config, peft_dir)
+    return peft_dir
+
+
 def load_weights(chunks, source: WeightsSource, bridge) -> None:
     """Load the base weights `source` describes into this rank's model chunk (one chunk), in any
     TP/PP/EP layout: HF safetensors through `bridge` (swift_megatron.bridge.Bridge of the model),

@@ -1,55 +1,86 @@
-"""Where a training run starts from, as ms-swift's flags say it:
+"""Where a training run starts from, as ms-swift's flags say it (checkpoint/sources.py finds
+what a path holds):
 
-- base weights: `--model` (an HF checkpoint, through the bridge), or `--mcore_model` (a Megatron
-  model directory or training checkpoint of ours);
-- LoRA adapters: `--adapters` (PEFT), or the adapter of `--mcore_adapter` (a LoRA training
-  checkpoint of ours: its `adapter/`);
-- training state (optimizer, RNG, step, data position): `--load` always resumes; `--mcore_model`
-  / `--mcore_adapter` resume only with `--finetune false` (ms-swift's default `--finetune true`
-  loads weights only and starts at step 0).
+- base weights: `--model` (an HF checkpoint, through the bridge), or `--mcore_model`: a Megatron
+  model directory or training checkpoint of ours, or an ms-swift Megatron checkpoint;
+- LoRA adapters: `--adapters` or `--mcore_adapter`: a PEFT adapter, a LoRA training checkpoint of
+  ours (its `adapter/`), or an ms-swift LoRA checkpoint (its PEFT files, else its adapter tensors
+  converted to PEFT at load time);
+- training state (optimizer, RNG, step, data position): `--load` resumes a save directory or
+  checkpoint of ours; `--mcore_model` / `--mcore_adapter` resume it only with `--finetune false`
+  (ms-swift's default `--finetune true` loads weights only and starts at step 0). An ms-swift
+  checkpoint's training state is ms-swift's own format: its weights load, the run starts at
+  step 0, and a notice says so.
 """
 import dataclasses
 import os
-from typing import Optional
+from typing import List, Optional
 
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.training import TrainingArguments
+from swift_megatron.checkpoint.ms_swift import LATEST, is_ms_swift_checkpoint, read_ms_swift_checkpoint
+from swift_megatron.checkpoint.sources import (OUR_META, AdapterSource, WeightsSource,
+                                               adapter_source, mcore_source, our_model_dir)
 from swift_megatron.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
 class Start:
-    weights_dir: Optional[str]   # Megatron model directory with the base weights (else --model)
-    adapter_dir: Optional[str]   # PEFT adapter directory to load
-    resume_dir: Optional[str]    # training checkpoint whose state to resume
+    weights: Optional[WeightsSource]    # the base weights (None: --model through the bridge)
+    adapter: Optional[AdapterSource]    # the LoRA adapter to continue
+    resume_dir: Optional[str]           # our training checkpoint whose state to resume
+    notices: List[str] = dataclasses.field(default_factory=list)
 
 
-def _checkpoint(flag: str, path: str) -> str:
-    from swift_megatron.checkpoint.trainer import resolve_load_dir
-
+def _resumable(path: str, flag: str) -> Optional[str]:
+    """Our checkpoint directory behind `path`, or None for an ms-swift checkpoint."""
     if not os.path.isdir(path):
         raise UserError(f"--{flag} {path}: no such directory")
-    try:
-        return resolve_load_dir(path)
-    except UserError as error:
-        raise UserError(f"--{flag} {path}: {error}") from None
+    ours = our_model_dir(path)
+    if ours is None and not is_ms_swift_checkpoint(path):
+        raise UserError(f"--{flag} {path}: neither a save directory of ours ({LATEST} naming an "
+                        f"iter_* directory with {OUR_META}), one of its iter_* directories, nor "
+                        "an ms-swift Megatron checkpoint")
+    return ours
 
 
 def plan_start(training: TrainingArguments, lora: LoraArguments) -> Start:
-    """The three sources of the module docstring, resolved to directories (UserError when a
-    directory is missing or is not a checkpoint)."""
-    t = training
-    weights = _checkpoint("mcore_model", t.mcore_model) if t.mcore_model else None
-    adapter = lora.adapters[0] if lora.adapters else None
-    adapter_ckpt = _checkpoint("mcore_adapter", t.mcore_adapter) if t.mcore_adapter else None
-    if adapter_ckpt:
-        if adapter:
-            raise UserError("pass --adapters (a PEFT adapter) or --mcore_adapter, not both")
-        adapter = os.path.join(adapter_ckpt, "adapter")
-        if not os.path.isdir(adapter):
-            raise UserError(f"--mcore_adapter {t.mcore_adapter}: no adapter/ directory (is it a "
-                            f"checkpoint of a --train_type lora run?)")
-    resume = _checkpoint("load", t.load) if t.load else None
-    if not t.finetune and resume is None:
-        resume = adapter_ckpt or weights
-    return Start(weights, adapter, resume)
+    """The sources of the module docstring (UserError when a path holds none of them)."""
+    t, notices = training, []
+    weights = mcore_source(t.mcore_model, "--mcore_model") if t.mcore_model else None
+    if lora.adapters and t.mcore_adapter:
+        raise UserError("pass --adapters or --mcore_adapter, not both")
+    adapter = None
+    if lora.adapters or t.mcore_adapter:
+        flag = "--mcore_adapter" if t.mcore_adapter else "--adapters"
+        adapter = adapter_source(t.mcore_adapter or lora.adapters[0], flag)
+    resume = None
+    if t.load:
+        resume = _resumable(t.load, "load")
+        if resume is None:
+            weights, adapter = _ms_swift_load(t.load, weights, adapter)
+            notices.append(f"--load {t.load} is an ms-swift checkpoint: its weights load, its "
+                           "optimizer and step (ms-swift's format) do not; training starts at "
+                           "step 0")
+    elif not t.finetune and (t.mcore_adapter or t.mcore_model):
+        path = t.mcore_adapter or t.mcore_model
+        resume = _resumable(path, "mcore_adapter" if t.mcore_adapter else "mcore_model")
+        if resume is None:
+            notices.append(f"--finetune false: {path} is an ms-swift checkpoint, whose optimizer "
+                           "and step are in ms-swift's format: its weights load, training "
+                           "starts at step 0")
+    return Start(weights, adapter, resume, notices)
+
+
+def _ms_swift_load(path: str, weights: Optional[WeightsSource], adapter: Optional[AdapterSource]):
+    """--load of an ms-swift checkpoint: its full weights, or its LoRA adapter (as ms-swift's
+    --mcore_adapter), unless another flag already gives that part."""
+    if read_ms_swift_checkpoint(path).tuner_type == "full":
+        if weights is not None:
+            raise UserError(f"--load {path} (an ms-swift full checkpoint) and --mcore_model both "
+                            "give the base weights: pass one")
+        return mcore_source(path, "--load"), adapter
+    if adapter is not None:
+        raise UserError(f"--load {path} (an ms-swift LoRA checkpoint) and --adapters/"
+                        "--mcore_adapter both give the adapter: pass one")
+    return weights, adapter_source(path, "--load")

@@ -21,6 +21,7 @@ def fake_save(save_dir, step, hf=True, lora=False):
     open(os.path.join(iteration, "swift_megatron.json"), "w").write("{}")
     if lora:
         os.makedirs(os.path.join(iteration, "adapter"))
+        open(os.path.join(iteration, "adapter", "adapter_config.json"), "w").write("{}")
     if hf:
         os.makedirs(run.hf_dir(save_dir, step))
         open(os.path.join(run.hf_dir(save_dir, step), "model.safetensors"), "w").write(str(step))
@@ -65,17 +66,28 @@ def start(lora=(), **training):
 
 
 def test_starting_points(tmp_path):
+    from swift_megatron.checkpoint.sources import AdapterSource, WeightsSource
+
     save = str(tmp_path / "ckpt")
     fake_save(save, 2, lora=True)
+    full = str(tmp_path / "full")
+    fake_save(full, 3)
     iteration = os.path.join(save, "iter_0000002")
+    full_iteration = os.path.join(full, "iter_0000003")
+    weights = WeightsSource("mcore", full_iteration, os.path.join(full_iteration, "hf"))
+    peft = tmp_path / "peft_dir"
+    peft.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (peft / name).write_text("{}")
+    adapter = AdapterSource(os.path.join(iteration, "adapter"),
+                            base=WeightsSource("mcore", iteration, os.path.join(iteration, "hf")))
     assert start() == run_start(None, None, None)
     assert start(load=save) == run_start(None, None, iteration)
-    assert start(mcore_model=save) == run_start(iteration, None, None)       # finetune: weights
-    assert start(mcore_model=save, finetune=False) == run_start(iteration, None, iteration)
-    adapter = os.path.join(iteration, "adapter")
+    assert start(mcore_model=full) == run_start(weights, None, None)       # finetune: weights
+    assert start(mcore_model=full, finetune=False) == run_start(weights, None, full_iteration)
     assert start(mcore_adapter=save) == run_start(None, adapter, None)
     assert start(mcore_adapter=iteration, finetune=False) == run_start(None, adapter, iteration)
-    assert start(lora=["peft_dir"]) == run_start(None, "peft_dir", None)
+    assert start(lora=[str(peft)]) == run_start(None, AdapterSource(str(peft)), None)
 
 
 def run_start(weights, adapter, resume):

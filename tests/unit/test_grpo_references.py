@@ -7,6 +7,7 @@ import torch
 
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
+from swift_megatron.checkpoint.sources import AdapterSource, WeightsSource
 from swift_megatron.errors import UserError
 from swift_megatron.rlhf.grpo.references import Reference, ReferenceSource, reference_source
 
@@ -14,32 +15,51 @@ from swift_megatron.rlhf.grpo.references import Reference, ReferenceSource, refe
 def source(*argv, lora=False, weights=None):
     g = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *map(str, argv)],
                       "megatron rlhf").grpo
-    return reference_source(g, lora, "/policy", weights, lambda name: f"/hub/{name}")
+    return reference_source(g, lora, weights)
 
 
-def test_which_reference():
-    assert source() == ReferenceSource("/policy", None, None)          # a copy of the start
-    assert source(weights="/mcore") == ReferenceSource("/policy", "/mcore", None)
-    assert source(lora=True) is None                                     # adapters disabled
-    assert source("--beta", 0) is None                                   # no KL term
-    assert source("--ref_model", "org/ref", lora=True) == ReferenceSource("/hub/org/ref", None, None)
-    assert source("--ref_adapters", "/peft", lora=True) == ReferenceSource("/policy", None, "/peft")
-    assert source("--ref_model", "org/ref", "--ref_adapters", "/peft") == \
-        ReferenceSource("/hub/org/ref", None, "/peft")
+def peft_dir(path):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_text("")
+    return str(path)
+
+
+def test_which_reference(tmp_path):
+    policy = WeightsSource("mcore", "/mcore")
+    peft = peft_dir(tmp_path / "peft")
+    assert source() == ReferenceSource(None, None)                        # a copy of the start
+    assert source(weights=policy) == ReferenceSource(policy, None)
+    assert source(lora=True) is None                                       # adapters disabled
+    assert source("--beta", 0) is None                                     # no KL term
+    assert source("--ref_model", "org/ref", lora=True) == ReferenceSource(None, None, "org/ref")
+    assert source("--ref_adapters", peft, lora=True) == ReferenceSource(None, AdapterSource(peft))
+    assert source("--ref_model", "org/ref", "--ref_adapters", peft) == \
+        ReferenceSource(None, AdapterSource(peft), "org/ref")
+
+
+def our_checkpoint(path, lora=False):
+    iteration = path / "iter_0000004"
+    iteration.mkdir(parents=True)
+    (iteration / "swift_megatron.json").write_text("{}")
+    (path / "latest_checkpointed_iteration.txt").write_text("4")
+    if lora:
+        peft_dir(iteration / "adapter")
+    return str(iteration)
 
 
 def test_mcore_reference_directories(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "iter_0000004" / "adapter").mkdir(parents=True)
-    (ckpt / "iter_0000004" / "swift_megatron.json").write_text("{}")
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
-    iteration = os.path.join(str(ckpt), "iter_0000004")
-    assert source("--mcore_ref_model", ckpt) == \
-        ReferenceSource(os.path.join(iteration, "hf"), iteration, None)
-    assert source("--mcore_ref_adapter", ckpt, lora=True) == \
-        ReferenceSource("/policy", None, os.path.join(iteration, "adapter"))
+    full = our_checkpoint(tmp_path / "full")
+    lora = our_checkpoint(tmp_path / "lora", lora=True)
+    assert source("--mcore_ref_model", tmp_path / "full") == \
+        ReferenceSource(WeightsSource("mcore", full, os.path.join(full, "hf")), None)
+    base = WeightsSource("mcore", lora, os.path.join(lora, "hf"))
+    assert source("--mcore_ref_adapter", tmp_path / "lora", lora=True) == \
+        ReferenceSource(None, AdapterSource(os.path.join(lora, "adapter"), base=base))
     with pytest.raises(UserError, match="--mcore_ref_model .*: no such directory"):
         source("--mcore_ref_model", tmp_path / "missing")
+    with pytest.raises(UserError, match="--mcore_ref_model .* is a LoRA checkpoint"):
+        source("--mcore_ref_model", tmp_path / "lora")
 
 
 def test_sync_mixes_the_policy_into_the_reference():

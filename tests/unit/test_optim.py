@@ -214,7 +214,7 @@ def test_resuming_the_offloaded_optimizer_state_is_a_user_error(tmp_path, extra,
     args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d",
                                          "--optimizer_cpu_offload", "true",
                                          "--use_precision_aware_optimizer", "true", *extra], "x")
-    start = Start(weights_dir=None, adapter_dir=None, resume_dir=str(tmp_path))
+    start = Start(weights=None, adapter=None, resume_dir=str(tmp_path))
     if not fails:
         _check_offload_resume(args, start)
         return

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import tempfile
 import time
 from types import SimpleNamespace
 from typing import Callable, List, Optional, Tuple
@@ -17,7 +18,8 @@ from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
-from swift_megatron.checkpoint.layout import load_model_dir
+from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, load_weights,
+                                               peft_dir_of)
 from swift_megatron.checkpoint.start import Start
 from swift_megatron.compat.ms_swift import flat_args
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
@@ -96,18 +98,28 @@ def _config_overrides(args: RlhfArguments) -> dict:
 
 
 def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype,
-                weights_dir: Optional[str]):
-    """The model of this stage with the base weights: from `weights_dir` (a Megatron model
-    directory, --mcore_model) or else from the HF checkpoint through the bridge."""
+                weights: Optional[WeightsSource]):
+    """The model of this stage with the base weights: from `weights` (--mcore_model, a LoRA
+    checkpoint's base) or else from the HF checkpoint at `model_dir` through the bridge."""
     model, config, shape = build_model(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=args.model.model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
-    if weights_dir:
-        load_model_dir([model], weights_dir)
-    else:
-        bridge.load(model, model_dir)
+    _load_base([model], model_dir, weights, bridge)
     return model, config, bridge
+
+
+def _load_base(chunks, model_dir: str, weights: Optional[WeightsSource], bridge: Bridge) -> None:
+    if weights is not None:
+        load_weights(chunks, weights, bridge)
+    else:
+        bridge.load(chunks[0], model_dir)
+
+
+def _load_adapter(model, adapter: AdapterSource, hf_config: dict, bridge: Bridge) -> LoraConfig:
+    """Load `adapter` (PEFT, or an ms-swift one converted to PEFT in a temporary directory)."""
+    with tempfile.TemporaryDirectory(prefix="swift_megatron_adapter_") as tmp:
+        return load_adapter(model, peft_dir_of(adapter, hf_config, tmp), bridge.mappings)
 
 
 def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
@@ -117,14 +129,14 @@ def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
     return max(batches, 1) * plan.steps_per_generation * args.grpo.num_iterations
 
 
-def attach_lora(args: RlhfArguments, model, bridge: Bridge,
-                adapter_dir: Optional[str]) -> Optional[LoraConfig]:
-    """--train_type lora: wrap the targeted linears with adapters (new, or the PEFT adapter of
-    --adapters / --mcore_adapter to continue) and freeze everything else; before DDP wrapping."""
+def attach_lora(args: RlhfArguments, model, bridge: Bridge, adapter: Optional[AdapterSource],
+                hf_config: dict) -> Optional[LoraConfig]:
+    """--train_type lora: wrap the targeted linears with adapters (new, or `adapter` to continue:
+    --adapters / --mcore_adapter) and freeze everything else; before DDP wrapping."""
     if args.training.train_type != "lora":
         return None
-    if adapter_dir:
-        return load_adapter(model, adapter_dir, bridge.mappings)
+    if adapter is not None:
+        return _load_adapter(model, adapter, hf_config, bridge)
     config = LoraConfig.from_arguments(args.lora, seed=args.training.seed)
     apply_lora(model, config, bridge.mappings)
     return config
@@ -164,8 +176,9 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     settings = optimizer_settings(args, iters)
     check_settings(settings, state.device, dtype)
     _check_offload_resume(args, start)
-    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, start.weights_dir)
-    lora = attach_lora(args, model, bridge, start.adapter_dir)
+    weights = base_weights(args, start)
+    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
+    lora = attach_lora(args, model, bridge, start.adapter, hf_config)
     ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
     optimizer = build_optimizer([ddp], config, settings)
     scheduler = build_scheduler(optimizer, settings)
@@ -173,11 +186,12 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
 
 
 def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtype, *,
-                 model_type: Optional[str] = None, weights_dir: Optional[str] = None,
-                 adapter_dir: Optional[str] = None, flag: str) -> Tuple[torch.nn.Module, Bridge]:
+                 model_type: Optional[str] = None, weights: Optional[WeightsSource] = None,
+                 adapter: Optional[AdapterSource] = None,
+                 flag: str) -> Tuple[torch.nn.Module, Bridge]:
     """A forward-only model of this stage (a reference or a teacher), in the policy's parallel
-    layout: weights from `weights_dir` (a Megatron model directory) or the HF checkpoint, plus
-    an optional PEFT adapter; eval mode, no gradients. `flag` names it in errors."""
+    layout: weights from `weights` or the HF checkpoint at `model_dir`, plus an optional
+    adapter; eval mode, no gradients. `flag` names it in errors."""
     hf_config = load_hf_config(model_dir)
     moe = num_experts(hf_config) is not None   # the expert degrees apply to MoE models only
     try:
@@ -188,12 +202,9 @@ def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtyp
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
-    if weights_dir:
-        load_model_dir([model], weights_dir)
-    else:
-        bridge.load(model, model_dir)
-    if adapter_dir:
-        load_adapter(model, adapter_dir, bridge.mappings)
+    _load_base([model], model_dir, weights, bridge)
+    if adapter is not None:
+        _load_adapter(model, adapter, hf_config, bridge)
     model.eval().requires_grad_(False)
     return model, bridge
 
@@ -203,15 +214,20 @@ def reference_model(args: RlhfArguments, state: ParallelState, pol: Policy, star
     """The reference of the KL term (references.py says which), with --sync_ref_model's
     requirements checked."""
     m, g = args.model, args.grpo
-    source = reference_source(g, pol.lora is not None, pol.model_dir, start.weights_dir,
-                              lambda name: resolve_model_dir(name, m.use_hf, None))
+    policy_weights = base_weights(args, start)
+    source = reference_source(g, pol.lora is not None, policy_weights)
     frozen = None
     if source is not None:
-        if source.model_dir != pol.model_dir:
-            check_same_tokenizer(source.model_dir, tok, "--ref_model")
-        model, _ = frozen_model(args, state, source.model_dir, pol.dtype,
-                                weights_dir=source.weights_dir, adapter_dir=source.adapter_dir,
-                                flag="--ref_model")
+        if source.model_name:
+            directory = resolve_model_dir(source.model_name, m.use_hf, None)
+        elif source.weights is not None and source.weights is not policy_weights:
+            directory = _hf_dir(source.weights, m.use_hf, "--mcore_ref_model")
+        else:
+            directory = pol.model_dir
+        if directory != pol.model_dir:
+            check_same_tokenizer(directory, tok, "--ref_model")
+        model, _ = frozen_model(args, state, directory, pol.dtype, weights=source.weights,
+                                adapter=source.adapter, flag="--ref_model")
         frozen = [model]
     if g.sync_ref_model and (frozen is None or pol.lora is not None):
         raise UserError("--sync_ref_model true mixes the policy into a frozen reference: it needs "
@@ -387,12 +403,43 @@ def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dic
     return metrics, completions
 
 
+def base_weights(args: RlhfArguments, start: Start) -> Optional[WeightsSource]:
+    """The policy's starting weights when not --model's HF checkpoint: --mcore_model's, or (no
+    --model) those kept in a LoRA checkpoint of ours beside its adapter."""
+    if start.weights is not None:
+        return start.weights
+    if args.model.model is None and start.adapter is not None:
+        return start.adapter.base
+    return None
+
+
+def _hf_dir(weights: WeightsSource, use_hf: bool, flag: str) -> str:
+    """The HF directory (config.json, tokenizer) describing `weights`: kept beside them, or the
+    base model an ms-swift checkpoint's args.json names."""
+    if weights.hf_files:
+        return weights.hf_files
+    if weights.base_model:
+        return resolve_model_dir(weights.base_model, use_hf, None)
+    raise UserError(f"{flag}: the {weights.describe()} holds no config.json and names no base "
+                    "model: pass --model (the HF model it was trained from)")
+
+
 def model_dir(args: RlhfArguments, start: Start) -> str:
     """The HF directory of config and tokenizer: --model (downloaded for a hub id; checked with
-    --check_model), else the HF files kept in --mcore_model's directory."""
-    if args.model.model is None:
-        return layout_hf_dir(start.weights_dir)
-    directory = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
-    if args.model.check_model and start.weights_dir is None:
-        check_model_dir(directory)
-    return directory
+    --check_model), else the HF files kept with the starting checkpoint, else the base model
+    that checkpoint names."""
+    m = args.model
+    if m.model is not None:
+        directory = resolve_model_dir(m.model, m.use_hf, m.model_revision)
+        if m.check_model and base_weights(args, start) is None:
+            check_model_dir(directory)
+        return directory
+    weights = base_weights(args, start)
+    if weights is not None:
+        return _hf_dir(weights, m.use_hf, "--mcore_model")
+    if start.adapter is not None and start.adapter.base_model:
+        return resolve_model_dir(start.adapter.base_model, m.use_hf, None)
+    if start.resume_dir and os.path.isfile(os.path.join(layout_hf_dir(start.resume_dir),
+                                                        "config.json")):
+        return layout_hf_dir(start.resume_dir)
+    raise UserError("pass --model: the starting checkpoint names no base model")

@@ -3,8 +3,9 @@
 - full training: a frozen copy of the starting weights (--model / --mcore_model);
 - LoRA: the policy itself with its adapters disabled (no second model in memory);
 - another reference: --ref_model (an HF directory or hub id) or --mcore_ref_model (a Megatron
-  checkpoint of ours), and/or an adapter on it, --ref_adapters (PEFT) or --mcore_ref_adapter (a
-  LoRA checkpoint of ours): a frozen model of its own, whatever --train_type. It may be another
+  checkpoint, ours or ms-swift's), and/or an adapter on it, --ref_adapters / --mcore_ref_adapter
+  (PEFT, or a LoRA checkpoint, ours or ms-swift's): a frozen model of its own, whatever
+  --train_type. It may be another
   size of a supported family as long as it shares the policy's tokenizer.
 
 --sync_ref_model (TR-DPO) moves the frozen reference towards the policy every
@@ -13,13 +14,13 @@ are part of the training state: each checkpoint saves them under ref_model/ and 
 """
 import dataclasses
 import os
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
 from swift_megatron.checkpoint.dist import load_model, save_model, unwrap
-from swift_megatron.checkpoint.layout import hf_dir
-from swift_megatron.checkpoint.trainer import resolve_load_dir
+from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, adapter_source,
+                                               mcore_source)
 from swift_megatron.errors import UserError
 from swift_megatron.lora import disabled
 from swift_megatron.training.step import forward_backward
@@ -31,45 +32,35 @@ REF_DIR = "ref_model"  # inside a checkpoint directory, with --sync_ref_model
 class ReferenceSource:
     """Where a frozen reference model's weights come from."""
 
-    model_dir: str                   # HF directory: config (and weights unless weights_dir)
-    weights_dir: Optional[str]       # a Megatron model directory with the weights
-    adapter_dir: Optional[str]       # a PEFT adapter to apply
+    weights: Optional[WeightsSource]   # its base weights (None: the HF checkpoint at model_dir)
+    adapter: Optional[AdapterSource]   # an adapter to apply on them
+    model_name: Optional[str] = None   # --ref_model (an HF directory or hub id)
 
 
-def _checkpoint(flag: str, path: str) -> str:
-    if not os.path.isdir(path):
-        raise UserError(f"--{flag} {path}: no such directory")
-    try:
-        return resolve_load_dir(path)
-    except UserError as error:
-        raise UserError(f"--{flag} {path}: {error}") from None
-
-
-def _adapter_dir(grpo) -> Optional[str]:
+def _adapter(grpo) -> Optional[AdapterSource]:
+    if grpo.ref_adapters and grpo.mcore_ref_adapter:
+        raise UserError("pass --ref_adapters or --mcore_ref_adapter, not both")
     if grpo.ref_adapters:
-        return grpo.ref_adapters[0]
+        return adapter_source(grpo.ref_adapters[0], "--ref_adapters")
     if grpo.mcore_ref_adapter:
-        adapter = os.path.join(_checkpoint("mcore_ref_adapter", grpo.mcore_ref_adapter), "adapter")
-        if not os.path.isdir(adapter):
-            raise UserError(f"--mcore_ref_adapter {grpo.mcore_ref_adapter}: no adapter/ "
-                            f"directory (is it a checkpoint of a --train_type lora run?)")
-        return adapter
+        return adapter_source(grpo.mcore_ref_adapter, "--mcore_ref_adapter")
     return None
 
 
-def reference_source(grpo, lora: bool, policy_model_dir: str, policy_weights_dir: Optional[str],
-                     resolve_hf: Callable[[str], str]) -> Optional[ReferenceSource]:
+def reference_source(grpo, lora: bool, policy_weights: Optional[WeightsSource]
+                     ) -> Optional[ReferenceSource]:
     """The frozen reference to load, or None when there is none (beta 0) or when it is the LoRA
-    policy with its adapters disabled. resolve_hf turns --ref_model into a local directory."""
+    policy with its adapters disabled. Without --ref_model / --mcore_ref_model it has the
+    policy's starting weights (`policy_weights`, or the policy's --model)."""
     custom = grpo.ref_model or grpo.mcore_ref_model or grpo.ref_adapters or grpo.mcore_ref_adapter
     if grpo.beta == 0 or (lora and not custom):
         return None
     if grpo.mcore_ref_model:
-        weights = _checkpoint("mcore_ref_model", grpo.mcore_ref_model)
-        return ReferenceSource(hf_dir(weights), weights, _adapter_dir(grpo))
+        return ReferenceSource(mcore_source(grpo.mcore_ref_model, "--mcore_ref_model"),
+                               _adapter(grpo))
     if grpo.ref_model:
-        return ReferenceSource(resolve_hf(grpo.ref_model), None, _adapter_dir(grpo))
-    return ReferenceSource(policy_model_dir, policy_weights_dir, _adapter_dir(grpo))
+        return ReferenceSource(None, _adapter(grpo), grpo.ref_model)
+    return ReferenceSource(policy_weights, _adapter(grpo))
 
 
 class Reference:

@@ -54,6 +54,8 @@ class GRPOTrainer:
         self.steps_per_rollout = plan.steps_per_generation * args.grpo.num_iterations
         self.state = build.parallel_state(args)
         start = plan_start(args.training, args.lora)
+        for notice in start.notices if self.state.rank == 0 else []:
+            logger.warning(notice)
         model_dir = build.model_dir(args, start)
         self.tokenizer = build.tokenizer(model_dir)
         hf_config = load_hf_config(model_dir)
