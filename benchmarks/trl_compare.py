@@ -20,6 +20,11 @@ line with the ratios.
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5 --variable_length
     python benchmarks/trl_compare.py --tool ours -- --train_type lora   # extra megatron rlhf flags
+    python benchmarks/trl_compare.py --nproc 2   # data parallel over 2 GPUs, twice the work
+
+With --nproc N (weak scaling) each tool runs data-parallel over N GPUs of this machine (ours with
+NPROC_PER_NODE, TRL under torchrun) and does N times the work per rollout batch: 16N prompts,
+64N completions per optimizer step, the same micro-batch per GPU.
 
 TRL is a benchmark-only dependency (requirements/benchmarks.txt).
 """
@@ -106,7 +111,7 @@ def run_ours(a, model: str, dataset: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
            "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations", str(GENERATIONS),
-           "--micro_batch_size", str(MICRO), "--global_batch_size", str(GLOBAL),
+           "--micro_batch_size", str(MICRO), "--global_batch_size", str(GLOBAL * a.nproc),
            "--steps_per_generation", str(STEPS_PER_ROLLOUT), "--max_completion_length",
            str(a.completion_length), "--beta", str(SETTINGS["beta"]), "--temperature",
            str(SETTINGS["temperature"]), "--lr", str(SETTINGS["lr"]), "--lr_decay_style",
@@ -116,7 +121,8 @@ def run_ours(a, model: str, dataset: str) -> dict:
            "--recompute_granularity", "none", "--logging_steps", "1", "--report_to", "none",
            "--output_dir", out, "--add_version", "false", "--save_safetensors", "false",
            "--no_save_optim", "true", *a.rlhf_args]
-    subprocess.run(cmd, check=True, env=dict(os.environ, SWIFT_MEGATRON_NO_BAR="1"))
+    subprocess.run(cmd, check=True, env=dict(os.environ, SWIFT_MEGATRON_NO_BAR="1",
+                                             NPROC_PER_NODE=str(a.nproc)))
     with open(os.path.join(out, "logging.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     walls = [b["time"] - a_["time"] for a_, b in zip(rows, rows[1:])]
@@ -161,9 +167,12 @@ def run_trl(a, model: str, dataset: str) -> dict:
     log = os.path.join(a.work_dir, "trl_steps.jsonl")
     if os.path.exists(log):
         os.remove(log)
-    cmd = [sys.executable, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
+    launcher = [sys.executable] if a.nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc)]
+    cmd = [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
            "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
-           str(a.rollout_batches), "--completion_length", str(a.completion_length)]
+           str(a.rollout_batches), "--completion_length", str(a.completion_length),
+           "--nproc", str(a.nproc)]
     subprocess.run(cmd, check=True)
     with open(log) as f:
         steps = [json.loads(line) for line in f]
@@ -208,6 +217,8 @@ def trl_worker(a) -> None:
             peak = torch.cuda.max_memory_allocated() / 2**30
             if state.global_step % STEPS_PER_ROLLOUT == 0:
                 torch.cuda.reset_peak_memory_stats()
+            if not state.is_world_process_zero:
+                return
             with open(log, "a") as f:
                 f.write(json.dumps(dict(step=state.global_step, time=time.time(), peak_gib=peak,
                                         completion_length_mean=self.length)) + "\n")
@@ -215,7 +226,7 @@ def trl_worker(a) -> None:
     config = GRPOConfig(
         output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GLOBAL // MICRO, num_generations=GENERATIONS,
-        generation_batch_size=GLOBAL * STEPS_PER_ROLLOUT, max_completion_length=a.completion_length,
+        generation_batch_size=GLOBAL * a.nproc * STEPS_PER_ROLLOUT, max_completion_length=a.completion_length,
         beta=SETTINGS["beta"], temperature=SETTINGS["temperature"],
         learning_rate=SETTINGS["lr"], lr_scheduler_type="constant", loss_type="grpo", bf16=True,
         use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
@@ -237,6 +248,7 @@ def main():
     parser.add_argument("--completion_length", type=int, default=256)
     parser.add_argument("--variable_length", action="store_true")
     parser.add_argument("--tool", default="both", choices=["both", "ours", "trl"])
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs, data parallel")
     parser.add_argument("--work_dir", default="/tmp/trl_compare")
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
@@ -250,13 +262,13 @@ def main():
     results = {}
     if a.tool in ("both", "ours"):
         results["ours"] = run_ours(a, model, dataset)
-        emit(name="summary", tool="ours", **{k: round(v, 4) for k, v in results["ours"].items()})
+        emit(name="summary", tool="ours", nproc=a.nproc, **{k: round(v, 4) for k, v in results["ours"].items()})
     if a.tool in ("both", "trl"):
         results["trl"] = run_trl(a, model, dataset)
-        emit(name="summary", tool="trl", **{k: round(v, 4) for k, v in results["trl"].items()})
+        emit(name="summary", tool="trl", nproc=a.nproc, **{k: round(v, 4) for k, v in results["trl"].items()})
     if len(results) == 2:
         ours, trl = results["ours"], results["trl"]
-        emit(name="ratio", variable_length=a.variable_length,
+        emit(name="ratio", variable_length=a.variable_length, nproc=a.nproc,
              speedup_vs_trl=round(trl["wall_s"] / ours["wall_s"], 3),
              memory_vs_trl=round(ours["peak_gib"] / trl["peak_gib"], 3))
 

@@ -18,6 +18,13 @@
 #                   sleep levels 1 and 2 with the tensors each changed
 #   profile         ours alone on the trl_compare setup, the 3rd rollout batch under the torch
 #                   profiler ($OUT/profile/profile_rank0.txt, training/profile.py)
+# Two GPUs (nvidia-h200-x2):
+#   trl_compare_2gpu  trl_compare data-parallel over 2 GPUs, twice the work (weak scaling)
+#   lora_scaling      ours with --train_type lora on the trl_compare setup, 1 GPU then 2 GPUs
+#   grpo_server       `megatron rollout` on GPU 1, the trainer on GPU 0 (trl_compare setup,
+#                     ours only, NCCL weight push)
+#   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
+#   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -33,6 +40,25 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 WORK=/tmp/gpu_bench
 GRPO="python3 benchmarks/grpo_step.py --work_dir $WORK --steps 4"
 VLLM="--use_vllm true --vllm_mode colocate --sleep_level 1"
+
+grpo_server() {
+    local work=/tmp/grpo_server port=8011 model pid status
+    model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from grpo_step import \
+build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16'))") || return 1
+    CUDA_VISIBLE_DEVICES=1 python3 -m swift_megatron.cli.main rollout --model "$model" \
+        --port $port --vllm_max_model_len 1024 > "$OUT/grpo_server.server.log" 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+        kill -0 $pid 2>/dev/null || { echo "the rollout server exited"; return 1; }
+        sleep 3
+    done
+    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --tool ours \
+        --rollout_batches 4 --work_dir $work -- --vllm_mode server \
+        --vllm_server_host 127.0.0.1 --vllm_server_port $port
+    status=$?
+    kill $pid; wait $pid 2>/dev/null
+    return $status
+}
 
 phase() {
     case "$1" in
@@ -52,6 +78,17 @@ phase() {
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
+        trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
+                              --rollout_batches 4 --work_dir /tmp/trl_compare2 ;;
+        lora_scaling) for n in 1 2; do python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b \
+                          --tool ours --nproc $n --rollout_batches 4 --work_dir /tmp/lora$n \
+                          -- --train_type lora || return 1; done ;;
+        grpo_server) grpo_server ;;
+        tp2_colocate) NPROC_PER_NODE=2 $GRPO --preset qwen2.5-1.5b --run_name tp2 -- $VLLM \
+                          --vllm_gpu_memory_utilization 0.3 --tensor_model_parallel_size 2 ;;
+        export_speed) python3 benchmarks/export_speed.py --preset qwen2.5-1.5b &&
+                      python3 -m torch.distributed.run --nproc_per_node 2 \
+                          benchmarks/export_speed.py --preset qwen2.5-1.5b ;;
         *) echo "unknown phase $1"; return 2 ;;
     esac
 }
