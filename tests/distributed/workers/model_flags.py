@@ -22,6 +22,7 @@ import torch
 
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
+from swift_megatron.checkpoint.start import Start
 from swift_megatron.export import LoadedModel, mcore_logits
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.parallel.state import ParallelState
@@ -86,7 +87,7 @@ def reference_logits(args, state, model_dir, bridge, tokens):
     """Logits of components.reference_model() for this policy (beta > 0, full training)."""
     policy = SimpleNamespace(lora=None, model_dir=model_dir, hf_config=load_hf_config(model_dir),
                              dtype=torch.float32, chunks=[])
-    reference = components.reference_model(args, state, policy, SimpleNamespace(weights_dir=None),
+    reference = components.reference_model(args, state, policy, Start(None, None, None),
                                            tok=None)
     [model] = reference.frozen
     return logits_of(model, bridge, state, tokens), model.config.moe_expert_capacity_factor
