@@ -258,3 +258,50 @@ def test_a_lora_checkpoint_is_never_read_as_a_full_model(tmp_path):
     os.remove(os.path.join(path, "adapter_model.safetensors"))
     with pytest.raises(UserError, match="neither its PEFT files"):
         sources.adapter_source(path, "--mcore_adapter")
+
+
+# ---- megatron rlhf starting from them -----------------------------------------------------
+
+def first_step(tmp_path, name, math_dataset_path, *start):
+    """Step 1's logged metrics of a one-step `megatron rlhf` run starting from `start`."""
+    out = tmp_path / name
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1")
+    plugin = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
+    argv = [*start, "--dataset", math_dataset_path, "--external_plugins", plugin,
+            "--reward_funcs", "digit_ratio", "contains_answer",
+            "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
+            "--max_completion_length", "16", "--beta", "0.1", "--lr", "1e-3", "--train_iters", "1",
+            "--report_to", "none", "--output_dir", str(out), "--add_version", "false",
+            "--save_safetensors", "false"]
+    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", *argv],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(open(out / "logging.jsonl").readline()), proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_rlhf_starts_from_ms_swift_checkpoints(run, models, math_dataset_path, tmp_path):
+    """--mcore_model of an ms-swift full checkpoint (no --model: its args.json names the base)
+    trains exactly as --model of the HF weights it holds; --mcore_adapter of an ms-swift LoRA
+    checkpoint (adapter tensors only, converted at load time) exactly as the PEFT adapter it was
+    written from."""
+    ckpt, keys = run[0], ("loss/policy", "grad_norm", "reward/mean", "kl", "entropy")
+
+    def same(a, b):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+    hf, _ = first_step(tmp_path, "hf", math_dataset_path, "--model", models["dense"])
+    swift, _ = first_step(tmp_path, "swift", math_dataset_path, "--mcore_model", ckpt["dense"])
+    same(swift, hf)
+    assert hf["grad_norm"] > 0
+    peft_dir = tmp_path / "peft_dense"   # the adapter with the checkpoint's dropout (args.json)
+    shutil.copytree(ckpt["peft_dense"], peft_dir)
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    (peft_dir / "adapter_config.json").write_text(json.dumps(dict(config, lora_dropout=0.05)))
+    peft, _ = first_step(tmp_path, "peft", math_dataset_path, "--model", models["dense"],
+                         "--adapters", peft_dir)
+    lora, log = first_step(tmp_path, "lora", math_dataset_path, "--model", models["dense"],
+                           "--mcore_adapter", ckpt["lora_dense"])
+    same(lora, peft)
+    assert "--train_type lora" in log
