@@ -15,3 +15,8 @@ class UserError(Exception):
 class WeightSyncError(RuntimeError):
     """The rollout engine does not compute what the trainer computes after a weight sync
     (`--check_weight_sync`): its weights are wrong, stale or mapped to the wrong tensors."""
+
+
+class NonFiniteError(UserError):
+    """Training produced NaN or inf (a gradient norm, or weights about to be saved): usually a
+    learning rate or reward scale too large for the model. Nothing non-finite is saved."""

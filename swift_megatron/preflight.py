@@ -47,11 +47,11 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
 def _model_files(args: RlhfArguments) -> Optional[str]:
     """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
     --mcore_adapter), whose paths are checked here, before any process starts."""
-    if args.model.model:
-        return args.model.model
     from swift_megatron.checkpoint.start import plan_start
 
     start = plan_start(args.training, args.lora)
+    if args.model.model:
+        return args.model.model
     weights = start.weights or (start.adapter.base if start.adapter else None)
     return weights.hf_files if weights else None
 

@@ -1,12 +1,15 @@
 """Rollout flags: the vLLM engine (shared by the trainer and `megatron rollout`) and how the
 trainer reaches it (colocate or server mode, weight sync, memory hand-over). docs/rollout.md
 explains how they fit together."""
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
 
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
+
+API_KEY_ENV = "SWIFT_MEGATRON_ROLLOUT_API_KEY"  # the rollout server's key, for both sides
 
 
 @dataclass
@@ -70,6 +73,9 @@ class RolloutArguments:
     vllm_server_base_url: List[str] = arg([], "Server mode: base URL of each server "
                                           "(http://host:port), instead of --vllm_server_host and "
                                           "--vllm_server_port.")
+    vllm_server_api_key: Optional[str] = arg(None, "Server mode: the key the servers were "
+                                             "started with (`megatron rollout --api_key`). "
+                                             f"Default: ${API_KEY_ENV} when set.")
     vllm_server_timeout: float = arg(240.0, "Server mode: seconds to wait for the servers at "
                                      "start (health poll) and for each request.")
     weight_sync_bucket_mb: int = arg(512, "Weight sync: bucket size in MiB (tensors are loaded, "
@@ -98,6 +104,7 @@ class RolloutArguments:
             raise UserError("--weight_sync_bucket_mb must be >= 1")
         if self.vllm_server_timeout <= 0:
             raise UserError("--vllm_server_timeout must be > 0")
+        self.vllm_server_api_key = self.vllm_server_api_key or os.environ.get(API_KEY_ENV) or None
         if self.vllm_mode == "server" and not self.vllm_server_host:
             self.vllm_server_host = ["127.0.0.1"]
         ports, hosts = self.vllm_server_port, self.vllm_server_host
@@ -144,11 +151,16 @@ class ServeArguments:
     host: str = arg("127.0.0.1", "Address to listen on (0.0.0.0 for every interface). The "
                     "weight-sync communicator listens on the same address.")
     port: int = arg(8000, "Port to listen on.")
+    api_key: Optional[str] = arg(None, "Require `Authorization: Bearer <key>` on every "
+                                 f"endpoint (401 otherwise). Default: ${API_KEY_ENV} when set. "
+                                 "Trainers send it with --vllm_server_api_key.")
+    enable_docs: bool = arg(False, "Serve FastAPI's /docs, /redoc and /openapi.json.")
     vllm_data_parallel_size: int = arg(1, "vLLM engine replicas, one process each, "
                                        "vllm_tensor_parallel_size GPUs each; generate requests "
                                        "are spread over them.")
 
     def __post_init__(self):
+        self.api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
         if self.vllm_data_parallel_size < 1:
             raise UserError("--vllm_data_parallel_size must be >= 1")
         if not 0 < self.port < 65536:

@@ -48,6 +48,10 @@ class TrainingArguments:
     adam_beta2: float = arg(0.95, "Adam beta2.")
     adam_eps: float = arg(1e-8, "Adam epsilon.")
     clip_grad: float = arg(1.0, "Clip the global gradient norm to this value (0 disables).")
+    max_skipped_steps: int = arg(3, "An optimizer step whose global gradient norm is NaN or "
+                                 "inf is skipped (weights, optimizer state and schedule "
+                                 "untouched; logged as update_skipped); this many skipped steps "
+                                 "in a row stop the run with an error (0: never stop).")
     optimizer_cpu_offload: bool = arg(False, "Keep the optimizer state (a fraction of it, "
                                       "--optimizer_offload_fraction) in host memory and run its "
                                       "update on the CPU (megatron-core's hybrid optimizer; "
@@ -160,7 +164,6 @@ class TrainingArguments:
         if "none" in self.report_to:
             self.report_to = []
 
-
     def _check_optimizer_values(self) -> None:
         """Ranges of the optimizer and schedule values (NaN and inf are refused by the parser)."""
         if self.lr is not None and self.lr <= 0:
@@ -168,6 +171,8 @@ class TrainingArguments:
         for name in ("min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_skipped_steps < 0:
+            raise UserError(f"--max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if self.lr_warmup_iters < 0:
             raise UserError(f"--lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}")
         for name in ("adam_beta1", "adam_beta2"):

@@ -123,14 +123,25 @@ def _is_our_save_dir(directory: str) -> bool:
                if n.startswith("iter_"))
 
 
+def read_latest(directory: str) -> int:
+    """The iteration `directory`/latest_checkpointed_iteration.txt names (Megatron-LM's file,
+    written by ms-swift and by us); UserError naming the file when it holds anything else."""
+    path = os.path.join(directory, LATEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read it ({exc})") from None
+    if not text.isdigit():
+        raise UserError(f"{path}: expected an iteration number, got {text[:40]!r} (a damaged "
+                        "file: write the number of the iter_* directory to resume from)")
+    return int(text)
+
+
 def _iteration_dir(directory: str, path: str) -> str:
     if re.fullmatch(r"iter_\d{7}", os.path.basename(os.path.normpath(path))):
         return os.path.abspath(path)
-    with open(os.path.join(directory, LATEST)) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise UserError(f"{os.path.join(directory, LATEST)}: expected an iteration number, got "
-                        f"{text!r}")
+    text = str(read_latest(directory))
     iter_dir = os.path.join(directory, f"iter_{int(text):07d}")
     if not os.path.isdir(iter_dir):
         raise UserError(f"{directory}: {LATEST} names iteration {text}, but there is no "

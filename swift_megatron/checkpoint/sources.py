@@ -80,8 +80,7 @@ def our_model_dir(path: str) -> Optional[str]:
     latest = os.path.join(path, ms_swift.LATEST)
     if not os.path.isfile(latest) or ms_swift.is_ms_swift_checkpoint(path):
         return None
-    with open(latest) as f:
-        iteration = os.path.join(path, f"iter_{int(f.read().strip()):07d}")
+    iteration = os.path.join(path, f"iter_{ms_swift.read_latest(path):07d}")
     return iteration if os.path.isfile(os.path.join(iteration, OUR_META)) else None
 
 

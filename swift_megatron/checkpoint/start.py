@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.training import TrainingArguments
+from swift_megatron.checkpoint.integrity import check_checkpoint_files
 from swift_megatron.checkpoint.ms_swift import LATEST, is_ms_swift_checkpoint, read_ms_swift_checkpoint
 from swift_megatron.checkpoint.sources import (OUR_META, AdapterSource, WeightsSource,
                                                adapter_source, mcore_source, our_model_dir)
@@ -69,6 +70,9 @@ def plan_start(training: TrainingArguments, lora: LoraArguments) -> Start:
             notices.append(f"--finetune false: {path} is an ms-swift checkpoint, whose optimizer "
                            "and step are in ms-swift's format: its weights load, training "
                            "starts at step 0")
+    for directory in {resume, weights.path if weights and weights.kind == "mcore" else None}:
+        if directory:
+            check_checkpoint_files(directory)
     return Start(weights, adapter, resume, notices)
 
 

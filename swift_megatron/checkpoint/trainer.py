@@ -103,8 +103,9 @@ def resolve_load_dir(load: str) -> str:
     """--load may name a save directory (its latest iteration) or one iteration / model dir."""
     latest = os.path.join(load, LATEST)
     if os.path.isfile(latest):
-        with open(latest) as f:
-            return iteration_dir(load, int(f.read().strip()))
+        from swift_megatron.checkpoint.ms_swift import read_latest
+
+        return iteration_dir(load, read_latest(load))
     if os.path.isfile(os.path.join(load, META)):
         return load
     raise UserError(f"--load {load}: neither a save directory (no {LATEST}) nor a checkpoint "

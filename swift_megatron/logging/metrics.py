@@ -252,6 +252,13 @@ _SINK_CLASSES = {"tensorboard": _TensorboardSink, "wandb": _WandbSink, "swanlab"
 # MetricsLogger
 
 
+def _step_of(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class MetricsLogger:
     """Console line + `{output_dir}/logging.jsonl` (appended, flushed per step) + the sinks named
     in `report_to`, placed and named by `sinks`. A no-op when `enabled` is False. Usable as a
@@ -317,6 +324,23 @@ class MetricsLogger:
         if reserved:
             raise ValueError(f"metric names {reserved} are reserved by logging.jsonl")
         return {key: to_scalar(value, key) for key, value in metrics.items()}
+
+    def drop_after(self, step: int) -> int:
+        """Resuming at `step` in the same output directory: remove the lines of later steps
+        (the killed run's), so logging.jsonl keeps one line per step; returns how many. A line
+        that does not parse (a half-written last line) goes too."""
+        if not self.enabled:
+            return 0
+        self._file.close()
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        temporary = self.path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(temporary, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        return len(lines) - len(kept)
 
     def _write_jsonl(self, step: int, values: Dict[str, float]) -> None:
         record = {"step": step, "time": round(time.time(), 3), **values}

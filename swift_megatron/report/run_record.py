@@ -4,7 +4,8 @@
      "given": [the flags the user set], "batch_plan": {...BatchPlan...},
      "train_iters": N}
 
-`flags` is flat (one entry per command-line flag, ms-swift's args.json style). The file is
+`flags` is flat (one entry per command-line flag, ms-swift's args.json style; API keys
+masked). The file is
 replaced atomically, so a reader never sees half of it.
 """
 import dataclasses
@@ -15,11 +16,16 @@ from typing import Any, Dict, List, Optional
 ARGS_FILE = "args.json"
 
 
+SECRET_SUFFIX = "api_key"  # flags whose values are never written (--vllm_server_api_key, ...)
+
+
 def flat_flags(args) -> Dict[str, Any]:
-    """{flag name: value} over every group of a command dataclass (e.g. RlhfArguments)."""
+    """{flag name: value} over every group of a command dataclass (e.g. RlhfArguments), with
+    secrets (flags named *api_key) masked."""
     from swift_megatron.arguments.parser import flat_values
 
-    return flat_values(args)
+    return {name: "***" if name.endswith(SECRET_SUFFIX) and value else value
+            for name, value in flat_values(args).items()}
 
 
 def given_flags(args) -> List[str]:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import difflib
 import inspect
+import math
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -286,8 +287,11 @@ def _check_values(name: str, values: Any, n: int) -> List[Optional[float]]:
     for i, value in enumerate(values):
         if value is None:
             out.append(None)
-        elif isinstance(value, numbers.Real):
+        elif isinstance(value, numbers.Real) and math.isfinite(value):
             out.append(float(value))
+        elif isinstance(value, numbers.Real):
+            raise UserError(f"reward function {name!r} returned {value} for completion {i}: "
+                            f"rewards must be finite (return None for 'not applicable')")
         else:
             raise UserError(f"reward function {name!r} returned a non-number at index {i}: "
                             f"{value!r} ({type(value).__name__}); return floats, or None for "

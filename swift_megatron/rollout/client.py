@@ -26,6 +26,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from swift_megatron.arguments.rollout import API_KEY_ENV
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
@@ -41,7 +42,11 @@ def backoff_delays(retries: int, base: float = 0.5, factor: float = 2.0,
 
 
 class ServerError(RuntimeError):
-    """A rollout server answered with an error status."""
+    """A rollout server answered with an error status (`status`)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 def _refused(exc: Exception) -> bool:
@@ -52,11 +57,15 @@ def _refused(exc: Exception) -> bool:
 class ServerConnection:
     """JSON over HTTP to one server, with retries."""
 
-    def __init__(self, address: str, timeout: float, retries: int = 5):
+    def __init__(self, address: str, timeout: float, retries: int = 5,
+                 api_key: Optional[str] = None):
         self.address = address
         self.host, port = address.rsplit(":", 1)
         self.port = int(port)
         self.timeout, self.retries = timeout, retries
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def request(self, path: str, payload: Optional[dict] = None, idempotent: bool = True) -> dict:
         """GET (no payload) or POST `path`; retries connection errors (for non-idempotent calls
@@ -77,14 +86,18 @@ class ServerConnection:
     def _once(self, path: str, payload: Optional[dict]) -> dict:
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(f"http://{self.address}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+                                     headers=self.headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
+            if exc.code == 401:
+                raise UserError(f"rollout server {self.address} refused the API key ({detail}): "
+                                "pass the server's --api_key as --vllm_server_api_key (or set "
+                                f"${API_KEY_ENV})") from None
             raise ServerError(f"rollout server {self.address}{path}: HTTP {exc.code}: "
-                              f"{detail}") from None
+                              f"{detail}", exc.code) from None
 
     def wait_healthy(self, timeout: float) -> dict:
         """Poll /health until it answers or `timeout` seconds pass."""
@@ -117,7 +130,8 @@ class ServerEngine:
     """The RolloutEngine of server mode (see the module docstring)."""
 
     def __init__(self, addresses: Sequence[str], eos_token_ids: Sequence[int], *,
-                 timeout: float, bucket_bytes: int, device: torch.device):
+                 timeout: float, bucket_bytes: int, device: torch.device,
+                 api_key: Optional[str] = None):
         self.eos = list(eos_token_ids)
         self.bucket_bytes = bucket_bytes
         self.device = device
@@ -129,10 +143,10 @@ class ServerEngine:
         self.world_sizes: List[int] = []
         self.communicators: list = []
         if self.rank == 0:
-            self._connect(addresses, timeout)
+            self._connect(addresses, timeout, api_key)
 
-    def _connect(self, addresses: Sequence[str], timeout: float) -> None:
-        self.servers = [ServerConnection(a, timeout) for a in addresses]
+    def _connect(self, addresses: Sequence[str], timeout: float, api_key: Optional[str]) -> None:
+        self.servers = [ServerConnection(a, timeout, api_key=api_key) for a in addresses]
         self.world_sizes = [int(s.wait_healthy(timeout)["world_size"]) for s in self.servers]
         for server in self.servers:
             self.communicators.append(self._open_communicator(server))

@@ -40,7 +40,7 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
 
         return ServerEngine(args.rollout.server_addresses(), eos_token_ids,
                             timeout=args.rollout.vllm_server_timeout, bucket_bytes=bucket_bytes,
-                            device=device)
+                            device=device, api_key=args.rollout.vllm_server_api_key)
     from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
 
     v = args.vllm

@@ -24,12 +24,13 @@ cannot take, 409: out of order) and the server keeps serving. The engines load t
 real weights at start, so generation works before any update.
 """
 import dataclasses
+import hmac
 import json
 import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
@@ -250,14 +251,16 @@ def _models():
     class Strict(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
+    Seed = Annotated[StrictInt, Field(ge=0, lt=2 ** 63)]   # vLLM's seeds are int64
+
     class GenerateRequest(Strict):
         prompts: Union[List[List[StrictInt]], List[StrictStr]] = Field(min_length=1)
-        seeds: Optional[List[Optional[StrictInt]]] = None
+        seeds: Optional[List[Optional[Seed]]] = None
         max_tokens: StrictInt = Field(16, ge=1)
-        temperature: float = Field(1.0, ge=0)
-        top_p: float = Field(1.0, gt=0, le=1)
+        temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+        top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
         top_k: StrictInt = Field(-1, ge=-1)
-        repetition_penalty: float = Field(1.0, gt=0)
+        repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
         stop_token_ids: List[StrictInt] = []
         logprobs: StrictBool = True
 
@@ -378,13 +381,44 @@ def _close_communicator(state: ServerState) -> dict:
     return {"status": "ok"}
 
 
-def build_app(state: ServerState):
+def _bearer_check(api_key: str):
+    """A FastAPI dependency: 401 unless the request carries `Authorization: Bearer <api_key>`
+    (compared in constant time)."""
+    from fastapi import HTTPException, Request
+
+    expected = f"Bearer {api_key}".encode()
+
+    def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise HTTPException(401, "missing or wrong API key: send `Authorization: Bearer "
+                                     "<key>` (megatron rlhf: --vllm_server_api_key)")
+    return check
+
+
+async def _invalid_request(request, exc):
+    """422 with each problem's location and message. FastAPI's own handler echoes the input,
+    which fails to serialise when it holds NaN or infinity (a plain-text 500)."""
+    from fastapi.responses import JSONResponse
+
+    detail = [{"loc": list(error.get("loc", ())), "msg": str(error.get("msg", "")),
+               "type": str(error.get("type", ""))} for error in exc.errors()]
+    return JSONResponse(status_code=422, content={"detail": detail})
+
+
+def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bool = False):
     """The FastAPI application over the replicas (handlers are sync: they run in a thread pool,
-    so /health answers while a generation is running)."""
-    from fastapi import FastAPI, HTTPException
+    so /health answers while a generation is running). With `api_key`, every endpoint needs it;
+    the docs endpoints only with `enable_docs`."""
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.exceptions import RequestValidationError
 
     GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest = _models()
-    app = FastAPI(title="swift-megatron rollout server")
+    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
+        if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    auth = [Depends(_bearer_check(api_key))] if api_key else []
+    app = FastAPI(title="swift-megatron rollout server", dependencies=auth, **docs)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
 
     @app.get("/health")
     def health():
@@ -477,7 +511,8 @@ def serve(args) -> None:
                             serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl")
         logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
                     f"on http://{serve_args.host}:{serve_args.port}")
-        uvicorn.run(build_app(state), host=serve_args.host, port=serve_args.port,
+        app = build_app(state, serve_args.api_key, serve_args.enable_docs)
+        uvicorn.run(app, host=serve_args.host, port=serve_args.port,
                     log_level="warning")
     finally:
         _stop_all(replicas)

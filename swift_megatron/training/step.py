@@ -8,6 +8,7 @@ become megatron's THD PackedSeqParams. `loss_fn(micro_batch, logits)` runs on th
 averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
 contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
 """
+import math
 from functools import partial
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -59,11 +60,35 @@ def zero_grads(chunks: Sequence[torch.nn.Module], optimizer) -> None:
 
 
 def optimizer_step(optimizer, scheduler) -> Tuple[bool, float]:
-    """Clip, step and advance the schedule; returns (update applied, global grad norm)."""
-    ok, grad_norm, _ = optimizer.step()
+    """Clip, step and advance the schedule; returns (update applied, global grad norm).
+
+    megatron-core's own `step()` checks for inf/NaN only under an fp16 loss scaler: with bf16 or
+    fp32 a non-finite gradient would reach Adam and make every weight NaN. So the step runs its
+    phases here and skips the update (weights, optimizer state and schedule untouched) when the
+    global grad norm is not finite. The norm is reduced over every rank that holds gradients,
+    so all ranks take the same decision."""
+    if optimizer.prepare_grads():        # an fp16 loss-scale overflow: megatron's own skip
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm() or 0.0)
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    _clip(optimizer, grad_norm)
+    ok = optimizer.step_with_ready_grads()
     if ok:
         scheduler.step(increment=1)
-    return bool(ok), float(grad_norm) if grad_norm is not None else 0.0
+    return bool(ok), grad_norm
+
+
+def _clip(optimizer, grad_norm: float) -> None:
+    """Scale the gradients to --clip_grad by the global norm, in each of a chained optimizer's
+    parts (megatron-core's clip_grad_by_total_norm_fp32, as its own step() does)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = part.get_parameters()
+        if params and part.config.clip_grad > 0:
+            clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm,
+                                         part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def contribution_scale(num_micro_batches: int, dp_size: int) -> float:

@@ -99,6 +99,22 @@ def test_dynamic_sampling_and_overlong_filter(base, tmp_path):
     assert row["rollout/unresolved_zero_std_groups"] >= 0
 
 
+def test_non_finite_updates_are_skipped_then_stop(base, tmp_path):
+    """--lr 1e30: the first update makes the weights huge, the next steps (on the same rollout:
+    3 steps per generation) have NaN gradients and are skipped; the second skip in a row stops
+    the run (exit 2, no traceback) before any save (saves come at rollout-batch ends; weights are
+    checked before every save: tests/unit/test_guard.py)."""
+    out = tmp_path / "run"
+    proc = rlhf(*base, "--train_iters", 3, "--steps_per_generation", 3, "--output_dir", out,
+                "--lr", "1e30", "--max_skipped_steps", 2, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "step 3: the gradient norm was nan for 2 optimizer steps in a row " \
+           "(--max_skipped_steps 2)" in proc.stderr
+    assert "step 2: gradient norm nan: update skipped (1 in a row" in proc.stderr + proc.stdout
+    assert not any(name.startswith(("iter_", "checkpoint-", "final")) for name in os.listdir(out))
+
+
 def test_weight_sync_check_fails_loudly(base, tmp_path):
     """An impossible tolerance: the very first sync's check stops the run with the numbers."""
     proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path, "--check_weight_sync", "true",

@@ -147,6 +147,23 @@ def test_jsonl_is_flushed_after_each_log_and_appends_on_resume(tmp_path):
     assert [row["step"] for row in read_jsonl(tmp_path / "logging.jsonl")] == [1, 2]
 
 
+def test_resume_drops_the_killed_runs_later_steps(tmp_path):
+    """A run killed after logging steps 1-4 but saving at 2, resumed in the same directory:
+    one line per step afterwards (steps 3-4 come again from the resumed run)."""
+    first = MetricsLogger(str(tmp_path), report_to=[])
+    for step in range(1, 5):
+        first.log(step, {"loss": float(step)})
+    first._file.write('{"step": 5, "loss"')   # a half-written line from the kill
+    first.close()
+    resumed = MetricsLogger(str(tmp_path), report_to=[])
+    assert resumed.drop_after(2) == 3
+    for step in (3, 4):
+        resumed.log(step, {"loss": 10.0 * step})
+    resumed.close()
+    rows = [json.loads(line) for line in open(tmp_path / "logging.jsonl")]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
 def test_reserved_metric_names_are_rejected(tmp_path):
     with MetricsLogger(str(tmp_path), report_to=[]) as metrics_logger:
         with pytest.raises(ValueError, match=r"\['step'\] are reserved"):

@@ -467,6 +467,9 @@ def test_wrong_length_is_user_error():
     ("1", "returned str"),
     ([1.0, "x"], r"non-number at index 1: 'x'"),
     ([1.0, [2.0]], r"non-number at index 1"),
+    ([1.0, float("nan")], r"returned nan for completion 1: rewards must be finite"),
+    ([float("inf"), 0.0], r"returned inf for completion 0"),
+    ([1.0, float("-inf")], r"returned -inf for completion 1"),
 ])
 def test_bad_return_is_user_error(returned, match):
     with pytest.raises(UserError, match=r"'bad'.*" + match):

@@ -10,6 +10,8 @@
 - malformed requests get a 4xx with a message and the next good request still works;
 - with nothing listening the client fails with a UserError naming host:port; the retry policy
   is exponential backoff;
+- the server runs with --api_key: every endpoint answers 401 without it (the client, and the
+  trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
 - `megatron rlhf --vllm_mode server` trains against it (two processes, last).
 """
 import json
@@ -36,6 +38,8 @@ from tests.vllm.test_colocate import EOS, PROMPTS, hf_greedy, hf_model  # noqa: 
 
 pytestmark = pytest.mark.slow
 SERVER_LOG = {}   # "path": the server's stdout + stderr
+API_KEY = "test-key-0123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +50,13 @@ def server(vllm_model_dir, tmp_path_factory):
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", vllm_model_dir,
            "--torch_dtype", "float32", "--vllm_data_parallel_size", "2", "--host", "127.0.0.1",
            "--port", str(port), "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
-           "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs", '{"max_num_batched_tokens": 1024}']
+           "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs", '{"max_num_batched_tokens": 1024}',
+           "--api_key", API_KEY]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"
     try:
-        ServerConnection(address, timeout=30).wait_healthy(240)
+        ServerConnection(address, timeout=30, api_key=API_KEY).wait_healthy(240)
     except UserError:
         proc.kill()
         log.seek(0)
@@ -65,10 +70,10 @@ def server(vllm_model_dir, tmp_path_factory):
     log.close()
 
 
-def post(address, path, body: bytes):
-    """(status, parsed JSON) of a raw POST."""
+def post(address, path, body: bytes, headers=AUTH):
+    """(status, parsed JSON) of a raw POST (a GET without `body`)."""
     req = urllib.request.Request(f"http://{address}{path}", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -83,7 +88,7 @@ def generate(address, **body):
 
 
 def test_health_and_world_size(server):
-    connection = ServerConnection(server, timeout=30)
+    connection = ServerConnection(server, timeout=30, api_key=API_KEY)
     assert connection.request("/health")["status"] == "ok"
     assert connection.request("/get_world_size") == {"world_size": 2}
 
@@ -111,7 +116,7 @@ def test_weight_push_over_gloo(server, vllm_model_dir):
     gen = torch.Generator().manual_seed(3)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
     engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), api_key=API_KEY)
     try:
         greedy = SamplingConfig(max_tokens=8, temperature=0.0)
         before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
@@ -121,7 +126,7 @@ def test_weight_push_over_gloo(server, vllm_model_dir):
         assert [c.token_ids for c in after] == [hf_greedy(model, p, 8) for p in PROMPTS]
         assert [c.token_ids for c in after] != before
         assert all(c.weight_version == 1 for c in after)
-        assert ServerConnection(server, 30).request("/health")["weight_version"] >= 1
+        assert ServerConnection(server, 30, api_key=API_KEY).request("/health")["weight_version"] >= 1
         status, answer = post(server, "/init_communicator", b"{}")
         assert status == 409 and "already open" in answer["detail"]
         engine.update_weights(iter(original.items()))
@@ -150,6 +155,12 @@ MALFORMED = [
     ("/update_weights", json.dumps(dict(BUCKET, dtypes=["complex"])).encode(), 422),
     ("/update_weights", json.dumps(dict(BUCKET, names=["a", "b"])).encode(), 400),
     ("/init_communicator", json.dumps({"port": "x"}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "seeds": [2 ** 64]}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "seeds": [-1]}).encode(), 422),
+    ("/generate", b'{"prompts": [[1, 2]], "temperature": NaN}', 422),
+    ("/generate", b'{"prompts": [[1, 2]], "top_p": Infinity}', 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "repetition_penalty": -1}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "temperature": -0.5}).encode(), 422),
 ]
 
 
@@ -161,6 +172,23 @@ def test_malformed_requests_get_4xx(server, path, body, status):
     assert answer.get("detail")
     ok = generate(server, prompts=[[1, 2, 3]], max_tokens=2)   # still serving
     assert len(ok["completions"]) == 1
+
+
+@pytest.mark.parametrize("path,body", [("/health", None), ("/get_world_size", None),
+                                       ("/generate", b'{"prompts": [[1, 2]]}'),
+                                       ("/init_communicator", b"{}"),
+                                       ("/close_communicator", b"{}")])
+def test_every_endpoint_needs_the_api_key(server, path, body):
+    assert post(server, path, body, headers={})[0] == 401
+    status, answer = post(server, path, body, headers={"Authorization": "Bearer wrong"})
+    assert status == 401 and "API key" in answer["detail"]
+    with pytest.raises(UserError, match="refused the API key.*--vllm_server_api_key"):
+        ServerConnection(server, timeout=10, api_key="wrong").wait_healthy(10)
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_docs_are_off_by_default(server, path):
+    assert post(server, path, None)[0] == 404
 
 
 def test_nothing_listening_is_a_clear_error():
@@ -193,6 +221,7 @@ def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
            "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
            "--vllm_server_port", port, "--weight_sync_bucket_mb", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY,
                MASTER_PORT=str(free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -200,4 +229,4 @@ def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
-    assert ServerConnection(server, 30).request("/health")["weight_version"] >= 3
+    assert ServerConnection(server, 30, api_key=API_KEY).request("/health")["weight_version"] >= 3

@@ -39,6 +39,7 @@ from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, 
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.profile import maybe_profile, phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
@@ -81,6 +82,7 @@ class GRPOTrainer:
         if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
             record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
+        self.skip_guard = SkipGuard(args.training.max_skipped_steps)
         if start.resume_dir:
             self._resume(start.resume_dir)
 
@@ -208,6 +210,9 @@ class GRPOTrainer:
         outputs = forward_backward(pol.chunks, micro, partial(grpo_loss, self.loss_settings, constants))
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
         self.step += 1
+        skipped = self.skip_guard.update(ok, grad_norm, self.step)
+        if skipped and self.state.rank == 0:
+            logger.warning(skipped)
         g = self.args.grpo
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
@@ -322,6 +327,7 @@ class GRPOTrainer:
         """A resumable checkpoint, the HF copies --save_safetensors asks for, then the rotation
         of --save_total_limit (checkpoint/run.py). Collective."""
         t, pol = self.args.training, self.policy
+        check_finite_weights(pol.chunks, f"checkpoint of step {self.step}")
         state = {"step": self.step, "train_iters": self.train_iters,
                  "adam_step": adam_step(pol.optimizer),
                  "scheduler": pol.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
@@ -363,6 +369,9 @@ class GRPOTrainer:
             logger.info(f"initialised the policy from {directory} (weights only)")
             return
         self.step = int(state["step"])
+        dropped = self.metrics_log.drop_after(self.step)
+        if dropped:
+            logger.info(f"logging.jsonl: removed {dropped} line(s) of steps after {self.step}")
         if self.args.grpo.sync_ref_model and self.reference.load(directory):
             logger.info(f"restored the synced reference model from {directory}")
         pol.scheduler.load_state_dict(state["scheduler"])
