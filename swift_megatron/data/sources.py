@@ -152,8 +152,14 @@ def read_file(path: str, *, spec: Optional[str] = None) -> List[Row]:
 
 def _read_jsonl(path: str, spec: str) -> List[Row]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"dataset {spec} line {line_no}: not UTF-8 text (byte "
+                                f"{raw[error.start]:#04x} at column {error.start + 1}); save the "
+                                "file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -174,6 +180,9 @@ def _read_json(path: str, spec: str) -> List[Row]:
     except json.JSONDecodeError as error:
         raise UserError(f"dataset {spec}: not valid JSON (line {error.lineno}: {error.msg}); "
                         f"for one object per line name the file .jsonl") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"dataset {spec}: not UTF-8 text (byte {error.object[error.start]:#04x} "
+                        f"at offset {error.start}); save the file as UTF-8") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):

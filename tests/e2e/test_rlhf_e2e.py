@@ -80,6 +80,10 @@ def test_resume_continues_bit_identically(base, tmp_path):
     assert os.path.samefile(straight / "checkpoint-4" / "model.safetensors",
                             straight / "final_hf" / "model.safetensors")
     rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "resumed", "--load", save)
+    late = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path / "late", "--load", save,
+                check=False)
+    assert late.returncode == 2 and "is at step 2, beyond this run's 1 optimizer steps" in \
+        late.stderr and "Traceback" not in late.stderr
     expected, resumed = logged(straight)[2:], logged(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [3, 4]
     for mine, ref in zip(resumed, expected):

@@ -4,6 +4,7 @@ split, and the sampler's epochs, DP shares and resume."""
 import copy
 import json
 import logging
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -67,6 +68,17 @@ def test_jsonl_skips_blank_lines_and_names_bad_line(tmp_path):
     path.write_text("[1, 2]\n")
     with pytest.raises(UserError, match="line 1: each line must be a JSON object, got list"):
         load_rows(str(path))
+
+
+def test_non_utf8_bytes_name_the_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b'\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(UserError, match=r"d\.jsonl line 2: not UTF-8 text \(byte 0xe9 at column "
+                                        r"16\)"):
+        load_rows(str(path))
+    (tmp_path / "d.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
+    with pytest.raises(UserError, match=r"d\.json: not UTF-8 text \(byte 0xe9 at offset 16\)"):
+        load_rows(str(tmp_path / "d.json"))
 
 
 def test_json_list_and_data_object(tmp_path):
@@ -616,3 +628,15 @@ def test_sampler_falls_back_to_contiguous_shares():
     """A step whose prompts do not split evenly over DP ranks keeps ms-swift's contiguous shares."""
     rank = PromptSampler(40, 8, dp_size=2, dp_rank=1, seed=3, step_prompts=3)
     assert rank.batch_sample_ids() == [4, 5, 6, 7]
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from swift_megatron.rlhf.grpo import components
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3"), model)
+    config = json.loads((model / "config.json").read_text())
+    assert len(components.tokenizer(str(model), config)) <= config["vocab_size"]
+    with pytest.raises(UserError, match=r"the tokenizer has \d+ tokens but the model's "
+                                        r"vocab_size is 100"):
+        components.tokenizer(str(model), dict(config, vocab_size=100))

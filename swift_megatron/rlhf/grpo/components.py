@@ -247,10 +247,18 @@ def teacher(args: RlhfArguments, state: ParallelState, pol: Policy, tok) -> Opti
     return Teacher([model], bridge.shape.vocab_size, g.offload_teacher_model)
 
 
-def tokenizer(model_dir: str):
+def tokenizer(model_dir: str, hf_config: dict):
+    """The checkpoint's tokenizer; UserError when it has more tokens than the model's embedding
+    rows (an id past them would fail deep in the first rollout)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    vocab = (hf_config.get("text_config") or hf_config)["vocab_size"]
+    if len(tok) > vocab:
+        raise UserError(f"{model_dir}: the tokenizer has {len(tok)} tokens but the model's "
+                        f"vocab_size is {vocab}: they come from different models (check the "
+                        "tokenizer files and config.json)")
+    return tok
 
 
 def eos_token_ids(model_dir: str, tok) -> List[int]:

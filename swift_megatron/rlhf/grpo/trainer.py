@@ -24,7 +24,7 @@ from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint import run as run_checkpoint
 from swift_megatron.checkpoint.start import plan_start
 from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
-from swift_megatron.errors import WeightSyncError
+from swift_megatron.errors import UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
@@ -58,8 +58,8 @@ class GRPOTrainer:
         for notice in start.notices if self.state.rank == 0 else []:
             logger.warning(notice)
         model_dir = build.model_dir(args, start)
-        self.tokenizer = build.tokenizer(model_dir)
         hf_config = load_hf_config(model_dir)
+        self.tokenizer = build.tokenizer(model_dir, hf_config)
         self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config)
         self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
@@ -88,6 +88,11 @@ class GRPOTrainer:
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> Dict[str, float]:
+        if self.step >= self.train_iters:   # a finished run resumed: nothing to redo
+            logger.info(f"the checkpoint is at step {self.step} of {self.train_iters}: nothing to "
+                        "train (raise --train_iters to continue)")
+            self.close()
+            return {}
         batches = math.ceil((self.train_iters - self.step) / self.steps_per_rollout)
         logger.info(f"GRPO: {self.train_iters} optimizer steps, {batches} rollout batches\n"
                     f"{self.plan.table()}")
@@ -369,6 +374,10 @@ class GRPOTrainer:
             logger.info(f"initialised the policy from {directory} (weights only)")
             return
         self.step = int(state["step"])
+        if self.step > self.train_iters:
+            raise UserError(f"{directory} is at step {self.step}, beyond this run's "
+                            f"{self.train_iters} optimizer steps (--train_iters / "
+                            "--num_train_epochs): raise them to continue training")
         dropped = self.metrics_log.drop_after(self.step)
         if dropped:
             logger.info(f"logging.jsonl: removed {dropped} line(s) of steps after {self.step}")
