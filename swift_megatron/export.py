@@ -28,6 +28,7 @@ other public functions are the building blocks tests and benchmarks reuse: `load
 model is collective: call it on every rank. torch, megatron and transformers are imported inside
 the functions, so that `prepare` can reject a missing path at once.
 """
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -357,7 +358,26 @@ def _publish(tmp: str, out_dir: str, state: "ParallelState") -> None:
 
 
 def _tmp_name(out_dir: str) -> str:
-    return _broadcast_object(f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}")
+    """Rank 0's staging directory for `out_dir` (after removing those dead runs left)."""
+    from swift_megatron.checkpoint.staging import staging_dir, sweep_stale
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        sweep_stale(out_dir)
+    return _broadcast_object(staging_dir(out_dir))
+
+
+@contextlib.contextmanager
+def _staged(out_dir: str, state: "ParallelState"):
+    """Yield the staging directory of `out_dir`, publish it when the body succeeds, remove it
+    when it fails (rank 0). Collective."""
+    tmp = _tmp_name(out_dir)
+    try:
+        yield tmp
+    except BaseException:
+        if state.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, os.path.abspath(out_dir), state)
 
 
 def save_model_dir(loaded: LoadedModel, out_dir: str, hf_source_dir: str,
@@ -371,13 +391,12 @@ def save_model_dir(loaded: LoadedModel, out_dir: str, hf_source_dir: str,
     from swift_megatron.checkpoint.sources import OUR_ADAPTER
     from swift_megatron.lora import save_adapter
 
-    tmp = _tmp_name(out_dir)
     meta = {"model_type": loaded.shape.model_type, "dtype": DTYPE_NAMES[loaded.dtype],
             "saved_with": {"tp": state.tp, "pp": state.pp, "ep": state.ep, "etp": state.etp}}
-    write_model_dir([loaded.model], tmp, hf_source_dir=hf_source_dir, meta=meta)
-    if lora is not None:
-        save_adapter(loaded.model, os.path.join(tmp, OUR_ADAPTER), base_name, lora)
-    _publish(tmp, os.path.abspath(out_dir), state)
+    with _staged(out_dir, state) as tmp:
+        write_model_dir([loaded.model], tmp, hf_source_dir=hf_source_dir, meta=meta)
+        if lora is not None:
+            save_adapter(loaded.model, os.path.join(tmp, OUR_ADAPTER), base_name, lora)
 
 
 def save_peft_dir(loaded: LoadedModel, out_dir: str, base_name: str, lora: "LoraConfig",
@@ -385,9 +404,8 @@ def save_peft_dir(loaded: LoadedModel, out_dir: str, base_name: str, lora: "Lora
     """Write the model's adapter as a PEFT directory, atomically (replacing `out_dir`)."""
     from swift_megatron.lora import save_adapter
 
-    tmp = _tmp_name(out_dir)
-    save_adapter(loaded.model, tmp, base_name, lora)
-    _publish(tmp, os.path.abspath(out_dir), state)
+    with _staged(out_dir, state) as tmp:
+        save_adapter(loaded.model, tmp, base_name, lora)
 
 
 def write_output(args: "ExportCommandArguments", inputs: ExportInputs,

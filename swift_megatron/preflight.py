@@ -47,13 +47,30 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
 def _model_files(args: RlhfArguments) -> Optional[str]:
     """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
     --mcore_adapter), whose paths are checked here, before any process starts."""
-    from swift_megatron.checkpoint.start import plan_start
+    from swift_megatron.checkpoint.start import check_resume_layout, plan_start
 
     start = plan_start(args.training, args.lora)
+    check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim)
+    _check_reference_paths(args, start)
     if args.model.model:
+        from swift_megatron.model.hub import check_model_name
+
+        check_model_name(args.model.model)
         return args.model.model
     weights = start.weights or (start.adapter.base if start.adapter else None)
     return weights.hf_files if weights else None
+
+
+def _check_reference_paths(args: RlhfArguments, start) -> None:
+    """--mcore_ref_model / --ref_adapters / --mcore_ref_adapter / --ref_model resolve (local
+    paths must exist), as the run will resolve them."""
+    from swift_megatron.rlhf.grpo.references import reference_source
+
+    source = reference_source(args.grpo, args.training.train_type == "lora", start.weights)
+    if source is not None and source.model_name:
+        from swift_megatron.model.hub import check_model_name
+
+        check_model_name(source.model_name, "--ref_model")
 
 
 def check_model_family(hf_config: dict, model_type: Optional[str], source: str) -> None:
@@ -215,6 +232,8 @@ def _check_dataset(spec: str, args: RlhfArguments) -> str:
         return f"dataset {spec}: hub id (downloaded at start)"
     rows = load_rows(spec, random_state=np.random.RandomState(args.data.data_seed),
                      shuffle=args.data.dataset_shuffle)
+    if not rows:
+        raise UserError(f"dataset {spec} has no rows")
     for number, row in enumerate(rows, 1):
         try:
             row_messages(rename_columns(row, args.data.columns))

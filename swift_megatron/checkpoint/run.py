@@ -21,6 +21,7 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
+from swift_megatron.checkpoint.staging import staging_dir, sweep_stale
 from swift_megatron.checkpoint.trainer import iteration_dir
 from swift_megatron.logging import get_logger
 
@@ -35,11 +36,15 @@ def hf_dir(save_dir: str, step: int, merged: bool = False) -> str:
 def link_tree(source: str, target: str) -> None:
     """`target` as a copy of `source` whose files are hard links (no second copy on disk),
     published by renaming a temporary directory. Global rank 0 only."""
-    tmp = f"{target}.tmp-{os.getpid()}"
+    sweep_stale(target)
+    tmp = staging_dir(target)
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp, copy_function=os.link)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    try:
+        shutil.copytree(source, tmp, copy_function=os.link)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def saved_steps(save_dir: str) -> List[int]:

@@ -21,11 +21,19 @@ def _download(model_id: str, use_hf: bool, revision: Optional[str]) -> str:
                         + ("" if use_hf else " (or --use_hf true for Hugging Face)")) from None
 
 
+def check_model_name(model: str, flag: str = "--model") -> None:
+    """UserError when `model` is neither a local directory nor shaped like a hub id
+    (owner/name): a path that does not exist, caught before anything downloads or starts."""
+    if os.path.isdir(model):
+        return
+    if model.startswith((".", "/", "~")) or os.sep * 2 in model or model.count("/") != 1:
+        raise UserError(f"{flag} {model}: no such directory, and not a hub id (owner/name)")
+
+
 def resolve_model_dir(model: str, use_hf: bool = False, revision: Optional[str] = None) -> str:
     if os.path.isdir(model):
         return model
-    if model.startswith((".", "/", "~")) or os.sep * 2 in model or model.count("/") != 1:
-        raise UserError(f"--model {model}: no such directory, and not a hub id (owner/name)")
+    check_model_name(model)
     import torch.distributed as dist
 
     local_first = dist.is_initialized() and int(os.environ.get("LOCAL_RANK", "0")) != 0

@@ -25,6 +25,9 @@
 #                     ours only, NCCL weight push)
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
+# One GPU:
+#   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
+#                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -89,6 +92,7 @@ phase() {
         export_speed) python3 benchmarks/export_speed.py --preset qwen2.5-1.5b &&
                       python3 -m torch.distributed.run --nproc_per_node 2 \
                           benchmarks/export_speed.py --preset qwen2.5-1.5b ;;
+        lora_step) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --profile $OUT/lora_step ;;
         *) echo "unknown phase $1"; return 2 ;;
     esac
 }

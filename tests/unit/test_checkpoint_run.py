@@ -107,3 +107,55 @@ def test_bad_starting_points(tmp_path):
         start(mcore_adapter=save)
     with pytest.raises(UserError, match="not both"):
         start(load=save, mcore_model=save)
+
+
+def test_resuming_the_optimizer_needs_the_saved_layout(tmp_path):
+    from types import SimpleNamespace
+
+    from swift_megatron.checkpoint.start import check_resume_layout
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "swift_megatron.json").write_text(json.dumps(
+        {"saved_with": {"tp": 2, "pp": 1, "ep": 1, "etp": 2}}))
+
+    def layout(tp=2, pp=1, ep=1, etp=None):
+        return SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
+
+    check_resume_layout(str(tmp_path), layout(), load_optim=True)           # same layout
+    check_resume_layout(str(tmp_path), layout(tp=1), load_optim=False)      # --no_load_optim
+    with pytest.raises(UserError, match=r"--tensor_model_parallel_size 2 \(this run: 1\): its "
+                                        r"optimizer state resumes only in that layout.*"
+                                        r"--no_load_optim"):
+        check_resume_layout(str(tmp_path), layout(tp=1), load_optim=True)
+    with pytest.raises(UserError, match=r"--pipeline_model_parallel_size 1 \(this run: 2\)$"
+                                        r"|--pipeline_model_parallel_size 1 \(this run: 2\):"):
+        check_resume_layout(str(tmp_path), layout(pp=2), load_optim=True)
+    with pytest.raises(UserError, match=r"--expert_model_parallel_size 1 \(this run: 2\), "
+                                        r"--expert_tensor_parallel_size 2 \(this run: 1\)"):
+        check_resume_layout(str(tmp_path), layout(ep=2, etp=1), load_optim=True)
+    (tmp_path / "optimizer").rmdir()                                        # saved without it
+    check_resume_layout(str(tmp_path), layout(tp=1), load_optim=True)
+
+
+def test_staging_directories_of_dead_runs_are_swept(tmp_path):
+    """A killed run leaves final_hf.tmp-PID; the next link (or export) to final_hf removes it,
+    but never the staging directory of a live process."""
+    import subprocess
+    import sys
+
+    from swift_megatron.checkpoint.staging import sweep_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"final_hf.tmp-{dead}"
+    live = tmp_path / f"final_hf.tmp-{os.getppid()}"
+    other = tmp_path / f"final_hf_other.tmp-{dead}"
+    for directory in (stale, live, other):
+        directory.mkdir()
+    fake_save(str(tmp_path / "save"), 3)
+    run.link_tree(run.hf_dir(str(tmp_path / "save"), 3), str(tmp_path / "final_hf"))
+    assert not stale.exists() and live.exists() and other.exists()
+    assert sweep_stale(str(tmp_path / "final_hf")) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == \
+        sorted([live.name, other.name])

@@ -16,7 +16,7 @@ from swift_megatron.launch import planned_world_size, torchrun_argv
 
 
 def rlhf(*argv):
-    return parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *argv], "megatron rlhf")
+    return parse_command(RlhfArguments, ["--model", "org/m", "--dataset", "d", *argv], "megatron rlhf")
 
 
 def cli(*argv, env=None, timeout=60):

@@ -17,7 +17,7 @@ from swift_megatron.launch import planned_world_size, torchrun_argv
 
 
 def rlhf(*argv):
-    return parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *map(str, argv)],
+    return parse_command(RlhfArguments, ["--model", "org/m", "--dataset", "d", *map(str, argv)],
                          "megatron rlhf")
 
 

@@ -1,0 +1,306 @@
+"""A corpus of bad inputs to the command line (flags, model directories, datasets, plugins,
+checkpoints): each must end with exit code 2, a message naming the culprit, no traceback, and
+nothing written. The commands run in this process (`cli.main.main`) with `--dry_run true`, which
+runs every check that needs no weights, so the corpus costs seconds. Damaged checkpoints are
+also refused by real runs (the same plan_start call, tests/unit/test_checkpoint_integrity.py);
+the server's bad requests are in tests/vllm/test_server.py.
+
+Placeholders in a case: MODEL (a tiny qwen3), DATA (a 64-row math jsonl), and the names of the
+bad artefacts the `bad` fixture builds (BAD_...)."""
+import json
+import os
+import re
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from swift_megatron.cli.main import main
+
+GOOD = ["--model", "MODEL", "--dataset", "DATA", "--reward_funcs", "accuracy",
+        "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
+        "--output_dir", "OUT", "--dry_run", "true"]
+
+
+def case(flags, culprit, command="rlhf", base=True):
+    return pytest.param(command, flags, culprit, base, id=f"{command}:{' '.join(flags)[:60]}")
+
+
+FLAGS = [   # values and combinations refused at parse time
+    case(["--lr", "-1"], "--lr must be > 0"),
+    case(["--lr", "nan"], "--lr"),
+    case(["--lr", "inf"], "--lr"),
+    case(["--lr", "abc"], "--lr"),
+    case(["--min_lr", "1e-3", "--lr", "1e-5"], "--min_lr"),
+    case(["--adam_beta1", "1.5"], "--adam_beta1 must be in [0, 1)"),
+    case(["--adam_beta2", "-0.1"], "--adam_beta2"),
+    case(["--weight_decay", "-5"], "--weight_decay must be >= 0"),
+    case(["--clip_grad", "-1"], "--clip_grad must be >= 0"),
+    case(["--lr_warmup_iters", "-3"], "--lr_warmup_iters must be >= 0"),
+    case(["--max_skipped_steps", "-1"], "--max_skipped_steps must be >= 0"),
+    case(["--beta", "nan"], "--beta"),
+    case(["--temperature", "nan"], "--temperature"),
+    case(["--repetition_penalty", "-1"], "--repetition_penalty"),
+    case(["--top_p", "0"], "--top_p"),
+    case(["--top_p", "1.5"], "--top_p"),
+    case(["--num_generations", "0"], "--num_generations"),
+    case(["--micro_batch_size", "0"], "micro_batch_size"),
+    case(["--global_batch_size", "15"], "global_batch_size"),
+    case(["--max_completion_length", "0"], "--max_completion_length"),
+    case(["--lr_decay_style", "zigzag"], "--lr_decay_style"),
+    case(["--loss_type", "nope"], "--loss_type"),
+    case(["--train_type", "qlora"], "--train_type"),
+    case(["--torch_dtype", "float8"], "--torch_dtype"),
+    case(["--vllm_mode", "remote"], "--vllm_mode"),
+    case(["--sleep_level", "3"], "--sleep_level"),
+    case(["--report_to", "mlflow"], "--report_to"),
+    case(["--lora_rank", "0"], "--lora_rank must be >= 1"),
+    case(["--lora_dropout", "1.5"], "--lora_dropout"),
+    case(["--save_total_limit", "1"], "--save_total_limit must be >= 2"),
+    case(["--optimizer_offload_fraction", "2"], "--optimizer_offload_fraction"),
+    case(["--moe_expert_capacity_factor", "-1"], "--moe_expert_capacity_factor"),
+    case(["--vllm_server_port", "70000"], "--vllm_server_port"),
+    case(["--tensor_model_parallel_size", "0"], "tensor_model_parallel_size"),
+    case(["--steps_per_generation", "0"], "steps_per_generation"),
+    case(["--num_iterations", "0"], "--num_iterations"),
+    case(["--epsilon", "-0.2"], "--epsilon"),
+    case(["--bf16", "true", "--fp16", "true"], "--fp16"),
+    case(["--adapters", "a", "b"], "--adapters takes one adapter directory"),
+    case(["--no_such_flag", "1"], "--no_such_flag"),
+    case(["--lrr", "1e-5"], "--lrr"),
+    case(["--save_steps", "0"], "--save_steps"),
+    case(["--finetune", "maybe"], "--finetune"),
+    case(["--rlhf_type", "dpo"], "--rlhf_type"),
+    case(["--optimizer_cpu_offload", "true"], "--use_precision_aware_optimizer"),
+    case(["--load", "BAD_SAVE_GARBAGE_LATEST", "--mcore_model", "MODEL"], "not both"),
+    case(["--context_parallel_size", "2"], "context"),
+    case(["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", "1", "2"],
+         "--vllm_server_port"),
+    case(["--max_length", "-5"], "--max_length"),
+    case(["--seed", "x"], "--seed"),
+]
+
+FILES = [   # model directories, datasets, plugins, system prompts
+    case(["--model", "BAD_MISSING_DIR"], "BAD_MISSING_DIR"),
+    case(["--model", "BAD_NO_CONFIG"], "BAD_NO_CONFIG"),
+    case(["--model", "BAD_GPT2"], "model_type 'gpt2' is not supported"),
+    case(["--model", "BAD_TRUNCATED_WEIGHTS"], "model.safetensors: truncated"),
+    case(["--model", "BAD_GARBAGE_WEIGHTS"], "model.safetensors"),
+    case(["--model", "BAD_CONFIG_JSON"], "config.json"),
+    case(["--dataset", "BAD_MISSING_DATA.jsonl"], "BAD_MISSING_DATA.jsonl"),
+    case(["--dataset", "BAD_NOT_UTF8.jsonl"], "line 2: not UTF-8 text"),
+    case(["--dataset", "BAD_NOT_JSON.jsonl"], "line 1: not valid JSON"),
+    case(["--dataset", "BAD_LIST_LINE.jsonl"], "each line must be a JSON object"),
+    case(["--dataset", "BAD_NO_PROMPT.jsonl"], "BAD_NO_PROMPT.jsonl"),
+    case(["--dataset", "BAD_EMPTY.jsonl"], "BAD_EMPTY.jsonl"),
+    case(["--dataset", "BAD_TEXT.txt"], "unsupported file type '.txt'"),
+    case(["--dataset", "BAD_NOT_JSON.json"], "not valid JSON"),
+    case(["--dataset", "BAD_SCALAR.json"], "a .json dataset must be a list of objects"),
+    case(["--dataset", "DATA", "--val_dataset", "BAD_NOT_UTF8.jsonl"], "not UTF-8 text"),
+    case(["--external_plugins", "BAD_SYNTAX.py"], "BAD_SYNTAX.py"),
+    case(["--external_plugins", "BAD_MISSING_PLUGIN.py"], "BAD_MISSING_PLUGIN.py"),
+    case(["--external_plugins", "BAD_IMPORT.py"], "BAD_IMPORT.py"),
+    case(["--reward_funcs", "no_such_reward"], "no_such_reward"),
+    case(["--reward_funcs", "accuracyy"], "accuracyy"),
+    case(["--system", "BAD_MISSING_SYSTEM.txt"], "BAD_MISSING_SYSTEM.txt"),
+]
+
+CHECKPOINTS = [   # --load / --mcore_model / --mcore_adapter / --adapters
+    case(["--load", "BAD_SAVE_GARBAGE_LATEST"], "latest_checkpointed_iteration.txt: expected an "
+                                                "iteration number"),
+    case(["--load", "BAD_SAVE_MISSING_ITER"], "BAD_SAVE_MISSING_ITER"),
+    case(["--load", "BAD_CKPT_STATE"], "trainer_state.json: not valid JSON"),
+    case(["--load", "BAD_CKPT_META"], "swift_megatron.json: not valid JSON"),
+    case(["--load", "BAD_CKPT_MODEL_SHARD"], "model/__0_0.distcp: truncated"),
+    case(["--load", "BAD_CKPT_OPTIM_SHARD"], "optimizer/__0_0.distcp: truncated"),
+    case(["--load", "BAD_CKPT_OPTIM_METADATA"], "optimizer/.metadata: unreadable"),
+    case(["--load", "BAD_CKPT_RNG"], "rng/rank0.pt: not a readable torch.save file"),
+    case(["--load", "BAD_CKPT_COMMON"], "model/common.pt: not a readable torch.save file"),
+    case(["--load", "BAD_CKPT_MISSING_SHARD"], "model/__0_0.distcp: missing"),
+    case(["--load", "BAD_CKPT_OTHER_LAYOUT"], "was saved with --tensor_model_parallel_size 2 "
+                                              "(this run: 1)"),
+    case(["--load", "BAD_MISSING_DIR"], "--load BAD_MISSING_DIR: no such directory"),
+    case(["--load", "BAD_EMPTY_DIR"], "--load BAD_EMPTY_DIR: neither a save directory"),
+    case(["--mcore_model", "BAD_MISSING_DIR"], "--mcore_model BAD_MISSING_DIR: no such directory"),
+    case(["--mcore_model", "BAD_EMPTY_DIR"], "--mcore_model BAD_EMPTY_DIR is not a swift-megatron "
+                                             "model directory"),
+    case(["--mcore_model", "BAD_CKPT_MODEL_SHARD"], "model/__0_0.distcp: truncated"),
+    case(["--mcore_adapter", "BAD_EMPTY_DIR"], "--mcore_adapter BAD_EMPTY_DIR: not a PEFT adapter"),
+    case(["--adapters", "BAD_MISSING_DIR"], "--adapters BAD_MISSING_DIR: no such directory"),
+    case(["--adapters", "BAD_EMPTY_DIR"], "--adapters BAD_EMPTY_DIR: not a PEFT adapter"),
+    case(["--adapters", "BAD_EMPTY_DIR", "--mcore_adapter", "BAD_EMPTY_DIR"], "not both"),
+    case(["--mcore_ref_model", "BAD_MISSING_DIR", "--beta", "0.1"],
+         "--mcore_ref_model BAD_MISSING_DIR: no such directory"),
+    case(["--ref_model", "./no/such/dir", "--beta", "0.1"],
+         "--ref_model ./no/such/dir: no such directory"),
+    case(["--ref_adapters", "BAD_EMPTY_DIR", "--beta", "0.1"],
+         "--ref_adapters BAD_EMPTY_DIR: not a PEFT adapter"),
+]
+
+EXPORT = [   # megatron export
+    case(["--model", "BAD_GPT2", "--to_mcore", "true", "--output_dir", "OUT"],
+         "model_type 'gpt2' is not supported", "export", base=False),
+    case(["--model", "BAD_MISSING_DIR", "--to_mcore", "true", "--output_dir", "OUT"],
+         "BAD_MISSING_DIR", "export", base=False),
+    case(["--mcore_model", "BAD_EMPTY_DIR", "--to_hf", "true", "--output_dir", "OUT"],
+         "BAD_EMPTY_DIR", "export", base=False),
+    case(["--model", "MODEL", "--output_dir", "OUT"], "--to_hf", "export", base=False),
+    case(["--model", "MODEL", "--to_hf", "true", "--to_mcore", "true", "--output_dir", "OUT"],
+         "--to_mcore", "export", base=False),
+    case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "OUT", "--test_convert_dtype",
+          "int3"], "--test_convert_dtype", "export", base=False),
+    case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "OUT", "--bogus", "1"],
+         "--bogus", "export", base=False),
+    case(["--adapters", "BAD_EMPTY_DIR", "--model", "MODEL", "--to_hf", "true", "--output_dir",
+          "OUT"], "BAD_EMPTY_DIR", "export", base=False),
+]
+
+ROLLOUT = [   # megatron rollout (refused before any engine starts)
+    case(["--model", "BAD_MISSING_DIR"], "BAD_MISSING_DIR", "rollout", base=False),
+    case(["--model", "MODEL", "--port", "0"], "--port must be in 1..65535", "rollout", base=False),
+    case(["--model", "MODEL", "--vllm_data_parallel_size", "0"], "--vllm_data_parallel_size",
+         "rollout", base=False),
+    case(["--model", "MODEL", "--vllm_gpu_memory_utilization", "1.5"],
+         "--vllm_gpu_memory_utilization", "rollout", base=False),
+    case(["--model", "MODEL", "--vllm_max_model_len", "1"], "--vllm_max_model_len", "rollout",
+         base=False),
+    case(["--model", "MODEL", "--vllm_engine_kwargs", "{oops"], "--vllm_engine_kwargs",
+         "rollout", base=False),
+    case(["--model", "MODEL", "--unknown_rollout_flag", "x"], "--unknown_rollout_flag", "rollout",
+         base=False),
+]
+
+COMMANDS = [
+    case([], "megatron: unknown command 'rlhff'", "rlhff", base=False),
+    case(["--config", "BAD_MISSING_CONFIG.yaml"], "BAD_MISSING_CONFIG.yaml"),
+    case(["--config", "BAD_CONFIG.yaml"], "BAD_CONFIG.yaml"),
+    case(["--config", "BAD_CONFIG_UNKNOWN_FLAG.yaml"], "not_a_flag"),
+]
+
+ALL = FLAGS + FILES + CHECKPOINTS + EXPORT + ROLLOUT + COMMANDS
+
+
+def _dcp_checkpoint(root) -> str:
+    """A save directory laid out as ours: iter_0000002/ with JSON files, torch distributed
+    checkpoints (model/, optimizer/) and RNG files."""
+    import torch.distributed.checkpoint as dcp
+
+    iteration = root / "iter_0000002"
+    for name in ("model", "optimizer"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.arange(2048.0)}, storage_writer=dcp.FileSystemWriter(
+                str(iteration / name)))
+        torch.save({"version": 1}, iteration / name / "common.pt")
+    os.makedirs(iteration / "rng")
+    torch.save({"cpu": torch.get_rng_state()}, iteration / "rng" / "rank0.pt")
+    (iteration / "swift_megatron.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (iteration / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def bad(tiny_model_dir, tmp_path_factory):
+    """{placeholder: path} of every bad artefact."""
+    root = tmp_path_factory.mktemp("bad")
+    model = tiny_model_dir("qwen3")
+    paths = {"MODEL": model, "BAD_MISSING_DIR": str(root / "missing")}
+
+    def model_copy(name, edit):
+        target = root / name
+        shutil.copytree(model, target)
+        edit(target)
+        paths[name] = str(target)
+
+    model_copy("BAD_NO_CONFIG", lambda d: os.remove(d / "config.json"))
+    model_copy("BAD_GPT2", lambda d: (d / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 504})))
+    model_copy("BAD_TRUNCATED_WEIGHTS", lambda d: os.truncate(
+        d / "model.safetensors", os.path.getsize(d / "model.safetensors") // 2))
+    model_copy("BAD_GARBAGE_WEIGHTS", lambda d: (d / "model.safetensors").write_bytes(b"x" * 64))
+    model_copy("BAD_CONFIG_JSON", lambda d: (d / "config.json").write_text('{"model_type": '))
+    rows = [json.loads(line) for line in open(paths.setdefault("DATA", _data(root)))]
+    files = {
+        "BAD_NOT_UTF8.jsonl": json.dumps(rows[0]).encode() + b'\n{"messages": "caf\xe9"}\n',
+        "BAD_NOT_JSON.jsonl": b"{oops\n",
+        "BAD_LIST_LINE.jsonl": b"[1, 2]\n",
+        "BAD_NO_PROMPT.jsonl": b'{"solution": "1"}\n{"solution": "2"}\n',
+        "BAD_EMPTY.jsonl": b"",
+        "BAD_TEXT.txt": b"hello\n",
+        "BAD_NOT_JSON.json": b"[{",
+        "BAD_SCALAR.json": b"42",
+        "BAD_SYNTAX.py": b"def broken(:\n",
+        "BAD_IMPORT.py": b"import no_such_module_here\n",
+        "BAD_CONFIG.yaml": b"model: [unclosed\n",
+        "BAD_CONFIG_UNKNOWN_FLAG.yaml": b"not_a_flag: 1\n",
+    }
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+        paths[name] = str(root / name)
+    for name in ("BAD_MISSING_DATA.jsonl", "BAD_MISSING_PLUGIN.py", "BAD_MISSING_SYSTEM.txt",
+                 "BAD_MISSING_CONFIG.yaml"):
+        paths[name] = str(root / name)
+    os.makedirs(root / "BAD_EMPTY_DIR")
+    paths["BAD_EMPTY_DIR"] = str(root / "BAD_EMPTY_DIR")
+    intact = _dcp_checkpoint(root / "intact")
+
+    def checkpoint_copy(name, edit):
+        target = root / name
+        shutil.copytree(intact, target)
+        edit(target / "iter_0000002")
+        paths[name] = str(target)
+
+    checkpoint_copy("BAD_SAVE_GARBAGE_LATEST", lambda it: (
+        it.parent / "latest_checkpointed_iteration.txt").write_text("abc"))
+    checkpoint_copy("BAD_SAVE_MISSING_ITER", lambda it: (
+        it.parent / "latest_checkpointed_iteration.txt").write_text("7"))
+    checkpoint_copy("BAD_CKPT_STATE", lambda it: os.truncate(it / "trainer_state.json", 4))
+    checkpoint_copy("BAD_CKPT_META", lambda it: (it / "swift_megatron.json").write_text("{"))
+    checkpoint_copy("BAD_CKPT_MODEL_SHARD", lambda it: os.truncate(it / "model" / "__0_0.distcp", 9))
+    checkpoint_copy("BAD_CKPT_OPTIM_SHARD", lambda it: os.truncate(
+        it / "optimizer" / "__0_0.distcp", 0))
+    checkpoint_copy("BAD_CKPT_OPTIM_METADATA", lambda it: os.truncate(
+        it / "optimizer" / ".metadata", 20))
+    checkpoint_copy("BAD_CKPT_RNG", lambda it: (it / "rng" / "rank0.pt").write_bytes(b"junk"))
+    checkpoint_copy("BAD_CKPT_COMMON", lambda it: os.truncate(it / "model" / "common.pt", 30))
+    checkpoint_copy("BAD_CKPT_MISSING_SHARD", lambda it: os.remove(it / "model" / "__0_0.distcp"))
+    checkpoint_copy("BAD_CKPT_OTHER_LAYOUT", lambda it: (it / "swift_megatron.json").write_text(
+        json.dumps({"model_type": "qwen3", "saved_with": {"tp": 2, "pp": 1, "ep": 1, "etp": 2}})))
+    return paths, root
+
+
+def _data(root) -> str:
+    from swift_megatron.fixtures import build_math_dataset
+
+    return build_math_dataset(str(root / "math.jsonl"), num_rows=64)
+
+
+def _fill(argv, paths, out):
+    return [out if a == "OUT" else paths.get(a, a) for a in argv]
+
+
+def _fill_text(text, paths):
+    return re.sub(r"[A-Z][A-Z0-9_]*(\.[a-z]+)?", lambda m: paths.get(m.group(0), m.group(0)), text)
+
+
+@pytest.mark.parametrize("command, flags, culprit, base", ALL)
+def test_bad_input_exits_2_naming_the_culprit(bad, tmp_path, capsys, monkeypatch, command,
+                                               flags, culprit, base):
+    paths, _ = bad
+    out = str(tmp_path / "out")
+    monkeypatch.chdir(tmp_path)
+    argv = [command] + _fill((GOOD if base else []) + flags, paths, out)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2, (argv, printed.out[-2000:], printed.err[-2000:])
+    assert "Traceback" not in printed.err + printed.out
+    assert _fill_text(culprit, paths) in printed.err, (argv, printed.err[-2000:])
+    assert not os.path.exists(out), "a refused command wrote its output directory"
+    assert sorted(os.listdir(tmp_path)) == [], "a refused command left files behind"
+
+
+def test_the_corpus_is_large_enough():
+    assert len(ALL) >= 100   # with the server's bad requests (tests/vllm/test_server.py): more
