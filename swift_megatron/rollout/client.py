@@ -160,7 +160,7 @@ class ServerEngine:
                             "this trainer runs on the CPU")
         comm = open_communicator(info["backend"], server.host, info["port"], info["client_rank"],
                                  info["world_size"], self.device)
-        return comm, info["client_rank"]
+        return comm, info["client_rank"], info["token"]
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
@@ -219,9 +219,9 @@ class ServerEngine:
         specs, flat = pack(bucket, device)
         meta = {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
                 "shapes": [list(s.shape) for s in specs], "last": last}
-        for server in self.servers:
-            server.request("/update_weights", meta, idempotent=False)
-        for comm, client_rank in self.communicators:
+        for server, (_, _, token) in zip(self.servers, self.communicators):
+            server.request("/update_weights", dict(meta, token=token), idempotent=False)
+        for comm, client_rank, _ in self.communicators:
             comm.broadcast(flat, client_rank)
 
     # ---- the rest of the protocol ----------------------------------------------------------
@@ -232,7 +232,7 @@ class ServerEngine:
         return None
 
     def close(self) -> None:
-        for server, (comm, _) in zip(self.servers, self.communicators):
-            server.request("/close_communicator", {}, idempotent=False)
+        for server, (comm, _, token) in zip(self.servers, self.communicators):
+            server.request("/close_communicator", {"token": token}, idempotent=False)
             comm.close()
         self.communicators, self.servers = [], []

@@ -12,21 +12,24 @@ to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
     GET  /get_world_size      {"world_size": T x D}
     POST /generate            prompts (token ids or text), per-request seeds, sampling params
                               -> token ids, logprobs, finish reasons
-    POST /init_communicator   -> {"port", "world_size", "client_rank", "backend"}; the trainer
-                              then joins a weight-sync group with every worker (NCCL on
-                              CUDA, gloo on CPU)
-    POST /update_weights      one bucket's metadata; the tensors follow over the communicator
+    POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token"};
+                              the trainer then joins a weight-sync group with every worker
+                              (NCCL on CUDA, gloo on CPU)
+    POST /update_weights      one bucket's metadata and the token; the tensors follow over the
+                              communicator
     POST /reset_prefix_cache
-    POST /close_communicator
+    POST /close_communicator  {"token"}
 
 Malformed requests get a 4xx with a message (422: invalid JSON or fields, 400: values the model
-cannot take, 409: out of order) and the server keeps serving. The engines load the checkpoint's
+cannot take, 409: out of order, 403: another client's communicator token; 401: a missing or
+wrong --api_key) and the server keeps serving. The engines load the checkpoint's
 real weights at start, so generation works before any update.
 """
 import dataclasses
 import hmac
 import json
 import os
+import secrets
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -220,6 +223,7 @@ class ServerState:
     backend: str                     # weight-sync backend: "nccl" (CUDA) or "gloo" (CPU)
     weight_version: int = 0
     client_rank: Optional[int] = None
+    communicator_token: Optional[str] = None   # given to the client that opened it
 
     @property
     def world_size(self) -> int:
@@ -268,12 +272,16 @@ def _models():
         port: Optional[StrictInt] = Field(None, gt=0, lt=65536)
 
     class UpdateWeightsRequest(Strict):
+        token: StrictStr                 # from /init_communicator
         names: List[StrictStr] = Field(min_length=1)
         dtypes: List[Literal[tuple(DTYPES)]]
         shapes: List[List[StrictInt]]
         last: StrictBool = False
 
-    return GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest
+    class CloseCommunicatorRequest(Strict):
+        token: Optional[StrictStr] = None
+
+    return GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseCommunicatorRequest
 
 
 def _check_generate(request, vocab_size: int) -> None:
@@ -356,8 +364,18 @@ def _init_communicator(state: ServerState, request) -> dict:
                        rank_offset=replica.index * state.tensor_parallel_size,
                        timeout_s=COMMUNICATOR_TIMEOUT_S)
     state.client_rank = world_size - 1
+    state.communicator_token = secrets.token_urlsafe(16)
     return {"port": port, "world_size": world_size, "client_rank": state.client_rank,
-            "backend": state.backend}
+            "backend": state.backend, "token": state.communicator_token}
+
+
+def _check_owner(state: ServerState, token: Optional[str]) -> None:
+    """403 unless `token` is the one /init_communicator gave (only the client that opened the
+    weight-sync communicator may push weights or close it)."""
+    from fastapi import HTTPException
+
+    if not hmac.compare_digest((token or "").encode(), state.communicator_token.encode()):
+        raise HTTPException(403, "token: the weight-sync communicator belongs to another client")
 
 
 def _update_weights(state: ServerState, request) -> dict:
@@ -366,6 +384,7 @@ def _update_weights(state: ServerState, request) -> dict:
     _check_bucket(request)
     if state.client_rank is None:
         raise HTTPException(409, "no weight-sync communicator: POST /init_communicator first")
+    _check_owner(state, request.token)
     specs = [{"name": n, "dtype": d, "shape": s}
              for n, d, s in zip(request.names, request.dtypes, request.shapes)]
     _replica_call(state, "submit", "receive", specs=specs, src=state.client_rank, last=request.last)
@@ -374,9 +393,10 @@ def _update_weights(state: ServerState, request) -> dict:
     return {"status": "ok", "weight_version": state.weight_version}
 
 
-def _close_communicator(state: ServerState) -> dict:
+def _close_communicator(state: ServerState, request) -> dict:
     if state.client_rank is not None:
-        state.client_rank = None
+        _check_owner(state, request.token)
+        state.client_rank = state.communicator_token = None
         _replica_call(state, "call", "close_communicator")
     return {"status": "ok"}
 
@@ -413,7 +433,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
 
-    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest = _models()
+    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest = _models()
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
         if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
@@ -449,8 +469,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
         return {"status": "ok"}
 
     @app.post("/close_communicator")
-    def close_communicator():
-        return _close_communicator(state)
+    def close_communicator(request: CloseRequest):
+        return _close_communicator(state, request)
 
     return app
 

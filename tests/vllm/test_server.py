@@ -129,6 +129,10 @@ def test_weight_push_over_gloo(server, vllm_model_dir):
         assert ServerConnection(server, 30, api_key=API_KEY).request("/health")["weight_version"] >= 1
         status, answer = post(server, "/init_communicator", b"{}")
         assert status == 409 and "already open" in answer["detail"]
+        for path, body in (("/update_weights", BUCKET), ("/close_communicator", {"token": "t"}),
+                           ("/close_communicator", {})):   # only the owner's token works
+            status, answer = post(server, path, json.dumps(body).encode())
+            assert status == 403 and "belongs to another client" in answer["detail"]
         engine.update_weights(iter(original.items()))
         assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
         assert post(server, "/reset_prefix_cache", b"{}") == (200, {"status": "ok"})
@@ -137,7 +141,7 @@ def test_weight_push_over_gloo(server, vllm_model_dir):
     assert post(server, "/close_communicator", b"{}") == (200, {"status": "ok"})
 
 
-BUCKET = {"names": ["a"], "dtypes": ["float32"], "shapes": [[2]]}
+BUCKET = {"token": "t", "names": ["a"], "dtypes": ["float32"], "shapes": [[2]]}
 MALFORMED = [
     ("/generate", b"{not json", 422),
     ("/generate", json.dumps({"prompts": "abc"}).encode(), 422),
@@ -154,6 +158,8 @@ MALFORMED = [
     ("/update_weights", json.dumps(BUCKET).encode(), 409),
     ("/update_weights", json.dumps(dict(BUCKET, dtypes=["complex"])).encode(), 422),
     ("/update_weights", json.dumps(dict(BUCKET, names=["a", "b"])).encode(), 400),
+    ("/update_weights", json.dumps({k: v for k, v in BUCKET.items() if k != "token"}).encode(),
+     422),
     ("/init_communicator", json.dumps({"port": "x"}).encode(), 422),
     ("/generate", json.dumps({"prompts": [[1, 2]], "seeds": [2 ** 64]}).encode(), 422),
     ("/generate", json.dumps({"prompts": [[1, 2]], "seeds": [-1]}).encode(), 422),
