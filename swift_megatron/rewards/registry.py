@@ -18,6 +18,8 @@ import difflib
 import inspect
 import math
 import numbers
+import os
+import traceback
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -342,21 +344,46 @@ def _call(name: str, fn: Callable, completions: List[str], columns: Dict[str, An
                         f"which the batch does not have; available: "
                         f"{', '.join(sorted(columns)) or '(none)'}")
     kwargs = columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
-    with _blamed(name):
+    with _blamed(name, lambda: _failing_sample(fn, completions, kwargs)):
         return fn(completions, **kwargs)
 
 
 @contextlib.contextmanager
-def _blamed(name: str):
-    """Exceptions other than UserError leave with a note naming the reward function."""
+def _blamed(name: str, find_sample: Callable[[], str] = lambda: ""):
+    """An exception other than UserError from a reward function stops the run as a UserError
+    (exit 2, no traceback) naming the function, where in its file it raised and, when
+    `find_sample` can tell, the first completion it fails on."""
     try:
         yield
     except UserError:
         raise
     except Exception as error:
-        if hasattr(error, "add_note"):  # Python >= 3.11
-            error.add_note(f"(raised by reward function {name!r})")
-        raise
+        raise UserError(f"reward function {name!r} raised {type(error).__name__}: {error} "
+                        f"({_where(error)}){find_sample()}") from error
+
+
+def _where(error: BaseException) -> str:
+    """file:line of the innermost frame outside this package (the plugin's own code)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(own)] or frames
+    frame = outside[-1]
+    return f"at {frame.filename}:{frame.lineno}, in {frame.name}"
+
+
+def _failing_sample(fn: Callable, completions: List[str], kwargs: Dict[str, Any]) -> str:
+    """'; first failing completion #i: ...' found by calling `fn` on one completion at a time
+    (only after the batch call failed), or '' when each alone passes."""
+    n = len(completions)
+    for i in range(n):
+        one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v
+               for k, v in kwargs.items()}
+        try:
+            output = fn([completions[i]], **one)
+            _close([output] if inspect.isawaitable(output) else [])
+        except Exception:
+            return f"; first failing completion #{i}: {completions[i][:120]!r}"
+    return ""
 
 
 def _await_all(pending: Dict[int, Tuple[str, Any]]) -> Dict[int, Any]:

@@ -499,13 +499,27 @@ def test_missing_column_is_user_error():
         compute_rewards(funcs, ["a"], prompts=["p"])
 
 
-def test_reward_exception_gets_a_note():
-    def boom(completions, **kwargs):
+def test_a_raising_reward_function_is_named_with_the_sample(tmp_path):
+    """A plugin's exception stops the run as a UserError (exit 2, no traceback) that names the
+    function, the line of the plugin that raised and the first completion it fails on."""
+    plugin = tmp_path / "fragile.py"
+    plugin.write_text(textwrap.dedent("""
+        def fragile(completions, solution, **kwargs):
+            return [float(s) / len(c) for c, s in zip(completions, solution)]
+    """))
+    namespace = {}
+    exec(compile(plugin.read_text(), str(plugin), "exec"), namespace)
+    with pytest.raises(UserError, match=r"reward function 'fragile' raised ZeroDivisionError: "
+                                        r"float division by zero \(at .*fragile.py:3, in ") as info:
+        compute_rewards([("fragile", namespace["fragile"])], ["ab", "", "c"],
+                        solution=["1", "2", "3"])
+    assert "first failing completion #1: ''" in str(info.value)
+
+    async def broken(completions, **kwargs):
         raise KeyError("x")
 
-    with pytest.raises(KeyError) as info:
-        compute_rewards([("boom", boom)], ["a"])
-    assert "reward function 'boom'" in "".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(UserError, match=r"reward function 'broken' raised KeyError: 'x'"):
+        compute_rewards([("broken", broken)], ["a"])
 
 
 def test_package_does_not_import_torch():
