@@ -20,6 +20,7 @@ Protocol (docs/rollout.md has the whole picture):
 its methods run inside every vLLM worker and are called by name through `collective_rpc`.
 """
 import dataclasses
+import socket
 from datetime import timedelta
 from typing import Iterable, Iterator, List, Sequence, Tuple
 
@@ -111,14 +112,23 @@ def unpack(specs: Sequence[TensorSpec], flat: torch.Tensor) -> List[NamedTensor]
 # ---- communicators ---------------------------------------------------------------------------
 class GlooCommunicator:
     """A gloo group outside torch.distributed's global state (the trainer has its own world):
-    a TCPStore served by rank 0 and a ProcessGroupGloo over it."""
+    a TCPStore served by rank 0 and a ProcessGroupGloo over it. Rank 0's store listens on `host`
+    only (torch's TCPStore alone listens on every interface), as vLLM's NCCL group does."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
         import torch.distributed as dist
 
         timeout = timedelta(seconds=timeout_s)
         self.device = torch.device("cpu")
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        listen_fd = None
+        if rank == 0:   # the store's server takes over this bound socket's descriptor
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen()
+            listen_fd = listener.detach()
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                                   master_listen_fd=listen_fd)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("weight_sync", self.store), rank,
                                            world_size, timeout)
 

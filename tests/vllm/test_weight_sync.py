@@ -35,3 +35,37 @@ def test_pack_unpack_round_trip_mixed_dtypes():
         assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor)
     spec = spec_of("x", torch.zeros(2, 3, dtype=torch.bfloat16))
     assert (spec.name, spec.dtype, spec.shape, spec.nbytes) == ("x", "bfloat16", (2, 3), 12)
+
+
+def test_the_gloo_groups_store_listens_on_its_host_only():
+    """The weight-sync store of a CPU server listens on the server's --host, not on every
+    interface as torch's TCPStore alone does: from another address of this machine the port is
+    closed."""
+    import socket
+
+    import pytest
+
+    from swift_megatron.rollout.weight_sync import GlooCommunicator
+    from tests.distributed.launch import free_port
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))   # no packet is sent: this picks the outward address
+        others = [probe.getsockname()[0]]
+    except OSError:
+        others = []
+    finally:
+        probe.close()
+    others = [a for a in others if not a.startswith("127.")]
+    port = free_port()
+    comm = GlooCommunicator("127.0.0.1", port, 0, 1, timeout_s=10)
+    try:
+        comm.broadcast(torch.ones(2), 0)   # a group of one works
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        if not others:
+            pytest.skip("this machine has no non-loopback IPv4 address to probe from")
+        with pytest.raises(OSError):
+            socket.create_connection((others[0], port), timeout=5).close()
+    finally:
+        comm.close()
