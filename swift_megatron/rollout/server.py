@@ -30,6 +30,7 @@ import hmac
 import json
 import os
 import secrets
+import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -158,9 +159,29 @@ class Replica:
             pass
 
     def join(self) -> None:
+        """Wait for the process to stop, escalating to SIGTERM then SIGKILL (a wedged engine),
+        and kill what it started (vLLM's engine-core processes) so that nothing outlives us."""
+        children = _descendants(self.process.pid)
         self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.terminate()
+        for stop in (self.process.terminate, self.process.kill):
+            if not self.process.is_alive():
+                break
+            stop()
+            self.process.join(timeout=5)
+        for child in children:
+            try:
+                child.kill()
+            except Exception:   # gone already (psutil.NoSuchProcess) or not ours
+                pass
+
+
+def _descendants(pid: int) -> list:
+    try:
+        import psutil   # installed with vLLM
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:
+        return []
 
 
 def _gpu_slices(replicas: int, tp: int) -> List[Optional[str]]:
@@ -507,8 +528,16 @@ def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
         worker_extension_cls=WORKER_EXTENSION, extra=dict(engine.vllm_engine_kwargs or {}))
 
 
+def _exit_on_signal(signum, frame) -> None:
+    """SIGTERM (and SIGINT) outside uvicorn's own handling: leave through the `finally` that
+    stops the replicas. (uvicorn restores this handler after serving and re-raises the signal;
+    with Python's default SIGTERM action the process would die before stopping them.)"""
+    raise SystemExit(0)
+
+
 def serve(args) -> None:
-    """Run `megatron rollout` (RolloutCommandArguments) until interrupted."""
+    """Run `megatron rollout` (RolloutCommandArguments) until interrupted (SIGINT or SIGTERM:
+    the replicas and their engine processes are stopped either way)."""
     try:
         import uvicorn
     except ImportError:
@@ -525,6 +554,8 @@ def serve(args) -> None:
     vllm_compat.check_model_supported(model_dir)
     settings = engine_settings(args, model_dir)
     vllm_compat.check_engine_settings(settings)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_on_signal)
     replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
     try:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),

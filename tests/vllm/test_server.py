@@ -12,7 +12,8 @@
   is exponential backoff;
 - the server runs with --api_key: every endpoint answers 401 without it (the client, and the
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
-- `megatron rlhf --vllm_mode server` trains against it (two processes, last).
+- `megatron rlhf --vllm_mode server` trains against it (two processes, last);
+- SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown).
 """
 import json
 import os
@@ -62,12 +63,20 @@ def server(vllm_model_dir, tmp_path_factory):
         log.seek(0)
         raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
     yield address
-    proc.send_signal(signal.SIGINT)
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)   # replicas, engine cores
+    assert children, "the server has no replica processes?"
+    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
+        code = proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
+        raise AssertionError("the rollout server ignored SIGTERM")
+    finally:
+        log.close()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert code == 0 and not alive, f"exit {code}; left behind: {[p.pid for p in alive]}"
 
 
 def post(address, path, body: bytes, headers=AUTH):
