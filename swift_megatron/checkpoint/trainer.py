@@ -20,8 +20,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from swift_megatron.checkpoint.dist import save_strategy, unwrap
-from swift_megatron.checkpoint.layout import META, load_model_dir, write_model_dir
-from swift_megatron.errors import UserError
+from swift_megatron.checkpoint.layout import load_model_dir, write_model_dir
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
@@ -97,19 +96,6 @@ def _write_latest(save_dir: str, step: int) -> None:
     with open(tmp, "w") as f:
         f.write(str(step))
     os.replace(tmp, os.path.join(save_dir, LATEST))
-
-
-def resolve_load_dir(load: str) -> str:
-    """--load may name a save directory (its latest iteration) or one iteration / model dir."""
-    latest = os.path.join(load, LATEST)
-    if os.path.isfile(latest):
-        from swift_megatron.checkpoint.ms_swift import read_latest
-
-        return iteration_dir(load, read_latest(load))
-    if os.path.isfile(os.path.join(load, META)):
-        return load
-    raise UserError(f"--load {load}: neither a save directory (no {LATEST}) nor a checkpoint "
-                    f"(no {META})")
 
 
 def _init_adam_state(optimizer) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups
+from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
