@@ -43,6 +43,7 @@ from swift_megatron.rollout import vllm_compat
 logger = get_logger(__name__)
 
 COMMUNICATOR_TIMEOUT_S = 600.0
+INT32_MAX = 2 ** 31 - 1   # vLLM's token counts are int32
 
 
 # ---- replica processes -----------------------------------------------------------------------
@@ -119,7 +120,11 @@ class Replica:
         self.failure: Optional[ReplicaError] = None
 
     def _reply(self):
-        reply = self.conn.recv()
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError):   # the replica process died mid-command
+            raise ReplicaError("ReplicaGone", f"rollout replica {self.index} exited", False) \
+                from None
         if reply[0] == "error":
             raise ReplicaError(*reply[1:])
         return reply[1]
@@ -281,12 +286,12 @@ def _models():
     class GenerateRequest(Strict):
         prompts: Union[List[List[StrictInt]], List[StrictStr]] = Field(min_length=1)
         seeds: Optional[List[Optional[Seed]]] = None
-        max_tokens: StrictInt = Field(16, ge=1)
+        max_tokens: StrictInt = Field(16, ge=1, le=INT32_MAX)
         temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
         top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-        top_k: StrictInt = Field(-1, ge=-1)
+        top_k: StrictInt = Field(-1, ge=-1, le=INT32_MAX)
         repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
-        stop_token_ids: List[StrictInt] = []
+        stop_token_ids: List[Annotated[StrictInt, Field(ge=0)]] = []
         logprobs: StrictBool = True
 
     class InitCommunicatorRequest(Strict):
@@ -296,7 +301,7 @@ def _models():
         token: StrictStr                 # from /init_communicator
         names: List[StrictStr] = Field(min_length=1)
         dtypes: List[Literal[tuple(DTYPES)]]
-        shapes: List[List[StrictInt]]
+        shapes: List[List[Annotated[StrictInt, Field(ge=0)]]]
         last: StrictBool = False
 
     class CloseCommunicatorRequest(Strict):
@@ -333,9 +338,6 @@ def _check_bucket(request) -> None:
         raise HTTPException(400, "names, dtypes and shapes differ in length "
                                  f"({len(request.names)}, {len(request.dtypes)}, "
                                  f"{len(request.shapes)})")
-    bad = next((s for s in request.shapes if any(d < 0 for d in s)), None)
-    if bad is not None:
-        raise HTTPException(400, f"shapes: negative dimension in {bad}")
 
 
 def _replica_call(state: ServerState, method: str, name: str, **kwargs) -> list:

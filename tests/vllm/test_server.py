@@ -176,6 +176,10 @@ MALFORMED = [
     ("/generate", b'{"prompts": [[1, 2]], "top_p": Infinity}', 422),
     ("/generate", json.dumps({"prompts": [[1, 2]], "repetition_penalty": -1}).encode(), 422),
     ("/generate", json.dumps({"prompts": [[1, 2]], "temperature": -0.5}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "max_tokens": 2 ** 40}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "top_k": 2 ** 40}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "stop_token_ids": [-4]}).encode(), 422),
+    ("/update_weights", json.dumps(dict(BUCKET, shapes=[[-2]])).encode(), 422),
 ]
 
 
