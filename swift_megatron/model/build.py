@@ -64,6 +64,7 @@ def build_model(hf_config: Mapping, dtype: torch.dtype, device: torch.device, *,
         hf_config, dtype=dtype, tp=tp, pp=parallel_state.get_pipeline_model_parallel_world_size(),
         ep=parallel_state.get_expert_model_parallel_world_size(),
         etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        cp=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=sequence_parallel, use_cpu_initialization=device.type == "cpu",
         model_type=model_type, **config_overrides)
     shape = model_shape(hf_config, tp=tp, model_type=model_type)

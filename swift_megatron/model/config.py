@@ -130,7 +130,7 @@ def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
 
 
 def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int = 1,
-                       ep: int = 1, etp: int = 1, sequence_parallel: bool = False,
+                       ep: int = 1, etp: int = 1, cp: int = 1, sequence_parallel: bool = False,
                        use_cpu_initialization: bool = False,
                        model_type: Optional[str] = None, **overrides) -> TransformerConfig:
     """The TransformerConfig of an HF checkpoint for a given parallel layout and dtype."""
@@ -151,7 +151,7 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        sequence_parallel=sequence_parallel, variable_seq_lengths=True,
+        context_parallel_size=cp, sequence_parallel=sequence_parallel, variable_seq_lengths=True,
         use_cpu_initialization=use_cpu_initialization,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,

@@ -3,7 +3,9 @@ when PP > 1), and one optimizer step.
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
 function needs; a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
-become megatron's THD PackedSeqParams. `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
+become megatron's THD PackedSeqParams. With context parallelism the model reads this CP rank's
+share of the positions (parallel/context.py) and `loss_fn` gets the logits of those positions.
+`loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
 `(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP
 averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
 contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
@@ -14,6 +16,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from swift_megatron.parallel.context import CPShare
 
 LossFn = Callable[[dict, torch.Tensor], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
 
@@ -31,7 +35,11 @@ def packed_seq_params(micro_batch: dict):
 
 def _forward_step(loss_fn: LossFn, data_iterator, model):
     micro_batch = next(data_iterator)
-    output = model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None,
+    tokens, positions = micro_batch["tokens"], micro_batch["position_ids"]
+    share = CPShare.of(micro_batch)
+    if share is not None:  # this CP rank's share of the sequence (parallel/context.py)
+        tokens, positions = share.local(tokens, 1), share.local(positions, 1)
+    output = model(tokens, positions, attention_mask=None,
                    packed_seq_params=packed_seq_params(micro_batch))
     return output, partial(_loss_adapter, loss_fn, micro_batch)
 

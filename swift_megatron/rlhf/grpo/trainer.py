@@ -30,6 +30,7 @@ from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import save_adapter
 from swift_megatron.model.config import load_hf_config
+from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
@@ -179,11 +180,13 @@ class GRPOTrainer:
     def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
                       max_tokens: Optional[int] = None) -> List[dict]:
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
+        row_multiple, sequence_multiple = padding_multiples(tp_multiple, self.state.cp)
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size,
                                     max_tokens=max_tokens, pad_id=pad,
-                                    pad_to_multiple=tp_multiple,
+                                    pad_to_multiple=row_multiple,
+                                    sequence_multiple=sequence_multiple,
                                     overlong_filter=self.args.grpo.overlong_filter,
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
