@@ -18,8 +18,9 @@ class ParallelArguments:
         None, "Interleaved pipeline: model chunks per pipeline stage.",
         not_yet="the interleaved (virtual) pipeline schedule is not implemented")
     context_parallel_size: int = arg(1, "Context-parallel degree (CP): each sequence is split "
-                                     "across this many GPUs.",
-                                     not_yet="context parallelism needs a CP-aware attention")
+                                     "across this many GPUs (megatron's load-balanced layout: "
+                                     "2 x CP chunks, every sequence padded to a multiple of "
+                                     "2 x CP).")
     expert_model_parallel_size: int = arg(1, "Expert-parallel degree (EP) for MoE models.")
     expert_tensor_parallel_size: int = arg(1, "Tensor-parallel degree inside each expert (ETP). "
                                            "With --expert_model_parallel_size 1 it is set to the "

@@ -32,6 +32,19 @@ def _init_distributed(backend: str) -> None:
     dist.init_process_group(backend=backend)
 
 
+def _replica_group():
+    """This rank's group of the ranks that share its data-parallel rank (collective: every rank
+    creates every group)."""
+    dp_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_ranks, mpu.get_data_parallel_rank())
+    mine = None
+    for dp_rank in sorted(set(dp_ranks)):
+        group = dist.new_group([r for r, d in enumerate(dp_ranks) if d == dp_rank])
+        if dp_rank == mpu.get_data_parallel_rank():
+            mine = group
+    return mine
+
+
 @dataclasses.dataclass
 class ParallelState:
     """Degrees and this rank's coordinates in the TP x CP x EP x DP x PP grid."""
@@ -63,6 +76,7 @@ class ParallelState:
             expert_tensor_parallel_size=etp, create_gloo_process_groups=True)
         state = cls(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=world // (tp * pp * cp),
                     world_size=world, rank=dist.get_rank(), device=torch_device)
+        state._replica_group = _replica_group() if cp > 1 else mpu.get_model_parallel_group()
         state.seed(seed)
         return state
 
@@ -112,8 +126,9 @@ class ParallelState:
 
     @property
     def mp_group(self):
-        """The ranks that together hold one model replica (TP x PP x CP)."""
-        return mpu.get_model_parallel_group()
+        """The ranks that together hold one model replica (TP x PP x CP; megatron's model-
+        parallel group leaves CP out)."""
+        return self._replica_group
 
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline."""

@@ -124,7 +124,6 @@ def test_columns_json():
 
 @pytest.mark.parametrize("argv,match", [
     (["--virtual_pipeline_model_parallel_size", "2"], "not supported yet"),
-    (["--context_parallel_size", "2"], "--context_parallel_size is not supported yet"),
 ])
 def test_flags_of_missing_features_fail(argv, match):
     with pytest.raises(UserError, match=match):
