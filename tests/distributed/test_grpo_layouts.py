@@ -3,7 +3,7 @@
 
 Each run is the real command, `megatron rlhf`, relaunched under torchrun through NPROC_PER_NODE,
 with the old-policy pass (steps_per_generation 2) and the reference model (beta > 0) active.
-Configurations: dapo and grpo; `mix`, what reduces across ranks or stages in issue 14's options
+CP=2 runs packed (--padding_free, the default) and padded micro-batches. Configurations: dapo and grpo; `mix`, what reduces across ranks or stages in issue 14's options
 (cispo's step-token normalisation, reinforce_plus_plus's batch std with the KL in the rewards,
 a teacher of another size, the entropy mask and its max/min summaries, token_mask IS); `real`,
 whose group loss is normalised by the step's number of groups."""
@@ -23,7 +23,9 @@ COMMON = ["--num_generations", "4", "--global_batch_size", "8", "--micro_batch_s
           "--beta", "0.04", "--lr", "1e-3", "--reward_funcs", "accuracy", "digit_ratio",
           "--log_interval", "1", "--report_to", "none", "--add_version", "false", "--seed", "3"]
 LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"],
-           "pp2": ["--pipeline_model_parallel_size", "2"], "dp2": []}
+           "pp2": ["--pipeline_model_parallel_size", "2"], "dp2": [],
+           "cp2": ["--context_parallel_size", "2"],
+           "cp2_padded": ["--context_parallel_size", "2", "--padding_free", "false"]}
 
 
 def run_rlhf(model, dataset, out_dir, extra, nproc):
@@ -76,7 +78,7 @@ EXTRA_KEYS = {"dapo": ["kl"], "grpo": ["kl"], "real": ["kl"],
 # dapo normalises by the token count of the whole step (all DP ranks), as cispo in `mix` does:
 # mix runs under every layout, the others under DP=2.
 CASES = [("mix", "tp2"), ("mix", "pp2"), ("mix", "dp2"), ("dapo", "dp2"), ("grpo", "dp2"),
-         ("real", "dp2")]
+         ("real", "dp2"), ("mix", "cp2"), ("mix", "cp2_padded")]
 
 
 @pytest.mark.parametrize("config,layout", CASES)
