@@ -191,7 +191,8 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
     return RunShape(
         dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-        ep=p.expert_model_parallel_size, dp=plan.dp_size, sequence_parallel=p.sequence_parallel,
+        ep=p.expert_model_parallel_size, dp=plan.dp_size, cp=p.context_parallel_size,
+        sequence_parallel=p.sequence_parallel,
         lora=t.train_type == "lora", lora_rank=args.lora.lora_rank,
         reference_copy=g.beta > 0 and (t.train_type != "lora" or bool(g.ref_model)),
         distributed_optimizer=p.use_distributed_optimizer,
