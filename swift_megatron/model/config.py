@@ -130,7 +130,8 @@ def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
 
 
 def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int = 1,
-                       ep: int = 1, etp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                       ep: int = 1, etp: int = 1, cp: int = 1, vpp: int = 1,
+                       sequence_parallel: bool = False,
                        use_cpu_initialization: bool = False,
                        model_type: Optional[str] = None, **overrides) -> TransformerConfig:
     """The TransformerConfig of an HF checkpoint for a given parallel layout and dtype."""
@@ -159,6 +160,8 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         deallocate_pipeline_outputs=True,
         # mcore rejects variable_seq_lengths with its default allgather dispatcher, dense or not.
         moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
+    if vpp > 1:
+        kwargs["virtual_pipeline_model_parallel_size"] = vpp
     if model_type == "qwen3_moe":
         kwargs.update(_moe_kwargs(hf, ep, etp))
     _check_moe_overrides(overrides, model_type)

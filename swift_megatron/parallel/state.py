@@ -8,6 +8,8 @@ into megatron's parallel_state.
 import dataclasses
 import os
 import socket
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -61,7 +63,9 @@ class ParallelState:
 
     @classmethod
     def initialize(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1,
-                   device: str = "auto", seed: int = 42) -> "ParallelState":
+                   device: str = "auto", seed: int = 42,
+                   vpp: Optional[int] = None) -> "ParallelState":
+        """`vpp`: model chunks per pipeline stage (the interleaved schedule), None for one."""
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch_device, backend = setup_device(device, local_rank)
         _init_distributed(backend)
@@ -73,6 +77,7 @@ class ParallelState:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             context_parallel_size=cp, expert_model_parallel_size=ep,
+            virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
             expert_tensor_parallel_size=etp, create_gloo_process_groups=True)
         state = cls(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=world // (tp * pp * cp),
                     world_size=world, rank=dist.get_rank(), device=torch_device)
@@ -87,6 +92,11 @@ class ParallelState:
         tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * self.pp_rank)
 
     # ---- coordinates --------------------------------------------------------------------
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline stage (1 without the interleaved schedule)."""
+        return mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+
     @property
     def tp_rank(self) -> int:
         return mpu.get_tensor_model_parallel_rank()

@@ -1,5 +1,5 @@
 """One pass over a list of micro-batches through megatron's forward_backward_func (pipelined
-when PP > 1), and one optimizer step.
+when PP > 1, interleaved over the model chunks with a virtual pipeline), and one optimizer step.
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
 function needs; a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
@@ -55,8 +55,10 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: List[dict
     """Run every micro-batch forward (and backward unless forward_only); returns the metrics
     dict of each micro-batch on the last pipeline stage (an empty list elsewhere)."""
     seq_length = max(mb["tokens"].shape[1] for mb in micro_batches)
+    # the interleaved schedule runs each model chunk's forward step with its own iterator
+    data = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(micro_batches),
+        forward_step_func=partial(_forward_step, loss_fn), data_iterator=data,
         model=list(chunks), num_microbatches=len(micro_batches), seq_length=seq_length,
         micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=forward_only)
 
