@@ -124,7 +124,8 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_model_family(hf_config, args.model.model_type, model_files)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+                     p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                     vpp=p.virtual_pipeline_model_parallel_size or 1)
         if experts and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
             raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
                             "--sequence_parallel true (megatron-core refuses to train MoE with "

@@ -256,7 +256,7 @@ class GRPOTrainer:
 
     def sync_weights(self) -> Dict[str, float]:
         """Stream the policy's weights into the engine; with --check_weight_sync, verify it."""
-        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks[0]))
+        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks))
         return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
 
     @torch.no_grad()
@@ -359,10 +359,10 @@ class GRPOTrainer:
     def _save_hf_copies(self) -> None:
         """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
         checkpoint-<step>-merged with --merge_lora)."""
-        pol, chunk = self.policy, self.policy.chunks[0]
+        pol, chunk = self.policy, self.policy.chunks[0]  # one chunk with LoRA
         directory = run_checkpoint.hf_dir(self.save_dir, self.step)
         if pol.lora is None:
-            pol.bridge.save_hf(chunk, directory, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
             return
         save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
         if self.args.training.merge_lora:
@@ -410,7 +410,7 @@ class GRPOTrainer:
         if self._saved_step == self.step and os.path.isdir(merged):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
         else:
-            pol.bridge.save_hf(pol.chunks[0], final_hf, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True)
         if pol.lora is None:
             return
         adapter = run_checkpoint.hf_dir(self.save_dir, self.step)
