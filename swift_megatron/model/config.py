@@ -161,7 +161,10 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         # mcore rejects variable_seq_lengths with its default allgather dispatcher, dense or not.
         moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
     if vpp > 1:
-        kwargs["virtual_pipeline_model_parallel_size"] = vpp
+        # the interleaved schedule's stages exchange activations of one fixed shape (its shape
+        # handshake for variable lengths deadlocks): the trainer gives it micro-batches of one
+        # shape (rlhf/grpo/batch.py, `length`)
+        kwargs.update(virtual_pipeline_model_parallel_size=vpp, variable_seq_lengths=False)
     if model_type == "qwen3_moe":
         kwargs.update(_moe_kwargs(hf, ep, etp))
     _check_moe_overrides(overrides, model_type)

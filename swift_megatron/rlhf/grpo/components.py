@@ -68,7 +68,8 @@ def parallel_state(args: RlhfArguments) -> ParallelState:
     return ParallelState.initialize(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-        etp=p.expert_tensor_parallel_size, device=args.model.device, seed=args.training.seed)
+        etp=p.expert_tensor_parallel_size, device=args.model.device, seed=args.training.seed,
+        vpp=p.virtual_pipeline_model_parallel_size)
 
 
 def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -> torch.dtype:

@@ -34,7 +34,7 @@ from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
-from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
+from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
@@ -171,22 +171,32 @@ class GRPOTrainer:
 
     def step_micro_batches(self, samples: List[Sample]) -> List[List[dict]]:
         """This DP rank's micro-batches of each optimizer step of the rollout batch: the step's
-        completions split by --micro_batch_size, or by --max_tokens_per_micro_batch."""
+        completions split by --micro_batch_size, or by --max_tokens_per_micro_batch. With the
+        interleaved pipeline all of them have one shape (batch.py, `length`)."""
         per_step = len(samples) // self.plan.steps_per_generation
+        length = None
+        if self.state.vpp > 1:
+            length = fixed_length(samples, self.plan.micro_batch_size,
+                                  self.args.kernels.padding_free, *self._padding_multiples())
         return [self.micro_batches(samples[k * per_step:(k + 1) * per_step],
-                                   max_tokens=self.args.batch.max_tokens_per_micro_batch)
+                                   max_tokens=self.args.batch.max_tokens_per_micro_batch,
+                                   length=length)
                 for k in range(self.plan.steps_per_generation)]
 
-    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
-                      max_tokens: Optional[int] = None) -> List[dict]:
+    def _padding_multiples(self):
+        """(row multiple, sequence multiple) of the micro-batches (sequence parallelism, CP)."""
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
-        row_multiple, sequence_multiple = padding_multiples(tp_multiple, self.state.cp)
+        return padding_multiples(tp_multiple, self.state.cp)
+
+    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
+                      max_tokens: Optional[int] = None, length: Optional[int] = None) -> List[dict]:
+        row_multiple, sequence_multiple = self._padding_multiples()
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size,
                                     max_tokens=max_tokens, pad_id=pad,
                                     pad_to_multiple=row_multiple,
-                                    sequence_multiple=sequence_multiple,
+                                    sequence_multiple=sequence_multiple, length=length,
                                     overlong_filter=self.args.grpo.overlong_filter,
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
