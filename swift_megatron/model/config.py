@@ -161,10 +161,15 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         # mcore rejects variable_seq_lengths with its default allgather dispatcher, dense or not.
         moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
     if vpp > 1:
-        # the interleaved schedule's stages exchange activations of one fixed shape (its shape
-        # handshake for variable lengths deadlocks): the trainer gives it micro-batches of one
-        # shape (rlhf/grpo/batch.py, `length`)
-        kwargs.update(virtual_pipeline_model_parallel_size=vpp, variable_seq_lengths=False)
+        # The interleaved schedule sends activations forward and gradients backward in one
+        # call. At PP = 2 both go to the same peer, and a batched send/recv (batch_p2p_comm,
+        # and the shape handshake of variable_seq_lengths, always batched) pairs the two
+        # directions' messages by order, so they cross (observed on gloo: wrong activations,
+        # or a deadlock). Individual send/recv keep the directions on separate groups, and
+        # the trainer gives the schedule micro-batches of one shape (rlhf/grpo/batch.py,
+        # `length`), so no handshake is needed.
+        kwargs.update(virtual_pipeline_model_parallel_size=vpp, variable_seq_lengths=False,
+                      batch_p2p_comm=False)
     if model_type == "qwen3_moe":
         kwargs.update(_moe_kwargs(hf, ep, etp))
     _check_moe_overrides(overrides, model_type)

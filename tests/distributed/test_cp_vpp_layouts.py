@@ -14,22 +14,27 @@ from tests.distributed.launch import run_workers
 pytestmark = pytest.mark.slow
 
 CONFIGS = ["dense_padded", "dense_packed", "moe_padded", "moe_packed"]
-LAYOUTS = {"cp2": ["--cp", 2], "pp2_vpp2": ["--pp", 2, "--vpp", 2]}
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return run_workers("cp_steps.py", 1, tmp_path_factory.mktemp("single"))[0]
+# (worker flags, micro-batch size): the interleaved pipeline with 6 micro-batches of one
+# completion (more than PP, so its steady state sends activations and gradients at once)
+LAYOUTS = {"cp2": (["--cp", 2], 3), "pp2_vpp2": (["--pp", 2, "--vpp", 2], 1)}
+_SINGLE = {}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout(request, tmp_path_factory):
-    return run_workers("cp_steps.py", 2, tmp_path_factory.mktemp(request.param),
-                       LAYOUTS[request.param])
+def runs(request, tmp_path_factory):
+    """(the single process's results, the layout's per rank) at the layout's micro-batch size."""
+    flags, micro = LAYOUTS[request.param]
+    if micro not in _SINGLE:
+        _SINGLE[micro] = run_workers("cp_steps.py", 1, tmp_path_factory.mktemp(f"single{micro}"),
+                                     ["--micro_batch_size", micro])[0]
+    layout = run_workers("cp_steps.py", 2, tmp_path_factory.mktemp(request.param),
+                         flags + ["--micro_batch_size", micro])
+    return _SINGLE[micro], layout
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_layout_reproduces_single_process(single, layout, config):
+def test_layout_reproduces_single_process(runs, config):
+    single, layout = runs
     reference = single[config]
     for rank in layout:
         mine = rank[config]

@@ -3,7 +3,8 @@
 
 Each run is the real command, `megatron rlhf`, relaunched under torchrun through NPROC_PER_NODE,
 with the old-policy pass (steps_per_generation 2) and the reference model (beta > 0) active.
-CP=2 runs packed (--padding_free, the default) and padded micro-batches. Configurations: dapo and grpo; `mix`, what reduces across ranks or stages in issue 14's options
+CP=2 runs packed (--padding_free, the default) and padded micro-batches; PP=2 x VPP=2 the
+interleaved schedule (grpo: mix's 2-layer teacher does not split into 4 chunks). Configurations: dapo and grpo; `mix`, what reduces across ranks or stages in issue 14's options
 (cispo's step-token normalisation, reinforce_plus_plus's batch std with the KL in the rewards,
 a teacher of another size, the entropy mask and its max/min summaries, token_mask IS); `real`,
 whose group loss is normalised by the step's number of groups."""
@@ -25,7 +26,9 @@ COMMON = ["--num_generations", "4", "--global_batch_size", "8", "--micro_batch_s
 LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"],
            "pp2": ["--pipeline_model_parallel_size", "2"], "dp2": [],
            "cp2": ["--context_parallel_size", "2"],
-           "cp2_padded": ["--context_parallel_size", "2", "--padding_free", "false"]}
+           "cp2_padded": ["--context_parallel_size", "2", "--padding_free", "false"],
+           "pp2_vpp2": ["--pipeline_model_parallel_size", "2",
+                        "--virtual_pipeline_model_parallel_size", "2"]}
 
 
 def run_rlhf(model, dataset, out_dir, extra, nproc):
@@ -78,7 +81,7 @@ EXTRA_KEYS = {"dapo": ["kl"], "grpo": ["kl"], "real": ["kl"],
 # dapo normalises by the token count of the whole step (all DP ranks), as cispo in `mix` does:
 # mix runs under every layout, the others under DP=2.
 CASES = [("mix", "tp2"), ("mix", "pp2"), ("mix", "dp2"), ("dapo", "dp2"), ("grpo", "dp2"),
-         ("real", "dp2"), ("mix", "cp2"), ("mix", "cp2_padded")]
+         ("real", "dp2"), ("mix", "cp2"), ("mix", "cp2_padded"), ("grpo", "pp2_vpp2")]
 
 
 @pytest.mark.parametrize("config,layout", CASES)

@@ -1,6 +1,7 @@
 """Worker: 2 Adam steps of the GRPO loss on tiny 4-layer dense and MoE models, on padded and on
 packed (THD) micro-batches of completions of very different lengths, in the layout given by
---cp (context parallelism), --pp and --vpp (the interleaved pipeline); writes each
+--cp (context parallelism), --pp and --vpp (the interleaved pipeline), in micro-batches of
+--micro_batch_size completions; writes each
 configuration's step losses (last stage), grad norms, entropy and old-policy logprobs (the
 forward-only pass) to {out_dir}/rank{R}.json.
 
@@ -40,7 +41,7 @@ def fill_weights(chunk, num_layers: int) -> None:
             param.copy_(1.0 + 0.1 * noise if param.dim() == 1 else 0.08 * noise)
 
 
-def run(hf, packed: bool, st: ParallelState):
+def run(hf, packed: bool, st: ParallelState, micro_batch_size: int):
     chunks, cfg, shape = build_chunks(hf, torch.float32, st.device)
     for chunk in chunks:
         fill_weights(chunk, hf["num_hidden_layers"])
@@ -56,8 +57,8 @@ def run(hf, packed: bool, st: ParallelState):
         sample.advantage = 0.4 * i - 0.7
     # every layout reads the same rows: CP=2's padding and the interleaved pipeline's one shape
     row, seq = padding_multiples(1, 2)
-    length = fixed_length(completions, 3, packed, row, seq)
-    micro = split_micro_batches(completions, 3, pad_id=0, pad_to_multiple=row,
+    length = fixed_length(completions, micro_batch_size, packed, row, seq)
+    micro = split_micro_batches(completions, micro_batch_size, pad_id=0, pad_to_multiple=row,
                                 sequence_multiple=seq, packed=packed, length=length)
     constants = StepConstants(num_sequences=6, num_micro_batches=len(micro),
                               num_tokens=float(sum(mb["completion_mask"].sum() for mb in micro)),
@@ -85,9 +86,11 @@ def main():
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--micro_batch_size", type=int, default=3)
     a = parser.parse_args()
     st = ParallelState.initialize(cp=a.cp, pp=a.pp, vpp=a.vpp, device="cpu", seed=5)
-    results = {f"{name}_{layout}": run(dict(hf, num_hidden_layers=4), layout == "packed", st)
+    results = {f"{name}_{layout}": run(dict(hf, num_hidden_layers=4), layout == "packed", st,
+                                                   a.micro_batch_size)
                for name, hf in (("dense", DENSE), ("moe", MOE))
                for layout in ("padded", "packed")}
     with open(os.path.join(a.out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
