@@ -43,7 +43,6 @@ def logits_max_diff(chunks, shape, hf_dir: str, state) -> float:
         if state.is_last_stage:
             reference = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(tokens).logits
             diff = (out[0]["logits"] - reference).abs().max()
-            print("DEBUG", diff, out[0]["logits"].abs().max(), reference.abs().max(), len(out), flush=True)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
 
