@@ -108,6 +108,11 @@ class ExportCommandArguments:
         return self.lora.adapters[0] if self.lora.adapters else self.export.mcore_adapter
 
     def __post_init__(self):
+        p = self.parallel
+        if p.context_parallel_size > 1 or p.virtual_pipeline_model_parallel_size:
+            raise UserError("megatron export loads the model in a TP/PP/EP layout only: drop "
+                            "--context_parallel_size and --virtual_pipeline_model_parallel_size "
+                            "(a conversion needs neither; its output loads in any layout)")
         e = self.export
         if e.to_hf and e.to_mcore:
             raise UserError("choose one of --to_hf true and --to_mcore true")
