@@ -12,7 +12,6 @@ from typing import Dict, Optional
 
 _MULTIMODAL = "vision-language models are not supported yet (issue 12: multimodal GRPO)"
 _MULTI_TURN = "multi-turn / agentic rollouts are not supported yet (issue 15)"
-_CP_VPP = "not supported yet (issue 16: context parallelism and the interleaved pipeline)"
 _TE = "needs Transformer Engine, which swift-megatron does not use"
 
 NOT_SUPPORTED: Dict[str, str] = {
@@ -33,8 +32,15 @@ NOT_SUPPORTED: Dict[str, str] = {
         "completion_length_limit_scope", "vllm_server_pass_dataset")},
     "async_generate": "asynchronous generation is not supported yet (issue 15)",
     # parallelism
-    **{name: _CP_VPP for name in ("cp_comm_type", "microbatch_group_size_per_vp_stage",
-                                 "pipeline_model_parallel_layout")},
+    "cp_comm_type": "context parallelism has one implementation, all-gather of keys and values "
+                    "in our SDPA attention (Transformer Engine's p2p / a2a variants are not "
+                    "used): drop the flag",
+    "microbatch_group_size_per_vp_stage": "the interleaved pipeline runs micro-batches in "
+                                          "groups of --pipeline_model_parallel_size (megatron's "
+                                          "default): drop the flag",
+    "pipeline_model_parallel_layout": "layers split evenly: PP x "
+                                      "--virtual_pipeline_model_parallel_size chunks of equal "
+                                      "size; an uneven layout is not supported",
     # not planned
     "use_ray": "swift-megatron launches with torchrun, not Ray: pass the flags of the `train:` and "
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
