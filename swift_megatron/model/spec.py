@@ -100,7 +100,6 @@ class SDPAttention(MegatronModule):
             parts.append(out.squeeze(0).transpose(0, 1))
         return torch.cat(parts)
 
-
     def _context_parallel(self, query, key, value, attention_mask, packed_seq_params):
         """Attention of this CP rank's query chunks against the whole sequences' keys (module
         docstring): padded [s, b, heads, dim] or packed [t, heads, dim] -> [s or t, b?, h*d]."""
@@ -108,10 +107,11 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention with context parallelism supports causal masking only")
         packed = packed_seq_params is not None
         if packed:
-            share = CPShare(packed_seq_params.cu_seqlens_q.tolist())
+            share = CPShare(packed_seq_params.cu_seqlens_q.tolist(), device=query.device)
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # [t, 1, h, d]
         else:
-            share = CPShare([0, query.shape[0] * mpu.get_context_parallel_world_size()])
+            share = CPShare([0, query.shape[0] * mpu.get_context_parallel_world_size()],
+                            device=query.device)
         keys, values = (share.gather(t, 0, reduce_grads=True) for t in (key, value))
         dropout = self.dropout if self.training else 0.0
         parts, local_start = [], 0

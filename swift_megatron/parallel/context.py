@@ -40,23 +40,25 @@ def padding_multiples(tp_multiple: int, cp: int):
 
 
 class CPShare:
-    """The zigzag layout of one micro-batch over the CP group: a padded row of `length`
-    positions, or packed sequences at `cu_seqlens` (each of a length divisible by 2 x CP)."""
+    """The zigzag layout of one micro-batch over the CP group. `cu_seqlens`: [0, length] for a
+    padded row, else the packed sequences' boundaries (each length divisible by 2 x CP); the
+    position indices live on `device`."""
 
-    def __init__(self, cu_seqlens: Sequence[int], group=None):
-        self.group = group if group is not None else mpu.get_context_parallel_group()
+    def __init__(self, cu_seqlens: Sequence[int], device=None):
+        self.group = mpu.get_context_parallel_group()
         self.cp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.cu_seqlens = [int(x) for x in cu_seqlens]
-        self._positions = [self._of_rank(r) for r in range(self.cp)]
+        self._positions = [self._of_rank(r).to(device) for r in range(self.cp)]
 
     @classmethod
     def of(cls, micro_batch: dict) -> Optional["CPShare"]:
         """The layout of a micro-batch (module docstring), None without context parallelism."""
         if mpu.get_context_parallel_world_size() == 1:
             return None
+        device = micro_batch["tokens"].device
         if "cu_seqlens" in micro_batch:
-            return cls(micro_batch["cu_seqlens"].tolist())
-        return cls([0, micro_batch["tokens"].shape[1]])
+            return cls(micro_batch["cu_seqlens"].tolist(), device)
+        return cls([0, micro_batch["tokens"].shape[1]], device)
 
     def _of_rank(self, rank: int) -> torch.Tensor:
         return torch.cat([start + zigzag_positions(end - start, self.cp, rank)
