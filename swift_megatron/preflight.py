@@ -245,9 +245,10 @@ def _check_dataset(spec: str, args: RlhfArguments) -> str:
 def check_reward_sources(args: RlhfArguments) -> None:
     """A run needs something to learn from: reward functions, a reward model or a teacher."""
     g = args.grpo
-    if not (g.reward_funcs or g.reward_model or g.teacher_model):
+    if not (g.reward_funcs or g.reward_model or g.teacher_model or g.use_gym_env):
         raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
-                        "or --reward_model, or a --teacher_model to distil")
+                        "or --reward_model, or a --teacher_model to distil, or --use_gym_env "
+                        "true with a gym environment")
 
 
 def _check_rewards(args: RlhfArguments) -> List[str]:

@@ -325,13 +325,42 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     plugins = load_plugins(g.external_plugins)
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []
-    return funcs + reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
-                                      use_hf=args.model.use_hf)
+    funcs += reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
+                                use_hf=args.model.use_hf)
+    if g.use_gym_env:
+        from swift_megatron.rollout.multi_turn.gym import gym_reward
+
+        funcs.append(("gym_reward", gym_reward))
+    return funcs
+
+
+def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict):
+    """--multi_turn_scheduler and its turn budget, or (None, None). Call after the plugins are
+    loaded (rewards()): they may register schedulers and environments."""
+    g = args.grpo
+    if g.multi_turn_scheduler is None:
+        return None, None
+    from swift_megatron.rollout import multi_turn
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS
+
+    if g.gym_env is not None:
+        GYM_ENVS.lookup(g.gym_env)   # a typo fails here, not at the first rollout
+    d = args.data
+    kwargs = {} if d.enable_thinking is None else {"enable_thinking": d.enable_thinking}
+    settings = multi_turn.MultiTurnSettings(
+        max_completion_length=g.max_completion_length,
+        max_length=d.max_length or hf_config.get("max_position_embeddings") or 2**31 - 1,
+        max_turns=g.max_turns, limit_scope=g.completion_length_limit_scope,
+        template_kwargs=kwargs)
+    return multi_turn.build_scheduler(g.multi_turn_scheduler, max_turns=g.max_turns,
+                                      tokenizer=tok, args=flat_args(args)), settings
 
 
 def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
-              fresh: Callable[[int], List[Prompt]]) -> RolloutCollector:
+              fresh: Callable[[int], List[Prompt]], hf_config: Optional[dict] = None
+              ) -> RolloutCollector:
     g = args.grpo
+    multi_turn, turn_settings = multi_turn_scheduler(args, tok, hf_config or {})
     sampling = SamplingConfig(max_tokens=g.max_completion_length, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k, repetition_penalty=g.repetition_penalty)
     settings = CollectSettings(
@@ -340,9 +369,9 @@ def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
         reward_weights=g.reward_weights or [1.0] * len(reward_funcs),
         scale_rewards=g.scale_rewards, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, advantage_estimator=g.advantage_estimator,
-        kl_beta=g.beta if g.kl_in_reward else 0.0)
+        kl_beta=g.beta if g.kl_in_reward else 0.0, multi_turn=turn_settings)
     return RolloutCollector(eng, reward_funcs, tok, settings, state.mp_group, state.dp_group,
-                            fresh, state.device)
+                            fresh, state.device, scheduler=multi_turn)
 
 
 def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:

@@ -72,7 +72,7 @@ class GRPOTrainer:
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
         self.reward_funcs = build.rewards(args, self.state.device)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
-                                         self.reward_funcs, fresh)
+                                         self.reward_funcs, fresh, hf_config)
         self.collector.trainer_state.max_steps = self.train_iters
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
