@@ -74,11 +74,12 @@ class _Running:
         else:
             self.logprobs = None
 
-    def room(self, settings: MultiTurnSettings) -> int:
-        """Tokens the next model turn may still add."""
-        left = settings.max_length - len(self.prompt_ids) - len(self.ids)
+    def room(self, settings: MultiTurnSettings, extra: int = 0) -> int:
+        """Tokens the next model turn may still add (after `extra` more scheduler tokens)."""
+        used = len(self.ids) + extra
+        left = settings.max_length - len(self.prompt_ids) - used
         if settings.limit_scope == "total":
-            left = min(left, settings.max_completion_length - len(self.ids))
+            left = min(left, settings.max_completion_length - used)
         return min(left, settings.max_completion_length)
 
     def trajectory(self) -> Trajectory:
@@ -163,10 +164,11 @@ def _advance(r: _Running, completion: Completion, turn: int, scheduler: MultiTur
         return
     end_of_turn = tokenizer.decode(ids[-1:]) if ids else ""
     env_ids = tokens.turn_ids(tokenizer, answer.messages, end_of_turn, settings.template_kwargs)
+    if r.room(settings, extra=len(env_ids)) < 1:   # no room left for the model's answer
+        r.finish_reason = "length"
+        return
     r.add(env_ids, [0.0] * len(env_ids), 0)
     episode.messages.extend(dict(m) for m in answer.messages)
-    if r.room(settings) < 1:   # no room left for the model to answer: the episode is cut here
-        r.finish_reason = "length"
 
 
 def multi_turn_metrics(infos: Sequence[Dict[str, Any]], env_tokens: Sequence[int],
