@@ -261,3 +261,62 @@ def test_trajectory_is_a_completion():
     assert isinstance(t, Completion) and t.truncated and t.last_answer == ""
     assert Turn(message={"role": "user", "content": "x"}).messages == \
         [{"role": "user", "content": "x"}]
+
+
+@pytest.fixture
+def single_process_group():
+    import os
+
+    import torch.distributed as dist
+
+    from tests.distributed.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_collector_scores_the_last_answer_and_logs_turn_metrics(tok, single_process_group):
+    """The collector with a scheduler: samples carry the trajectory's tokens and loss mask,
+    reward functions see the last answer, the whole chat and rollout_infos; gym_reward adds the
+    episode total; multi_turn/ metrics count turns and tokens."""
+    from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
+
+    seen = {}
+
+    def exact(completions, messages, rollout_infos, **kwargs):
+        seen.update(completions=completions, messages=messages, infos=rollout_infos)
+        return [float(c == "<answer>7</answer>") for c in completions]
+
+    class Scored(MultiTurnScheduler):   # turn 1 earns 0.25, then the episode stops
+        def step(self, episode, completion, turn):
+            if turn == 1:
+                return Turn(message={"role": "tool", "content": "<result>7</result>"}, reward=0.25)
+            return Turn(done=True, reward=0.5)
+
+    engine = ScriptedEngine(tok, ["<calculator>3 + 4</calculator>", "<answer>7</answer>"])
+    sampling = SamplingConfig(max_tokens=32)
+    collect_settings = CollectSettings(
+        num_generations=2, sampling=sampling, reward_names=["exact", "gym_reward"],
+        reward_weights=[1.0, 2.0], scale_rewards="group", dynamic_sample=False,
+        max_resample_times=0, multi_turn=settings(max_turns=3))
+    group = single_process_group
+    collector = RolloutCollector(engine, [("exact", exact), ("gym_reward", gym_reward)], tok,
+                                 collect_settings, group, group, lambda n: [],
+                                 torch.device("cpu"), scheduler=Scored())
+    prompt = prompt_of(tok)
+    samples, metrics = collector.collect([prompt], [0], seed=1)
+    assert len(samples) == 2 and len(engine.calls) == 2
+    s = samples[0]
+    tool = ids(tok, TOOL_TURN)
+    assert s.loss_mask.count(0) == len(tool) and s.prompt_ids == prompt.input_ids
+    assert s.rewards == [1.0, 0.75] and s.reward == pytest.approx(1.0 + 2 * 0.75)
+    assert seen["completions"] == ["<answer>7</answer>"] * 2
+    assert [m["role"] for m in seen["messages"][0]] == ["user", "assistant", "tool", "assistant"]
+    assert seen["infos"][0]["step_rewards"] == [0.25, 0.5]
+    assert s.completion_text.startswith("<calculator>3 + 4</calculator>")
+    assert metrics["multi_turn/num_turns_mean"] == 2.0
+    assert metrics["multi_turn/turn_1_reward_mean"] == 0.25
+    assert metrics["multi_turn/episode_reward_mean"] == 0.75
+    assert metrics["multi_turn/env_tokens_mean"] == len(tool)
