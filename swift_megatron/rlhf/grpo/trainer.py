@@ -322,7 +322,8 @@ class GRPOTrainer:
             dict(prompt_id=s.prompt_id, prompt=prompt_text.get(s.prompt_id, ""),
                  completion=s.completion_text, reward=s.reward,
                  rewards=dict(zip([n for n, _ in self.reward_funcs], s.rewards)),
-                 advantage=s.advantage, length=len(s.completion_ids), truncated=s.truncated)
+                 advantage=s.advantage, length=len(s.completion_ids), truncated=s.truncated,
+                 **({} if s.rollout_infos is None else {"rollout_infos": s.rollout_infos}))
             for s in samples])
 
     # ---- checkpoints -----------------------------------------------------------------------

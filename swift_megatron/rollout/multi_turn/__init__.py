@@ -9,14 +9,34 @@ protocol.py: Episode, Turn, MultiTurnScheduler, Env; tokens.py: messages -> appe
 runner.py: the loop and its metrics; gym.py: the gym scheduler; builtin.py: `calculator`,
 `gym_scheduler`, `grid_world`.
 """
-from typing import Any, Optional
+import inspect
+from typing import Any, Callable, Optional
 
 from swift_megatron.rollout.multi_turn import builtin  # noqa: F401  (registers the built-ins)
 from swift_megatron.rollout.multi_turn.protocol import (Env, Episode, MultiTurnScheduler, Turn,
                                                         resolve)
 from swift_megatron.rollout.multi_turn.runner import (LIMIT_SCOPES, MultiTurnSettings, Trajectory,
                                                       multi_turn_metrics, run_episodes)
-from swift_megatron.rollout.plugin_registry import SCHEDULERS
+from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
+
+
+def _registrar(registry, name: str) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        registry.register(name, cls, inspect.getsourcefile(cls) or cls.__module__)
+        return cls
+    return register
+
+
+def register_scheduler(name: str) -> Callable[[type], type]:
+    """Class decorator for plugin files: `@register_scheduler("my_tool")` makes a
+    MultiTurnScheduler subclass available as --multi_turn_scheduler my_tool."""
+    return _registrar(SCHEDULERS, name)
+
+
+def register_env(name: str) -> Callable[[type], type]:
+    """Class decorator for plugin files: `@register_env("my_env")` makes an Env subclass
+    available as --gym_env my_env."""
+    return _registrar(GYM_ENVS, name)
 
 
 def build_scheduler(name: str, *, max_turns: Optional[int], tokenizer: Any, args: Any = None
@@ -28,5 +48,5 @@ def build_scheduler(name: str, *, max_turns: Optional[int], tokenizer: Any, args
 
 
 __all__ = ["Env", "Episode", "LIMIT_SCOPES", "MultiTurnScheduler", "MultiTurnSettings",
-           "Trajectory", "Turn", "build_scheduler", "multi_turn_metrics", "resolve",
-           "run_episodes"]
+           "Trajectory", "Turn", "build_scheduler", "multi_turn_metrics", "register_env",
+           "register_scheduler", "resolve", "run_episodes"]

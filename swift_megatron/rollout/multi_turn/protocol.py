@@ -82,7 +82,10 @@ class MultiTurnScheduler:
     """Base class of multi-turn schedulers: override `step`, and `start` / `close` when the
     episode needs setup (e.g. an initial observation) or teardown. `max_turns` (--max_turns) is
     enforced by the rollout loop; `tokenizer` and `args` (every flag, as attributes) are there
-    for subclasses that need them."""
+    for subclasses that need them. A turn cut at the length limit ends the episode (after its
+    `step`, which still scores it) unless `stop_when_truncated` is False."""
+
+    stop_when_truncated = True
 
     def __init__(self, max_turns: Optional[int] = None, tokenizer: Any = None, args: Any = None,
                  **kwargs: Any):

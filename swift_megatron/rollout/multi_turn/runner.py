@@ -158,7 +158,8 @@ def _advance(r: _Running, completion: Completion, turn: int, scheduler: MultiTur
                         f"{type(answer).__name__}")
     episode.rewards.append(float(answer.reward))
     episode.info.update(answer.info)
-    if answer.done or not answer.messages or reason == "length" \
+    cut = reason == "length" and (scheduler.stop_when_truncated or r.room(settings) < 1)
+    if answer.done or not answer.messages or cut \
             or (settings.max_turns and turn >= settings.max_turns):
         r.finish_reason = reason
         return
