@@ -320,3 +320,122 @@ def test_collector_scores_the_last_answer_and_logs_turn_metrics(tok, single_proc
     assert metrics["multi_turn/turn_1_reward_mean"] == 0.25
     assert metrics["multi_turn/episode_reward_mean"] == 0.75
     assert metrics["multi_turn/env_tokens_mean"] == len(tool)
+
+
+# ---- ms-swift plugins (compat/ms_swift/scheduler.py) -----------------------------------------
+
+MS_SWIFT_PLUGIN = '''
+from swift.rollout.gym_env import Env, envs
+from swift.rollout.multi_turn import MultiTurnScheduler, multi_turns
+
+
+class ToolCall(MultiTurnScheduler):
+    def check_finished(self, infer_request, response_choice, current_turn):
+        if "<calculator>" not in response_choice.message.content:
+            return True
+        return super().check_finished(infer_request, response_choice, current_turn)
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({"role": "tool", "content": "<result>7</result>"})
+        return {"infer_request": infer_request,
+                "rollout_infos": {"total_reward": 0.5 * current_turn,
+                                  "seen": response_choice.finish_reason}}
+
+
+class Rewriter(ToolCall):
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages[-1]["content"] += " wait"
+        return {"infer_request": infer_request}
+
+
+class Runner(MultiTurnScheduler):
+    async def run(self, infer_request, request_config, **kwargs):
+        return None
+
+
+class Counter(Env):
+    async def reset(self, config):
+        self.steps = 0
+        return f"start {config.data_dict['env_config']['k']}", {"k": 1}, "be brief"
+
+    async def step(self, action):
+        self.steps += 1
+        return f"step {self.steps}", 0.25, self.steps >= 2, {"last": action[-1]["content"]}
+
+    async def close(self):
+        pass
+
+
+multi_turns["ms_tool_call"] = ToolCall
+multi_turns["ms_rewriter"] = Rewriter
+multi_turns["ms_runner"] = Runner
+envs["ms_counter"] = Counter
+'''
+
+
+@pytest.fixture
+def ms_swift_plugin(tmp_path):
+    from swift_megatron.rewards import load_plugins
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
+
+    saved = [(r, dict(r._classes), dict(r._sources)) for r in (GYM_ENVS, SCHEDULERS)]
+    path = tmp_path / "ms_plugin.py"
+    path.write_text(MS_SWIFT_PLUGIN)
+    load_plugins([str(path)])
+    yield
+    for registry, classes, sources in saved:
+        registry._classes, registry._sources = classes, sources
+
+
+def test_ms_swift_scheduler_runs_through_its_hooks(tok, ms_swift_plugin):
+    engine = ScriptedEngine(tok, ["<calculator>3 + 4</calculator>", "<answer>7</answer>"])
+    scheduler = build_scheduler("ms_tool_call", max_turns=4, tokenizer=tok)
+    assert scheduler.inner.max_turns == 4 and scheduler.inner.tokenizer is tok
+    [t] = run_episodes(engine, tok, scheduler, [prompt_of(tok)], SamplingConfig(max_tokens=64),
+                       [0], settings(max_turns=4))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    turn1, turn2 = ids(tok, "<calculator>3 + 4</calculator>") + [eos], ids(tok, "<answer>7</answer>") + [eos]
+    tool = ids(tok, TOOL_TURN)
+    assert t.token_ids == turn1 + tool + turn2
+    assert t.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+    # total_reward 0.5 after turn 1, then the episode stops (check_finished): turn rewards
+    assert t.rollout_infos["step_rewards"] == [0.5, 0.0] and t.rollout_infos["total_reward"] == 0.5
+    assert t.rollout_infos["seen"] == "stop"
+
+
+def test_ms_swift_env_with_gym_scheduler(tok, ms_swift_plugin):
+    engine = ScriptedEngine(tok, ["a", "b", "c"])
+    scheduler = build_scheduler("gym_scheduler", max_turns=None, tokenizer=tok)
+    prompt = prompt_of(tok, "<placeholder>", {"env_config": {"name": "ms_counter", "k": 3}})
+    [t] = run_episodes(engine, tok, scheduler, [prompt], SamplingConfig(max_tokens=8), [0],
+                       settings())
+    assert [m["content"] for m in t.messages] == ["be brief", "start 3", "a", "step 1", "b"]
+    assert t.rollout_infos["step_rewards"] == [0.25, 0.25] and t.rollout_infos["last"] == "b"
+    assert t.rollout_infos["k"] == 1 and len(engine.calls) == 2
+
+
+def test_ms_swift_schedulers_that_rewrite_or_run_are_refused(tok, ms_swift_plugin):
+    with pytest.raises(UserError, match="Runner overrides run"):
+        build_scheduler("ms_runner", max_turns=None, tokenizer=tok)
+    rewriter = build_scheduler("ms_rewriter", max_turns=None, tokenizer=tok)
+    with pytest.raises(UserError, match="Rewriter.step changed earlier messages"):
+        run_episodes(ScriptedEngine(tok, ["<calculator>1</calculator>"]), tok, rewriter,
+                     [prompt_of(tok)], SamplingConfig(max_tokens=64), [0], settings())
+
+
+def test_turns_cut_at_the_limit_can_continue(tok):
+    """stop_when_truncated = False: a turn without EOS gets the template's closing tokens
+    (masked) before the tool message."""
+    class Continue(MultiTurnScheduler):
+        stop_when_truncated = False
+
+        def step(self, episode, completion, turn):
+            assert episode.finish_reason == "length"
+            return Turn(done=turn == 2, message={"role": "tool", "content": "<result>7</result>"})
+
+    engine = ScriptedEngine(tok, ["abc", "def"], eos=False)
+    [t] = run_episodes(engine, tok, Continue(), [prompt_of(tok)], SamplingConfig(max_tokens=64),
+                       [0], settings())
+    closing = ids(tok, "<|im_end|>" + TOOL_TURN)
+    assert t.token_ids == ids(tok, "abc") + closing + ids(tok, "def")
+    assert t.loss_mask == [1] * len(ids(tok, "abc")) + [0] * len(closing) + [1] * len(ids(tok, "def"))

@@ -12,6 +12,7 @@ runner.py: the loop and its metrics; gym.py: the gym scheduler; builtin.py: `cal
 import inspect
 from typing import Any, Callable, Optional
 
+from swift_megatron.errors import UserError
 from swift_megatron.rollout.multi_turn import builtin  # noqa: F401  (registers the built-ins)
 from swift_megatron.rollout.multi_turn.protocol import (Env, Episode, MultiTurnScheduler, Turn,
                                                         resolve)
@@ -42,8 +43,17 @@ def register_env(name: str) -> Callable[[type], type]:
 def build_scheduler(name: str, *, max_turns: Optional[int], tokenizer: Any, args: Any = None
                     ) -> MultiTurnScheduler:
     """The scheduler registered as `name` (UserError naming --multi_turn_scheduler if none),
-    constructed with max_turns, tokenizer and args (every flag as an attribute)."""
+    constructed with max_turns, tokenizer and args (every flag as an attribute); ms-swift
+    scheduler classes are wrapped (compat/ms_swift/scheduler.py)."""
     cls = SCHEDULERS.lookup(name)
+    if not issubclass(cls, MultiTurnScheduler):
+        from swift_megatron.compat.ms_swift.scheduler import MsSwiftScheduler, is_ms_swift_scheduler
+
+        if not is_ms_swift_scheduler(cls):
+            raise UserError(f"--multi_turn_scheduler {name}: {cls.__name__} is neither a "
+                            "MultiTurnScheduler (swift_megatron.rollout.multi_turn) nor an "
+                            "ms-swift one")
+        return MsSwiftScheduler.build(cls, max_turns, tokenizer, args)
     return cls(max_turns=max_turns, tokenizer=tokenizer, args=args)
 
 

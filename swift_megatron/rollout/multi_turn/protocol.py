@@ -53,7 +53,8 @@ class Episode:
     messages: the chat so far (the dataset prompt's messages, or what `start` set, then one
     assistant message per model turn and the scheduler's messages between them); columns: the
     dataset row's other columns (ms-swift's `data_dict`); turn: model turns done; rewards: one
-    per turn; info: `rollout_infos`; state: the scheduler's own per-episode storage."""
+    per turn; info: `rollout_infos`; state: the scheduler's own per-episode storage;
+    finish_reason / token_ids: of the last model turn ("stop" or "length", its token ids)."""
 
     def __init__(self, messages: Sequence[Message], columns: Optional[Dict[str, Any]] = None,
                  prompt_id: int = 0):
@@ -65,6 +66,8 @@ class Episode:
         self.rewards: List[float] = []
         self.info: Dict[str, Any] = {}
         self.state: Dict[str, Any] = {}
+        self.finish_reason: Optional[str] = None
+        self.token_ids: List[int] = []
 
     @property
     def data_dict(self) -> Dict[str, Any]:

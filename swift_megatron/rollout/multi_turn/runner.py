@@ -151,7 +151,7 @@ def _advance(r: _Running, completion: Completion, turn: int, scheduler: MultiTur
     text = tokenizer.decode(ids, skip_special_tokens=True)
     episode = r.episode
     episode.messages.append({"role": "assistant", "content": text})
-    episode.turn = turn
+    episode.turn, episode.finish_reason, episode.token_ids = turn, reason, list(ids)
     answer = resolve(scheduler.step(episode, text, turn))
     if not isinstance(answer, Turn):
         raise UserError(f"{type(scheduler).__name__}.step must return a Turn, got "
