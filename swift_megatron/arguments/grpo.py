@@ -298,7 +298,6 @@ class GRPOArguments:
         if self.multi_turn_scheduler is None:
             for name, given in (("max_turns", self.max_turns is not None),
                                 ("gym_env", self.gym_env is not None),
-                                ("use_gym_env", self.use_gym_env),
                                 ("completion_length_limit_scope",
                                  self.completion_length_limit_scope != "per_round")):
                 if given:

@@ -61,8 +61,12 @@ class RolloutCollector:
         self.settings, self.mp_group, self.dp_group = settings, mp_group, dp_group
         self.resample_source, self.device = resample_source, device
         self.scheduler = scheduler
-        if scheduler is not None and settings.multi_turn is None:
-            raise ValueError("a multi-turn scheduler needs CollectSettings.multi_turn")
+        # multi-turn: our scheduler, or the rollout servers' (server mode, `megatron rollout
+        # --multi_turn_scheduler`)
+        self.server_scheduler = getattr(engine, "server_scheduler", None)
+        self.multi_turn = scheduler is not None or self.server_scheduler is not None
+        if self.multi_turn and settings.multi_turn is None:
+            raise ValueError("multi-turn rollouts need CollectSettings.multi_turn")
         self.trainer_state = TrainerState()
 
     # ---- generation and scoring, shared by the ranks of one model replica ----------------
@@ -91,7 +95,10 @@ class RolloutCollector:
     def _generate(self, prompts: List[Prompt], seeds: List[int]) -> list:
         """One completion per prompt: a single engine call, or with a scheduler one multi-turn
         Trajectory each (every rank runs the same number of turns: the engines are
-        collective)."""
+        collective), or the servers' trajectories."""
+        if self.server_scheduler is not None:
+            return self.engine.rollout(prompts, self.settings.sampling, seeds,
+                                       self.settings.multi_turn)
         if self.scheduler is None:
             return self.engine.generate([p.input_ids for p in prompts], self.settings.sampling,
                                         seeds)
@@ -179,7 +186,7 @@ class RolloutCollector:
                                "kept them")
         metrics = {"rollout/unresolved_zero_std_groups":
                    float(self._reduce(unresolved, dist.ReduceOp.SUM, self.dp_group))}
-        if self.scheduler is not None:
+        if self.multi_turn:
             metrics.update(self._multi_turn_metrics(samples))
         return samples, metrics
 

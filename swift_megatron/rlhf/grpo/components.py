@@ -334,12 +334,18 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     return funcs
 
 
-def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict):
-    """--multi_turn_scheduler and its turn budget, or (None, None). Call after the plugins are
-    loaded (rewards()): they may register schedulers and environments."""
+def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict, server_scheduler=None):
+    """--multi_turn_scheduler (None without one) and the turn budget (also for the rollout
+    servers' scheduler, `server_scheduler`). Call after the plugins are loaded (rewards()):
+    they may register schedulers and environments."""
     g = args.grpo
-    if g.multi_turn_scheduler is None:
-        return None, None
+    if server_scheduler is not None and g.multi_turn_scheduler is not None:
+        raise UserError(f"the rollout servers run the multi-turn scheduler {server_scheduler} "
+                        f"(megatron rollout --multi_turn_scheduler): drop --multi_turn_scheduler "
+                        f"{g.multi_turn_scheduler} here, or start the servers without one")
+    if g.use_gym_env and g.multi_turn_scheduler is None and server_scheduler is None:
+        raise UserError("--use_gym_env true: the rollout servers run no multi-turn scheduler "
+                        "(start them with --multi_turn_scheduler gym_scheduler --gym_env ...)")
     from swift_megatron.rollout import multi_turn
     from swift_megatron.rollout.plugin_registry import GYM_ENVS
 
@@ -352,6 +358,8 @@ def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict):
         max_length=d.max_length or hf_config.get("max_position_embeddings") or 2**31 - 1,
         max_turns=g.max_turns, limit_scope=g.completion_length_limit_scope,
         template_kwargs=kwargs)
+    if g.multi_turn_scheduler is None:
+        return None, settings
     return multi_turn.build_scheduler(g.multi_turn_scheduler, max_turns=g.max_turns,
                                       tokenizer=tok, args=flat_args(args)), settings
 
@@ -360,7 +368,8 @@ def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
               fresh: Callable[[int], List[Prompt]], hf_config: Optional[dict] = None
               ) -> RolloutCollector:
     g = args.grpo
-    multi_turn, turn_settings = multi_turn_scheduler(args, tok, hf_config or {})
+    multi_turn, turn_settings = multi_turn_scheduler(
+        args, tok, hf_config or {}, getattr(eng, "server_scheduler", None))
     sampling = SamplingConfig(max_tokens=g.max_completion_length, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k, repetition_penalty=g.repetition_penalty)
     settings = CollectSettings(
