@@ -299,8 +299,27 @@ def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,
 def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok):
     """The rollout engine the flags ask for: embedded, vLLM colocate or vLLM servers."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
-                        eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad)
+    eng = build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
+                       eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad)
+    try:
+        check_multi_turn_sources(args, getattr(eng, "server_scheduler", None))
+    except UserError:
+        eng.close()   # a server must not keep this trainer's weight-sync communicator
+        raise
+    return eng
+
+
+def check_multi_turn_sources(args: RlhfArguments, server_scheduler: Optional[str]) -> None:
+    """One multi-turn scheduler at most: ours (--multi_turn_scheduler) or the rollout
+    servers' (`server_scheduler`); --use_gym_env needs one of them."""
+    g = args.grpo
+    if server_scheduler is not None and g.multi_turn_scheduler is not None:
+        raise UserError(f"the rollout servers run the multi-turn scheduler {server_scheduler} "
+                        f"(megatron rollout --multi_turn_scheduler): drop --multi_turn_scheduler "
+                        f"{g.multi_turn_scheduler} here, or start the servers without one")
+    if g.use_gym_env and g.multi_turn_scheduler is None and server_scheduler is None:
+        raise UserError("--use_gym_env true: the rollout servers run no multi-turn scheduler "
+                        "(start them with --multi_turn_scheduler gym_scheduler --gym_env ...)")
 
 
 def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference) -> list:
@@ -339,13 +358,6 @@ def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict, server_sched
     servers' scheduler, `server_scheduler`). Call after the plugins are loaded (rewards()):
     they may register schedulers and environments."""
     g = args.grpo
-    if server_scheduler is not None and g.multi_turn_scheduler is not None:
-        raise UserError(f"the rollout servers run the multi-turn scheduler {server_scheduler} "
-                        f"(megatron rollout --multi_turn_scheduler): drop --multi_turn_scheduler "
-                        f"{g.multi_turn_scheduler} here, or start the servers without one")
-    if g.use_gym_env and g.multi_turn_scheduler is None and server_scheduler is None:
-        raise UserError("--use_gym_env true: the rollout servers run no multi-turn scheduler "
-                        "(start them with --multi_turn_scheduler gym_scheduler --gym_env ...)")
     from swift_megatron.rollout import multi_turn
     from swift_megatron.rollout.plugin_registry import GYM_ENVS
 
