@@ -17,7 +17,7 @@
 # whole conversation within --max_length 6120; vllm_max_model_len covers it.
 set -euo pipefail
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}
-DATA=${DATA:-megatron_output/grid_world.jsonl}
+DATA=${DATA:-${WORK:-megatron_output}/grid_world.jsonl}
 mkdir -p "$(dirname "$DATA")"
 python - "$DATA" <<'PY'
 import json, sys

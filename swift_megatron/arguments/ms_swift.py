@@ -11,9 +11,9 @@ flag: a name in these tables still fails the parse, with the reason.
 from typing import Dict, Optional
 
 _MULTIMODAL = "vision-language models are not supported yet (issue 12: multimodal GRPO)"
-_SERVER_SCHEDULER = ("the rollout server does not run multi-turn schedulers yet (issue 15): "
-                     "the trainer runs --multi_turn_scheduler itself and sends token ids, so "
-                     "every dataset column already reaches the scheduler")
+_SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
+                     "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
+                     "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")
 _CP_VPP = "not supported yet (issue 16: context parallelism and the interleaved pipeline)"
 _TE = "needs Transformer Engine, which swift-megatron does not use"
 
