@@ -74,6 +74,35 @@ def test_tool_message_tokens_follow_the_template(tok):
         turn_text(tok, [{"role": "tool", "content": 7}], "<|im_end|>")
 
 
+# Qwen3's template in brief: tool results as user turns in <tool_response>, the reasoning block
+# shown on the last assistant turn only, an empty one in the generation prompt without thinking
+QWEN3_LIKE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_tool_tokens_with_a_template_that_renders_the_last_turn_differently(tok):
+    import copy
+
+    qwen3 = copy.deepcopy(tok)
+    qwen3.chat_template = QWEN3_LIKE
+    text = turn_text(qwen3, [{"role": "tool", "content": "<result>7</result>"}], "<|im_end|>",
+                     {"enable_thinking": False})
+    assert text == ("\n<|im_start|>user\n<tool_response>\n<result>7</result>\n</tool_response>"
+                    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    qwen3.chat_template = "{%- for m in messages if m.role != 'assistant' %}{{ m.content }}{% endfor %}"
+    with pytest.raises(UserError, match="drops the assistant's earlier turns"):
+        turn_text(qwen3, [{"role": "user", "content": "x"}], "<|im_end|>")
+
+
 def test_calculator_two_turns_exact_tokens_masks_and_logprobs(tok):
     """Turn 1 calls the tool, turn 2 answers: the trajectory is exactly the engine's tokens,
     then the tool message's tokens (mask 0, logprob 0), then the engine's tokens; turn 2 was

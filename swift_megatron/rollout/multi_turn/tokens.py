@@ -2,9 +2,10 @@
 
 The model's tokens are never re-encoded: the conversation grows by appending, after the tokens
 the engine produced, the tokens the chat template puts between that assistant turn and the next
-one. They are found by rendering a fixed stand-in conversation with and without the new messages
-and keeping the difference, starting right after the end-of-turn token that closes the stand-in
-assistant message (the model's own completion ended with that token):
+one. They are found by rendering a stand-in conversation (a user message, an assistant answer)
+followed by the new messages and the generation prompt, and keeping the text right after the
+end-of-turn token that closes the stand-in answer (the model's own completion ended with that
+token):
 
     <|im_start|>assistant\nx<|im_end|>  +  \n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n
     (model tokens, loss)                  (environment tokens, no loss)
@@ -12,14 +13,16 @@ assistant message (the model's own completion ended with that token):
 When the model's last token is not the template's end of turn (an EOS the template does not
 use), the template's whole closing text is appended instead.
 
-With a template that renders earlier turns differently (e.g. drops their reasoning), the
-history the model sees is still exactly what it generated.
+How the template renders the answer itself does not matter (Qwen3's, for example, shows the
+reasoning block only on the last turn), and the history the model sees is still exactly what it
+generated.
 """
 from typing import Any, Dict, List, Optional, Sequence
 
 from swift_megatron.errors import UserError
 
-_STAND_IN = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+_ANSWER = "swift-megatron-answer-7Qz"   # the stand-in assistant message, unique in the text
+_STAND_IN = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _ANSWER}]
 
 
 def render(tokenizer: Any, messages: Sequence[Dict[str, Any]], *, generation_prompt: bool,
@@ -53,16 +56,15 @@ def turn_text(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: s
                 or not isinstance(message.get("content"), str):
             raise UserError(f"multi-turn: a scheduler message must be a dict with string 'role' "
                             f"and 'content', got {message!r}")
-    before = render(tokenizer, _STAND_IN, generation_prompt=False, template_kwargs=template_kwargs)
-    after = render(tokenizer, _STAND_IN + list(messages), generation_prompt=True,
-                   template_kwargs=template_kwargs)
-    if not after.startswith(before):
-        raise UserError("multi-turn: the chat template renders earlier turns differently once "
+    text = render(tokenizer, _STAND_IN + list(messages), generation_prompt=True,
+                  template_kwargs=template_kwargs)
+    answer = text.find(_ANSWER)
+    if answer < 0:
+        raise UserError("multi-turn: the chat template drops the assistant's earlier turns once "
                         "messages follow them; messages cannot be appended token by token")
-    answer_end = before.rfind(_STAND_IN[-1]["content"]) + len(_STAND_IN[-1]["content"])
-    closing = before.find(end_of_turn, answer_end) if end_of_turn else -1
-    start = closing + len(end_of_turn) if closing >= 0 else answer_end
-    return after[start:]
+    answer_end = answer + len(_ANSWER)
+    closing = text.find(end_of_turn, answer_end) if end_of_turn else -1
+    return text[closing + len(end_of_turn) if closing >= 0 else answer_end:]
 
 
 def turn_ids(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: str,
