@@ -47,3 +47,30 @@ def test_two_turn_tool_task_is_learned(tiny_model_dir, tmp_path):
     for c in completions[:64]:
         assert c["rollout_infos"]["num_turns"] == 2
         assert "<result>" in c["completion"]          # the tool's message sits between the turns
+
+
+def test_grid_world_gym_reward_wiring(tiny_model_dir, tmp_path):
+    """gym_scheduler + grid_world with only the environment's reward (--use_gym_env, implied by
+    --gym_env): the environment writes the prompt, its total reward is the reward column
+    gym_reward. (The random model's turns hit the length limit, which ends each episode after
+    its first turn; the multi-turn loop itself is covered above and in the unit tests.)"""
+    data = tmp_path / "lake.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "<placeholder>"}],
+                                        "env_config": {"seed": i, "size": 3}}) + "\n"
+                            for i in range(16)))
+    out = tmp_path / "run"
+    rlhf("--model", tiny_model_dir("qwen3"), "--dataset", data,
+         "--multi_turn_scheduler", "gym_scheduler", "--gym_env", "grid_world", "--max_turns", 3,
+         "--num_generations", 4, "--global_batch_size", 8, "--micro_batch_size", 2,
+         "--max_completion_length", 8, "--max_length", 256, "--beta", 0, "--train_iters", 1,
+         "--report_to", "none", "--logging_steps", 1, "--add_version", "false",
+         "--log_completions", "true", "--output_dir", out)
+    [row] = logged(out)
+    assert row["reward/gym_reward/mean"] == 0.0 and row["multi_turn/turn_1_reward_mean"] == 0.0
+    assert row["multi_turn/num_turns_mean"] == 1.0 and row["rollout/truncated_fraction"] == 1.0
+    completions = [json.loads(line) for line in open(out / "completions.jsonl")]
+    assert len(completions) == 8
+    for c in completions:
+        assert c["prompt"].startswith("<|im_start|>system\nYou are walking on a frozen lake")
+        assert "P" in c["prompt"] and "<placeholder>" not in c["prompt"]
+        assert c["rewards"] == {"gym_reward": 0.0} and c["rollout_infos"]["status"] == "invalid"

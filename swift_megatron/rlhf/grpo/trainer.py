@@ -319,7 +319,10 @@ class GRPOTrainer:
             return
         prompt_text = {p.prompt_id: p.text for p in self.train_prompts}
         self.completions_log.log(self.step, [
-            dict(prompt_id=s.prompt_id, prompt=prompt_text.get(s.prompt_id, ""),
+            dict(prompt_id=s.prompt_id,
+                 # multi-turn: the prompt the episode started from (a scheduler may set its own)
+                 prompt=prompt_text.get(s.prompt_id, "") if s.rollout_infos is None
+                 else self.tokenizer.decode(s.prompt_ids),
                  completion=s.completion_text, reward=s.reward,
                  rewards=dict(zip([n for n, _ in self.reward_funcs], s.rewards)),
                  advantage=s.advantage, length=len(s.completion_ids), truncated=s.truncated,
