@@ -155,6 +155,10 @@ class ServeArguments:
                                  f"endpoint (401 otherwise). Default: ${API_KEY_ENV} when set. "
                                  "Trainers send it with --vllm_server_api_key.")
     enable_docs: bool = arg(False, "Serve FastAPI's /docs, /redoc and /openapi.json.")
+    communicator_timeout: float = arg(120.0, "Seconds the replicas wait for the trainer to join "
+                                      "the weight-sync communicator after /init_communicator "
+                                      "(and for each bucket's broadcast); a communicator nobody "
+                                      "joins is closed after it and generation goes on.")
     vllm_data_parallel_size: int = arg(1, "vLLM engine replicas, one process each, "
                                        "vllm_tensor_parallel_size GPUs each; generate requests "
                                        "are spread over them.")
@@ -163,6 +167,9 @@ class ServeArguments:
         self.api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
         if self.vllm_data_parallel_size < 1:
             raise UserError("--vllm_data_parallel_size must be >= 1")
+        if not 0 < self.communicator_timeout < float("inf"):
+            raise UserError(f"--communicator_timeout must be a positive number of seconds, got "
+                            f"{self.communicator_timeout}")
         if not 0 < self.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {self.port}")
 
