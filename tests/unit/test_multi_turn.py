@@ -67,9 +67,11 @@ def ids(tok, text):
 def test_tool_message_tokens_follow_the_template(tok):
     text = turn_text(tok, [{"role": "tool", "content": "<result>7</result>"}], "<|im_end|>")
     assert text == TOOL_TURN
-    # an EOS the template does not use: the template's own closing is added
-    assert turn_text(tok, [{"role": "user", "content": "hi"}], "<|endoftext|>") == \
-        "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # an EOS the template does not use, or a turn cut without one: the template's own closing
+    # is added
+    hi = "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert turn_text(tok, [{"role": "user", "content": "hi"}], "<|endoftext|>") == hi
+    assert turn_text(tok, [{"role": "user", "content": "hi"}], None) == hi
     with pytest.raises(UserError, match="string 'role' and 'content'"):
         turn_text(tok, [{"role": "tool", "content": 7}], "<|im_end|>")
 
@@ -462,9 +464,12 @@ def test_turns_cut_at_the_limit_can_continue(tok):
             assert episode.finish_reason == "length"
             return Turn(done=turn == 2, message={"role": "tool", "content": "<result>7</result>"})
 
-    engine = ScriptedEngine(tok, ["abc", "def"], eos=False)
+    # the cut turn's last token "l" also occurs in the tool message: it must not be taken for
+    # the end of the turn
+    engine = ScriptedEngine(tok, ["x\ntool", "def"], eos=False)
     [t] = run_episodes(engine, tok, Continue(), [prompt_of(tok)], SamplingConfig(max_tokens=64),
                        [0], settings())
     closing = ids(tok, "<|im_end|>" + TOOL_TURN)
-    assert t.token_ids == ids(tok, "abc") + closing + ids(tok, "def")
-    assert t.loss_mask == [1] * len(ids(tok, "abc")) + [0] * len(closing) + [1] * len(ids(tok, "def"))
+    first = ids(tok, "x\ntool")
+    assert t.token_ids == first + closing + ids(tok, "def")
+    assert t.loss_mask == [1] * len(first) + [0] * len(closing) + [1] * len(ids(tok, "def"))

@@ -163,7 +163,7 @@ def _advance(r: _Running, completion: Completion, turn: int, scheduler: MultiTur
             or (settings.max_turns and turn >= settings.max_turns):
         r.finish_reason = reason
         return
-    end_of_turn = tokenizer.decode(ids[-1:]) if ids else ""
+    end_of_turn = tokenizer.decode(ids[-1:]) if ids and reason == "stop" else None
     env_ids = tokens.turn_ids(tokenizer, answer.messages, end_of_turn, settings.template_kwargs)
     if r.room(settings, extra=len(env_ids)) < 1:   # no room left for the model's answer
         r.finish_reason = "length"

@@ -10,8 +10,8 @@ token):
     <|im_start|>assistant\nx<|im_end|>  +  \n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n
     (model tokens, loss)                  (environment tokens, no loss)
 
-When the model's last token is not the template's end of turn (an EOS the template does not
-use), the template's whole closing text is appended instead.
+When the turn did not end with the template's end of turn (it was cut at the length limit, or
+its EOS is one the template does not use), the template's whole closing text is appended.
 
 How the template renders the answer itself does not matter (Qwen3's, for example, shows the
 reasoning block only on the last turn), and the history the model sees is still exactly what it
@@ -47,10 +47,12 @@ def prompt_ids(tokenizer: Any, messages: Sequence[Dict[str, Any]],
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def turn_text(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: str,
+def turn_text(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: Optional[str],
               template_kwargs: Optional[Dict[str, Any]] = None) -> str:
-    """The text between an assistant turn that ended with `end_of_turn` (its last token's text)
-    and the model's next turn, with `messages` in between (module docstring)."""
+    """The text between an assistant turn and the model's next turn, with `messages` in between
+    (module docstring). `end_of_turn`: the text of the turn's last token when the turn ended
+    with an end-of-sequence token (None when it was cut): the template's closing of the answer
+    is kept only after it."""
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
@@ -62,12 +64,18 @@ def turn_text(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: s
     if answer < 0:
         raise UserError("multi-turn: the chat template drops the assistant's earlier turns once "
                         "messages follow them; messages cannot be appended token by token")
-    answer_end = answer + len(_ANSWER)
-    closing = text.find(end_of_turn, answer_end) if end_of_turn else -1
-    return text[closing + len(end_of_turn) if closing >= 0 else answer_end:]
+    start = answer + len(_ANSWER)
+    if end_of_turn:   # look for it in the template's closing of the answer only
+        alone = render(tokenizer, _STAND_IN, generation_prompt=False,
+                       template_kwargs=template_kwargs)
+        closing = alone[alone.rfind(_ANSWER) + len(_ANSWER):]
+        found = text.find(end_of_turn, start, start + len(closing))
+        if found >= 0:
+            start = found + len(end_of_turn)
+    return text[start:]
 
 
-def turn_ids(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: str,
+def turn_ids(tokenizer: Any, messages: Sequence[Dict[str, Any]], end_of_turn: Optional[str],
              template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
     """turn_text as token ids (no special tokens added)."""
     text = turn_text(tokenizer, messages, end_of_turn, template_kwargs)
