@@ -44,7 +44,7 @@ def test_two_turn_tool_task_is_learned(tiny_model_dir, tmp_path):
     assert max(r["reward/contains_answer/mean"] for r in rows[-4:]) > 0.2
     completions = [json.loads(line) for line in open(out / "completions.jsonl")]
     assert len(completions) == 40 * 32
-    for c in completions[:64]:
+    for c in completions:
         assert c["rollout_infos"]["num_turns"] == 2
         assert "<result>" in c["completion"]          # the tool's message sits between the turns
 
