@@ -161,7 +161,8 @@ class ServerEngine:
         schedulers = {h.get("multi_turn_scheduler") for h in healths}
         if len(schedulers) > 1:
             raise UserError("the rollout servers run different multi-turn schedulers (" + ", ".join(
-                f"{s.address}: {h.get('multi_turn_scheduler')}" for s, h in zip(self.servers, healths))
+                f"{s.address}: {h.get('multi_turn_scheduler')}"
+                for s, h in zip(self.servers, healths))
                 + "): start them all with the same --multi_turn_scheduler")
         for server in self.servers:
             self.communicators.append(self._open_communicator(server))

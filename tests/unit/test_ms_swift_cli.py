@@ -52,7 +52,8 @@ ACCEPTED = {
     "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000, "tau_pos": 1, "tau_neg": "1.05",
     "teacher_model": "Qwen/Qwen3.5-9B", "advantage_estimator": "rloo", "teacher_kl_coef": "1.0",
 }
-OTHER_ISSUES = {"teacher_model_server": "--teacher_model", "vllm_server_pass_dataset": "every dataset column reaches",
+OTHER_ISSUES = {"teacher_model_server": "--teacher_model",
+                "vllm_server_pass_dataset": "every dataset column reaches",
                 "context_manager": "removed in ms-swift too", "async_generate": "issue 15",
                 "freeze_vit": "issue 12", "use_ray": "torchrun, not Ray"}
 

@@ -4,7 +4,8 @@ A Sample is one completion with everything the loss needs. `collate` turns a lis
 into one micro-batch: the model reads (prompt + completion)[:-1] and predicts `targets` =
 (prompt + completion)[1:]; `completion_mask` marks the target positions that are completion
 tokens the model generated (multi-turn: a sample's `loss_mask` leaves out the tool and
-environment tokens between its turns). The loss-side tensors are [B, S] (B samples, S = longest prompt + completion - 1).
+environment tokens between its turns). The loss-side tensors are [B, S] (B samples, S =
+longest prompt + completion - 1).
 
 What the model reads, two layouts:
 - padded: `tokens` / `position_ids` [B, S'] right-padded (S' = S rounded up to

@@ -7,6 +7,10 @@ their share (each completion scored exactly once), and all-gather the scored sam
 rank of the replica holds the same list in the same canonical order (prompt, then sample).
 Advantages need every DP rank's rewards (batch std, global metrics): one all_gather of a small
 tensor, keyed by group id, so nothing depends on rank order.
+
+With a multi-turn scheduler (--multi_turn_scheduler, or the rollout servers') each request is a
+whole conversation (rollout/multi_turn): the sample holds every token after the prompt with a
+loss mask, rewards score the model's last answer, and multi_turn/ metrics are gathered.
 """
 import dataclasses
 import math
@@ -211,8 +215,8 @@ def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completi
     prompt_id: the group id shared by one prompt's completions, finish_reason, is_truncated,
     response_token_ids: the model's token ids per turn, and trainer_state, one object for
     the batch; multi-turn trajectories: messages is the whole conversation, and rollout_infos
-    the scheduler's metadata with num_turns, step_rewards and total_reward), then the dataset columns, which win over ms-swift's names as in ms-swift, then
-    our names (prompts, completion_ids, truncated), which datasets may not use
+    the scheduler's metadata with num_turns, step_rewards and total_reward), then the dataset
+    columns, which win over ms-swift's names as in ms-swift, then our names (prompts, completion_ids, truncated), which datasets may not use
     (data/prompts.py RESERVED_COLUMNS)."""
     truncated = [c.truncated for c in completions]
     multi = bool(completions) and all(isinstance(c, Trajectory) for c in completions)
