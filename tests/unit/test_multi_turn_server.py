@@ -110,6 +110,10 @@ def test_server_multi_turn_flags():
     m = args.multi_turn
     assert (m.multi_turn_scheduler, m.gym_env, m.max_turns, m.external_plugins) == \
         ("gym_scheduler", "grid_world", 4, ["a.py"])
+    from swift_megatron.compat.ms_swift import flat_args
+
+    gym = build_scheduler("gym_scheduler", max_turns=4, tokenizer=None, args=flat_args(args))
+    assert gym.gym_env == "grid_world"   # the server's --gym_env reaches the scheduler
     with pytest.raises(UserError, match="--max_turns applies to multi-turn rollouts"):
         parse("--max_turns", 2)
     with pytest.raises(UserError, match="--max_turns must be >= 1"):
