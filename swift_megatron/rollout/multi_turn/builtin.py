@@ -3,8 +3,8 @@
 - `calculator` (scheduler): a tool-use loop. When the model's turn holds
   `<calculator>EXPRESSION</calculator>`, the tool's result comes back as a `tool` message
   (`<result>VALUE</result>`, or `<error>...</error>`); a turn without a call ends the episode.
-  Expressions are arithmetic only (numbers, + - * / // % **, parentheses), evaluated without
-  `eval`; rewards come from --reward_funcs (e.g. accuracy on the final answer).
+  Expressions are arithmetic only (numbers, + - * / // % **, parentheses; results up to
+  1e100), evaluated without `eval`; rewards come from --reward_funcs (e.g. accuracy on the final answer).
 - `gym_scheduler` (scheduler): drives --gym_env environments (gym.py).
 - `grid_world` (gym env): a FrozenLake-like text grid. The agent `P` starts on `S` and must
   reach `G` without stepping into a hole `H`; each turn it answers
@@ -32,11 +32,12 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
               ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT = 64
+MAX_MAGNITUDE = 1e100   # larger intermediate values are refused (no runaway big integers)
 
 
 def calculate(expression: str) -> float:
     """The value of an arithmetic expression; ValueError for anything else (names, calls,
-    exponents above MAX_EXPONENT, division by zero)."""
+    exponents above MAX_EXPONENT, values above MAX_MAGNITUDE, division by zero)."""
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as error:
@@ -54,10 +55,19 @@ def _evaluate(node: ast.AST) -> float:
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ValueError(f"exponent {right} is too large")
         try:
-            return _OPERATORS[type(node.op)](left, right)
+            return _bounded(_OPERATORS[type(node.op)](left, right))
         except ZeroDivisionError:
             raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("the result is too large") from None
     raise ValueError(f"unsupported: {ast.dump(node)[:40]}")
+
+
+def _bounded(value):
+    if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+        raise ValueError("the result is too large" if not isinstance(value, complex)
+                         else "the result is not a real number")
+    return value
 
 
 def format_number(value: float) -> str:
