@@ -276,18 +276,21 @@ def check_partial(hf_dir, state, out_dir):
 
 
 def check_backward_ops(loaded):
-    """The matmuls of a LoRA forward + backward on a padded batch (b = 2): the logits' gradient
-    reaches the frozen output layer contiguous, so no batched matmul (`aten::bmm`) runs."""
+    """The matmuls of a LoRA forward + backward on a padded batch (b = 2) and on one row (b = 1,
+    as packed sequences are): the logits' gradient reaches the frozen output layer with row-major
+    strides, so no batched matmul (`aten::bmm`) runs."""
     import torch
     from torch.profiler import profile
 
-    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    position_ids = torch.arange(16).expand(2, 16)
-    with profile() as prof:
-        logits = loaded.model(tokens, position_ids, None)
-        logits.float().square().mean().backward()
-    loaded.model.zero_grad()
-    return {"matmul_ops": sorted({e.key for e in prof.key_averages()} & {"aten::bmm", "aten::mm"})}
+    ops = {}
+    for rows in (2, 1):
+        tokens = torch.randint(0, 100, (rows, 16), generator=torch.Generator().manual_seed(0))
+        with profile() as prof:
+            logits = loaded.model(tokens, torch.arange(16).expand(rows, 16), None)
+            logits.float().square().mean().backward()
+        loaded.model.zero_grad()
+        ops[f"b{rows}"] = sorted({e.key for e in prof.key_averages()} & {"aten::bmm", "aten::mm"})
+    return ops
 
 
 def _user_error(fn):
