@@ -172,3 +172,30 @@ class ServeArguments:
                             f"{self.communicator_timeout}")
         if not 0 < self.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {self.port}")
+
+
+@dataclass
+class ServeMultiTurnArguments:
+    """Rollout server: multi-turn"""
+
+    multi_turn_scheduler: Optional[str] = arg(None, "Run multi-turn rollouts in the server (as "
+                                              "ms-swift's rollout server): a scheduler built in "
+                                              "(calculator, gym_scheduler) or registered by "
+                                              "--external_plugins. Trainers then send whole "
+                                              "prompts with their dataset columns to /rollout "
+                                              "(docs/multi_turn.md).")
+    max_turns: Optional[int] = arg(None, "Most model turns per conversation (none: until the "
+                                   "scheduler stops or the length budget is spent).")
+    gym_env: Optional[str] = arg(None, "The gym environment of --multi_turn_scheduler "
+                                 "gym_scheduler; a row's env_config name overrides it.")
+    external_plugins: List[str] = arg([], "Python files to import at start: they register "
+                                      "schedulers and gym environments.")
+
+    def __post_init__(self):
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UserError(f"--max_turns must be >= 1 (or none: no limit), got {self.max_turns}")
+        if self.multi_turn_scheduler is None:
+            for name in ("max_turns", "gym_env"):
+                if getattr(self, name) is not None:
+                    raise UserError(f"--{name} applies to multi-turn rollouts: pass "
+                                    f"--multi_turn_scheduler")

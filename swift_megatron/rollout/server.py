@@ -19,6 +19,13 @@ to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
                               communicator
     POST /reset_prefix_cache
     POST /close_communicator  {"token"}
+    POST /rollout             with --multi_turn_scheduler: whole multi-turn episodes (prompt
+                              token ids, chat messages, dataset columns, seeds, sampling and
+                              length budget) -> trajectories with loss masks and rollout_infos
+
+With `--multi_turn_scheduler` the server runs the scheduler itself (rollout/multi_turn), as
+ms-swift's rollout server does; /health then names it, and trainers send /rollout requests
+instead of /generate.
 
 Malformed requests get a 4xx with a message (422: invalid JSON or fields, 400: values the model
 cannot take, 409: out of order, 403: another client's communicator token; 401: a missing or
@@ -260,6 +267,7 @@ class ServerState:
     client_rank: Optional[int] = None
     communicator_token: Optional[str] = None   # given to the client that opened it
     sync_error: Optional[str] = None           # why the open communicator's last update failed
+    multi_turn: Optional["MultiTurnService"] = None   # --multi_turn_scheduler
 
     @property
     def world_size(self) -> int:
@@ -317,7 +325,17 @@ def _models():
     class CloseCommunicatorRequest(Strict):
         token: Optional[StrictStr] = None
 
-    return GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseCommunicatorRequest
+    class RolloutRequest(GenerateRequest):
+        prompts: List[List[StrictInt]] = Field(min_length=1)
+        messages: List[List[Dict[str, Any]]]
+        columns: Optional[List[Dict[str, Any]]] = None
+        row_ids: Optional[List[StrictInt]] = None
+        max_length: StrictInt = Field(ge=2, le=INT32_MAX)
+        limit_scope: Literal["per_round", "total"] = "per_round"
+        template_kwargs: Dict[str, Any] = {}
+
+    return (GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest,
+            CloseCommunicatorRequest, RolloutRequest)
 
 
 def _check_generate(request, vocab_size: int) -> None:
@@ -360,27 +378,132 @@ def _replica_call(state: ServerState, method: str, *args, **kwargs) -> list:
         raise HTTPException(400 if exc.bad_input else 500, str(exc)) from None
 
 
-def _generate(state: ServerState, request) -> dict:
+def _sampling(request) -> Dict[str, Any]:
+    return dict(max_tokens=request.max_tokens, temperature=request.temperature,
+                top_p=request.top_p, top_k=request.top_k,
+                repetition_penalty=request.repetition_penalty)
+
+
+def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str, Any],
+                          seeds: list, stop_token_ids: List[int], logprobs: bool) -> List[dict]:
+    """`prompts` split over the replicas, generated concurrently, in order."""
     from fastapi import HTTPException
 
-    _check_generate(request, state.vocab_size)
-    sampling = dict(max_tokens=request.max_tokens, temperature=request.temperature,
-                    top_p=request.top_p, top_k=request.top_k,
-                    repetition_penalty=request.repetition_penalty)
-    seeds = request.seeds or [None] * len(request.prompts)
-    slices = _split(len(request.prompts), len(state.replicas))
+    slices = _split(len(prompts), len(state.replicas))
     parts = [(r, s) for r, s in zip(state.replicas, slices) if s.stop > s.start]
-    with ThreadPoolExecutor(len(parts)) as pool:
-        futures = [pool.submit(replica.call, "generate", prompts=request.prompts[s],
-                               sampling=sampling, seeds=seeds[s],
-                               stop_token_ids=request.stop_token_ids, logprobs=request.logprobs)
+    with ThreadPoolExecutor(max(len(parts), 1)) as pool:
+        futures = [pool.submit(replica.call, "generate", prompts=prompts[s], sampling=sampling,
+                               seeds=seeds[s], stop_token_ids=stop_token_ids, logprobs=logprobs)
                    for replica, s in parts]
         try:
             results = [f.result() for f in futures]
         except ReplicaError as exc:
             raise HTTPException(400 if exc.bad_input else 500, str(exc)) from None
-    return {"completions": [c for part in results for c in part],
+    return [c for part in results for c in part]
+
+
+def _generate(state: ServerState, request) -> dict:
+    _check_generate(request, state.vocab_size)
+    seeds = request.seeds or [None] * len(request.prompts)
+    completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
+                                        request.stop_token_ids, request.logprobs)
+    return {"completions": completions, "weight_version": state.weight_version}
+
+
+# ---- multi-turn rollouts (--multi_turn_scheduler) ----------------------------------------------
+@dataclasses.dataclass
+class MultiTurnService:
+    """The server's scheduler, and the tokenizer that renders its messages. One rollout runs
+    at a time (schedulers and their event loop are not shared between threads)."""
+
+    name: str
+    scheduler: Any
+    tokenizer: Any
+    max_turns: Optional[int]
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class _ReplicaEngine:
+    """The RolloutEngine the multi-turn loop drives inside the server: the replicas."""
+
+    def __init__(self, state: ServerState, stop_token_ids: List[int]):
+        self.state, self.stop_token_ids = state, stop_token_ids
+        self.weight_version = state.weight_version
+
+    def generate(self, prompts, sampling, seeds=None) -> list:
+        from swift_megatron.rollout.engine import Completion
+
+        if not prompts:
+            return []
+        sampling_dict = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                             top_p=sampling.top_p, top_k=sampling.top_k,
+                             repetition_penalty=sampling.repetition_penalty)
+        out = _generate_on_replicas(self.state, [list(p) for p in prompts], sampling_dict,
+                                    list(seeds or [None] * len(prompts)), self.stop_token_ids,
+                                    True)
+        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"],
+                           self.weight_version) for c in out]
+
+
+def _rollout(state: ServerState, request) -> dict:
+    """Whole episodes with the server's scheduler (rollout/multi_turn/runner.py)."""
+    from fastapi import HTTPException
+
+    from swift_megatron.data import Prompt
+    from swift_megatron.rollout.engine import SamplingConfig
+    from swift_megatron.rollout.multi_turn import MultiTurnSettings, run_episodes
+
+    service = state.multi_turn
+    if service is None:
+        raise HTTPException(409, "this server runs no multi-turn scheduler: start it with "
+                                 "--multi_turn_scheduler, or send /generate requests")
+    _check_generate(request, state.vocab_size)
+    count = len(request.prompts)
+    columns = request.columns or [{}] * count
+    row_ids = request.row_ids or list(range(count))
+    if not len(request.messages) == len(columns) == len(row_ids) == count:
+        raise HTTPException(400, f"prompts, messages, columns and row_ids differ in length "
+                                 f"({count}, {len(request.messages)}, {len(columns)}, "
+                                 f"{len(row_ids)})")
+    prompts = [Prompt(row, "", list(ids), messages, dict(cols))
+               for row, ids, messages, cols in zip(row_ids, request.prompts, request.messages,
+                                                   columns)]
+    sampling = SamplingConfig(**_sampling(request))
+    settings = MultiTurnSettings(max_completion_length=request.max_tokens,
+                                 max_length=request.max_length, max_turns=service.max_turns,
+                                 limit_scope=request.limit_scope,
+                                 template_kwargs=dict(request.template_kwargs))
+    seeds = [s if s is not None else i for i, s in enumerate(request.seeds or [None] * count)]
+    engine = _ReplicaEngine(state, request.stop_token_ids)
+    try:
+        with service.lock:
+            trajectories = run_episodes(engine, service.tokenizer, service.scheduler, prompts,
+                                        sampling, seeds, settings)
+    except UserError as exc:
+        raise HTTPException(400, str(exc)) from None
+    return {"trajectories": [dataclasses.asdict(t) for t in trajectories],
             "weight_version": state.weight_version}
+
+
+def multi_turn_service(args, model_dir: str) -> Optional[MultiTurnService]:
+    """--multi_turn_scheduler's scheduler (plugins loaded, names checked), or None."""
+    options = args.multi_turn
+    if options.multi_turn_scheduler is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from swift_megatron.compat.ms_swift import flat_args
+    from swift_megatron.rewards import load_plugins
+    from swift_megatron.rollout.multi_turn import build_scheduler
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS
+
+    load_plugins(options.external_plugins)
+    if options.gym_env is not None:
+        GYM_ENVS.lookup(options.gym_env)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scheduler = build_scheduler(options.multi_turn_scheduler, max_turns=options.max_turns,
+                                tokenizer=tokenizer, args=flat_args(args))
+    return MultiTurnService(options.multi_turn_scheduler, scheduler, tokenizer, options.max_turns)
 
 
 def _when_all_done(count: int, then: Callable[[List[ReplicaError]], None]):
@@ -519,7 +642,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
 
-    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest = _models()
+    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest, \
+        RolloutRequest = _models()
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
         if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
@@ -532,7 +656,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
         if not all(r.process.is_alive() for r in state.replicas):
             raise HTTPException(503, "a rollout replica process has exited")
         return {"status": "ok", "world_size": state.world_size,
-                "weight_version": state.weight_version}
+                "weight_version": state.weight_version,
+                "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None}
 
     @app.get("/get_world_size")
     def get_world_size():
@@ -541,6 +666,10 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     @app.post("/generate")
     def generate(request: GenerateRequest):
         return _generate(state, request)
+
+    @app.post("/rollout")
+    def rollout(request: RolloutRequest):
+        return _rollout(state, request)
 
     @app.post("/init_communicator")
     def init_communicator(request: InitCommunicatorRequest):
@@ -632,6 +761,7 @@ def serve(args) -> None:
     vllm_compat.check_model_supported(model_dir)
     settings = engine_settings(args, model_dir)
     vllm_compat.check_engine_settings(settings)
+    multi_turn = multi_turn_service(args, model_dir)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
     replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
@@ -639,7 +769,7 @@ def serve(args) -> None:
     try:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
                             serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl",
-                            serve_args.communicator_timeout)
+                            serve_args.communicator_timeout, multi_turn=multi_turn)
         logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
                     f"on http://{serve_args.host}:{serve_args.port}")
         app = build_app(state, serve_args.api_key, serve_args.enable_docs)

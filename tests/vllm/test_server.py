@@ -12,7 +12,8 @@
   is exponential backoff;
 - the server runs with --api_key: every endpoint answers 401 without it (the client, and the
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
-- `megatron rlhf --vllm_mode server` trains against it (two processes, last);
+- `megatron rlhf --vllm_mode server` trains against it: multi-turn rollouts (the trainer runs
+  the scheduler), then two processes (last);
 - SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown).
 """
 import json
@@ -286,6 +287,34 @@ def test_unexpected_errors_are_json_500():
     answer = TestClient(app, raise_server_exceptions=False).post("/reset_prefix_cache")
     assert answer.status_code == 500
     assert answer.json() == {"detail": "internal error: RuntimeError: boom"}
+
+
+def test_grpo_server_mode_multi_turn(server, vllm_model_dir, math_dataset_path, tmp_path):
+    """Multi-turn rollouts in server mode: the trainer runs the scheduler (the demo's two-turn
+    lookup_tool) and sends each turn's token ids; the server's logprobs of the model's tokens
+    equal the trainer's over the two-turn sequences."""
+    out = tmp_path / "run"
+    host, port = server.rsplit(":", 1)
+    demo = os.path.join(REPO, "swift_megatron", "demo")
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", vllm_model_dir,
+           "--dataset", math_dataset_path, "--external_plugins", os.path.join(demo, "rewards.py"),
+           os.path.join(demo, "multi_turn.py"), "--multi_turn_scheduler", "lookup_tool",
+           "--max_turns", "2", "--reward_funcs", "contains_answer", "digit_ratio",
+           "--num_generations", "4", "--global_batch_size", "8", "--micro_batch_size", "2",
+           "--max_completion_length", "8", "--max_length", "128", "--lr", "1e-3",
+           "--train_iters", "2", "--report_to", "none", "--logging_steps", "1",
+           "--add_version", "false", "--output_dir", str(out), "--vllm_mode", "server",
+           "--vllm_server_host", host, "--vllm_server_port", port,
+           "--log_rollout_offpolicy_metrics", "true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "logging.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["multi_turn/num_turns_mean"] == 2.0 for r in rows)
+    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
 
 
 def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
