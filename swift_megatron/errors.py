@@ -20,3 +20,10 @@ class WeightSyncError(RuntimeError):
 class NonFiniteError(UserError):
     """Training produced NaN or inf (a gradient norm, or weights about to be saved): usually a
     learning rate or reward scale too large for the model. Nothing non-finite is saved."""
+
+
+class ServiceFailure(UserError):
+    """A long-running command lost a part it cannot serve without (a rollout replica process
+    died): printed without a traceback, exit code 1."""
+
+    exit_code = 1

@@ -247,9 +247,10 @@ def _check_dataset(spec: str, args: RlhfArguments) -> str:
 def check_reward_sources(args: RlhfArguments) -> None:
     """A run needs something to learn from: reward functions, a reward model or a teacher."""
     g = args.grpo
-    if not (g.reward_funcs or g.reward_model or g.teacher_model):
+    if not (g.reward_funcs or g.reward_model or g.teacher_model or g.use_gym_env):
         raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
-                        "or --reward_model, or a --teacher_model to distil")
+                        "or --reward_model, or a --teacher_model to distil, or --use_gym_env "
+                        "true with a gym environment")
 
 
 def _check_rewards(args: RlhfArguments) -> List[str]:
@@ -259,8 +260,24 @@ def _check_rewards(args: RlhfArguments) -> List[str]:
     check_reward_sources(args)
     modules = load_plugins(g.external_plugins)
     resolve_reward_funcs(g.reward_funcs, modules, RewardConfig.from_args(g))
+    names = g.reward_funcs + g.reward_model + (["gym_reward"] if g.use_gym_env else [])
     return [f"plugin: {path}" for path in g.external_plugins] + \
-        [f"rewards: {', '.join(g.reward_funcs + g.reward_model) or '(teacher only)'}"]
+        [f"rewards: {', '.join(names) or '(teacher only)'}"] + _check_multi_turn(args)
+
+
+def _check_multi_turn(args: RlhfArguments) -> List[str]:
+    """The scheduler and environment names (after the plugins registered theirs)."""
+    g = args.grpo
+    if g.multi_turn_scheduler is None:
+        return []
+    import swift_megatron.rollout.multi_turn  # noqa: F401  (registers the built-ins)
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
+
+    SCHEDULERS.lookup(g.multi_turn_scheduler)
+    if g.gym_env is not None:
+        GYM_ENVS.lookup(g.gym_env)
+    env = f", gym env {g.gym_env}" if g.gym_env else ""
+    return [f"multi-turn scheduler: {g.multi_turn_scheduler}{env}"]
 
 
 def print_dry_run(plan: BatchPlan, checked: List[str]) -> None:

@@ -15,7 +15,8 @@ from swift_megatron.arguments.kernels import KernelArguments
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.model import ModelArguments
 from swift_megatron.arguments.parallel import ParallelArguments
-from swift_megatron.arguments.rollout import RolloutArguments, ServeArguments, VllmEngineArguments
+from swift_megatron.arguments.rollout import (RolloutArguments, ServeArguments,
+                                              ServeMultiTurnArguments, VllmEngineArguments)
 from swift_megatron.arguments.training import BatchArguments, TrainingArguments, check_lr_bounds
 from swift_megatron.errors import UserError
 
@@ -54,6 +55,11 @@ class RlhfArguments:
                             "holds or names it")
         if not self.data.dataset and not self.training.dry_run:
             raise UserError("--dataset is required (a local file, HF datasets name or ModelScope id)")
+        g = self.grpo
+        if g.use_gym_env and g.multi_turn_scheduler is None and self.rollout.vllm_mode != "server":
+            raise UserError("--use_gym_env applies to multi-turn rollouts: pass "
+                            "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
+                            "the scheduler in the rollout server (--vllm_mode server)")
 
 
     def _check_virtual_pipeline(self) -> None:
@@ -169,6 +175,7 @@ class RolloutCommandArguments:
     model: ModelArguments
     vllm: VllmEngineArguments
     serve: ServeArguments
+    multi_turn: ServeMultiTurnArguments
     explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self):

@@ -152,6 +152,27 @@ class GRPOArguments:
     soft_cache_length: Optional[int] = arg(None, "soft_overlong reward: the penalty ramps over the "
                                            "last soft_cache_length tokens before soft_max_length.")
     log_completions: bool = arg(False, "Write prompts, completions and rewards to completions.jsonl.")
+    # Multi-turn rollouts (docs/multi_turn.md)
+    multi_turn_scheduler: Optional[str] = arg(None, "Roll out conversations of several model "
+                                              "turns: a scheduler built in (calculator, "
+                                              "gym_scheduler) or registered by "
+                                              "--external_plugins answers each turn with the "
+                                              "next user/tool message, or stops.")
+    max_turns: Optional[int] = arg(None, "Most model turns per conversation (none: until the "
+                                   "scheduler stops or the length budget is spent).")
+    completion_length_limit_scope: str = arg("per_round", "Multi-turn: --max_completion_length "
+                                             "bounds each model turn (per_round) or the whole "
+                                             "completion, tool and environment tokens included "
+                                             "(total). Prompt + completion stays within "
+                                             "--max_length either way.",
+                                             choices=["per_round", "total"])
+    gym_env: Optional[str] = arg(None, "The gym environment of --multi_turn_scheduler "
+                                 "gym_scheduler: built in (grid_world) or registered by "
+                                 "--external_plugins; a row's env_config name overrides it.")
+    use_gym_env: Optional[bool] = arg(None, "Add the environment's total reward per episode as "
+                                      "the reward column gym_reward (after --reward_funcs and "
+                                      "--reward_model; --reward_weights takes one weight more). "
+                                      "Default: true when --gym_env is given.")
 
     @property
     def has_teacher(self) -> bool:
@@ -163,6 +184,7 @@ class GRPOArguments:
         self._resolve_advantages()
         self._check_references()
         self._check_teacher()
+        self._check_multi_turn()
         self._check_rewards()
 
     def _check_sizes(self):
@@ -268,14 +290,34 @@ class GRPOArguments:
         if self.scale_rewards == "gdpo" and not self.reward_funcs:
             raise UserError("--scale_rewards gdpo normalises reward functions: pass --reward_funcs")
 
+    def _check_multi_turn(self):
+        if self.use_gym_env is None:
+            self.use_gym_env = self.gym_env is not None
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UserError(f"--max_turns must be >= 1 (or none: no limit), got {self.max_turns}")
+        if self.multi_turn_scheduler is None:
+            for name, given in (("max_turns", self.max_turns is not None),
+                                ("gym_env", self.gym_env is not None),
+                                ("completion_length_limit_scope",
+                                 self.completion_length_limit_scope != "per_round")):
+                if given:
+                    raise UserError(f"--{name} applies to multi-turn rollouts: pass "
+                                    f"--multi_turn_scheduler (e.g. gym_scheduler with --gym_env)")
+
+    @property
+    def num_reward_columns(self) -> int:
+        """Reward functions, reward models and the gym reward (--use_gym_env)."""
+        return len(self.reward_funcs) + len(self.reward_model) + int(bool(self.use_gym_env))
+
     def _check_rewards(self):
         if self.reward_model_plugin and len(self.reward_model_plugin) != len(self.reward_model):
             raise UserError(f"--reward_model_plugin names {len(self.reward_model_plugin)} plugins "
                             f"for {len(self.reward_model)} --reward_model (one each)")
-        scorers = len(self.reward_funcs) + len(self.reward_model)
+        scorers = self.num_reward_columns
         if self.reward_weights is not None and len(self.reward_weights) != scorers:
+            gym = " and --use_gym_env (gym_reward)" if self.use_gym_env else ""
             raise UserError(f"--reward_weights has {len(self.reward_weights)} values but "
-                            f"--reward_funcs and --reward_model name {scorers} rewards")
+                            f"--reward_funcs and --reward_model{gym} name {scorers} rewards")
         if self.soft_cache_length is not None and self.soft_max_length is not None \
                 and self.soft_cache_length >= self.soft_max_length:
             raise UserError("--soft_cache_length must be smaller than --soft_max_length")

@@ -11,7 +11,9 @@ flag: a name in these tables still fails the parse, with the reason.
 from typing import Dict, Optional
 
 _MULTIMODAL = "vision-language models are not supported yet (issue 12: multimodal GRPO)"
-_MULTI_TURN = "multi-turn / agentic rollouts are not supported yet (issue 15)"
+_SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
+                     "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
+                     "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")
 _TE = "needs Transformer Engine, which swift-megatron does not use"
 
 NOT_SUPPORTED: Dict[str, str] = {
@@ -27,9 +29,9 @@ NOT_SUPPORTED: Dict[str, str] = {
     "teacher_tag_key": "multi-teacher routing needs --teacher_model_server, which is not "
                        "supported: one --teacher_model scores every completion",
     # multi-turn and asynchronous generation
-    **{name: _MULTI_TURN for name in (
-        "multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env",
-        "completion_length_limit_scope", "vllm_server_pass_dataset")},
+    "vllm_server_pass_dataset": _SERVER_SCHEDULER,
+    "context_manager": "removed in ms-swift too: change the conversation between turns in a "
+                       "--multi_turn_scheduler (docs/multi_turn.md)",
     "async_generate": "asynchronous generation is not supported yet (issue 15)",
     # parallelism
     "cp_comm_type": "context parallelism has one implementation, all-gather of keys and values "

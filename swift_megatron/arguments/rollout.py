@@ -155,6 +155,10 @@ class ServeArguments:
                                  f"endpoint (401 otherwise). Default: ${API_KEY_ENV} when set. "
                                  "Trainers send it with --vllm_server_api_key.")
     enable_docs: bool = arg(False, "Serve FastAPI's /docs, /redoc and /openapi.json.")
+    communicator_timeout: float = arg(120.0, "Seconds the replicas wait for the trainer to join "
+                                      "the weight-sync communicator after /init_communicator "
+                                      "(and for each bucket's broadcast); a communicator nobody "
+                                      "joins is closed after it and generation goes on.")
     vllm_data_parallel_size: int = arg(1, "vLLM engine replicas, one process each, "
                                        "vllm_tensor_parallel_size GPUs each; generate requests "
                                        "are spread over them.")
@@ -163,5 +167,35 @@ class ServeArguments:
         self.api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
         if self.vllm_data_parallel_size < 1:
             raise UserError("--vllm_data_parallel_size must be >= 1")
+        if not 0 < self.communicator_timeout < float("inf"):
+            raise UserError(f"--communicator_timeout must be a positive number of seconds, got "
+                            f"{self.communicator_timeout}")
         if not 0 < self.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {self.port}")
+
+
+@dataclass
+class ServeMultiTurnArguments:
+    """Rollout server: multi-turn"""
+
+    multi_turn_scheduler: Optional[str] = arg(None, "Run multi-turn rollouts in the server (as "
+                                              "ms-swift's rollout server): a scheduler built in "
+                                              "(calculator, gym_scheduler) or registered by "
+                                              "--external_plugins. Trainers then send whole "
+                                              "prompts with their dataset columns to /rollout "
+                                              "(docs/multi_turn.md).")
+    max_turns: Optional[int] = arg(None, "Most model turns per conversation (none: until the "
+                                   "scheduler stops or the length budget is spent).")
+    gym_env: Optional[str] = arg(None, "The gym environment of --multi_turn_scheduler "
+                                 "gym_scheduler; a row's env_config name overrides it.")
+    external_plugins: List[str] = arg([], "Python files to import at start: they register "
+                                      "schedulers and gym environments.")
+
+    def __post_init__(self):
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UserError(f"--max_turns must be >= 1 (or none: no limit), got {self.max_turns}")
+        if self.multi_turn_scheduler is None:
+            for name in ("max_turns", "gym_env"):
+                if getattr(self, name) is not None:
+                    raise UserError(f"--{name} applies to multi-turn rollouts: pass "
+                                    f"--multi_turn_scheduler")

@@ -21,7 +21,21 @@ def save_strategy():
     on a 16-core GPU host the write is IO-bound only with several writer threads."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+    _own_results_queue()
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=max(2, min(8, os.cpu_count() or 2)))
+
+
+def _own_results_queue() -> None:
+    """megatron's torch_dist writer reports through the queue of a multiprocessing Manager that
+    it starts on the first save and never stops: a server process (~275 MB) that survives a
+    trainer killed with `kill -9`, and keeps its resource tracker alive. Start that Manager here
+    instead, bound to die with this process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from swift_megatron.platform.processes import start_manager
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = start_manager().Queue()
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

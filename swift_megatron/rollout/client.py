@@ -10,6 +10,9 @@ Only global rank 0 talks to the servers:
   then NCCL on CUDA or gloo on CPU), and for each bucket of the export stream POSTs its metadata
   to /update_weights and broadcasts the flat bucket (weight_sync.py). Every other rank drains
   the export stream, which is collective over the training ranks.
+- rollout (servers started with --multi_turn_scheduler, named by their /health): whole
+  multi-turn episodes instead of single generations, gathered and split back the same way;
+  the servers run the scheduler (rollout/multi_turn) and answer with trajectories.
 - Requests are retried with exponential backoff (`backoff_delays`) on connection errors (only
   when no request reached the server, for the non-idempotent weight calls); at start every
   server's /health is polled for up to `--vllm_server_timeout` seconds; a server that never
@@ -29,7 +32,9 @@ import torch.distributed as dist
 from swift_megatron.arguments.rollout import API_KEY_ENV
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
+from swift_megatron.data import Prompt
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
+from swift_megatron.rollout.multi_turn import MultiTurnSettings, Trajectory
 from swift_megatron.rollout.weight_sync import iter_buckets, open_communicator, pack
 
 logger = get_logger(__name__)
@@ -142,16 +147,28 @@ class ServerEngine:
         self.servers: List[ServerConnection] = []
         self.world_sizes: List[int] = []
         self.communicators: list = []
-        if self.rank == 0:
-            self._connect(addresses, timeout, api_key)
+        schedulers = [self._connect(addresses, timeout, api_key) if self.rank == 0 else None]
+        if self.group is not None:
+            dist.broadcast_object_list(schedulers, src=0, group=self.group)
+        self.server_scheduler: Optional[str] = schedulers[0]   # the servers' multi-turn one
 
-    def _connect(self, addresses: Sequence[str], timeout: float, api_key: Optional[str]) -> None:
+    def _connect(self, addresses: Sequence[str], timeout: float,
+                 api_key: Optional[str]) -> Optional[str]:
+        """Connect to every server; returns the multi-turn scheduler they run (None: none)."""
         self.servers = [ServerConnection(a, timeout, api_key=api_key) for a in addresses]
-        self.world_sizes = [int(s.wait_healthy(timeout)["world_size"]) for s in self.servers]
+        healths = [s.wait_healthy(timeout) for s in self.servers]
+        self.world_sizes = [int(h["world_size"]) for h in healths]
+        schedulers = {h.get("multi_turn_scheduler") for h in healths}
+        if len(schedulers) > 1:
+            raise UserError("the rollout servers run different multi-turn schedulers (" + ", ".join(
+                f"{s.address}: {h.get('multi_turn_scheduler')}"
+                for s, h in zip(self.servers, healths))
+                + "): start them all with the same --multi_turn_scheduler")
         for server in self.servers:
             self.communicators.append(self._open_communicator(server))
         logger.info("rollout servers: " + ", ".join(
             f"{s.address} (vLLM world {w})" for s, w in zip(self.servers, self.world_sizes)))
+        return schedulers.pop()
 
     def _open_communicator(self, server: ServerConnection):
         info = server.request("/init_communicator", {}, idempotent=False)
@@ -166,26 +183,38 @@ class ServerEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seeds: Optional[Sequence[int]] = None) -> List[Completion]:
         seeds = list(seeds) if seeds is not None else default_seeds(sampling, len(prompts))
-        mine = (list(map(list, prompts)), seeds)
+        return self._collective((list(map(list, prompts)), seeds),
+                                lambda server, requests, seeds_: self._request_generate(
+                                    server, requests, seeds_, sampling))
+
+    def rollout(self, prompts: Sequence[Prompt], sampling: SamplingConfig, seeds: Sequence[int],
+                settings: MultiTurnSettings) -> List[Trajectory]:
+        """Whole multi-turn episodes, run by the servers' scheduler (collective, as generate)."""
+        return self._collective((list(prompts), list(seeds)),
+                                lambda server, requests, seeds_: self._request_rollout(
+                                    server, requests, seeds_, sampling, settings))
+
+    def _collective(self, mine: Tuple[list, List[int]], send) -> list:
+        """Every rank's (requests, seeds) gathered on rank 0, sent with `send(server, requests,
+        seeds)` as one batch split over the servers, and each rank's answers back, in order."""
         if self.group is None:
-            return self._generate_all([mine], sampling)[0]
+            return self._send_all([mine], send)[0]
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self.group)
-        results = self._generate_all(gathered, sampling) if self.rank == 0 else None
+        results = self._send_all(gathered, send) if self.rank == 0 else None
         received = [None]
         dist.scatter_object_list(received, results, src=0, group=self.group)
         return received[0]
 
-    def _generate_all(self, parts: List[Tuple[List[List[int]], List[int]]],
-                      sampling: SamplingConfig) -> List[List[Completion]]:
+    def _send_all(self, parts: List[Tuple[list, List[int]]], send) -> List[list]:
         """Rank 0: every rank's requests as one batch over the servers, split back per rank."""
-        prompts = [p for part, _ in parts for p in part]
+        requests = [p for part, _ in parts for p in part]
         seeds = [s for _, part in parts for s in part]
-        slices = _proportional_split(len(prompts), self.world_sizes)
+        slices = _proportional_split(len(requests), self.world_sizes)
         jobs = [(server, s) for server, s in zip(self.servers, slices) if s.stop > s.start]
         with ThreadPoolExecutor(max(len(jobs), 1)) as pool:
-            answers = list(pool.map(lambda job: self._request_generate(
-                job[0], prompts[job[1]], seeds[job[1]], sampling), jobs))
+            answers = list(pool.map(lambda job: send(job[0], requests[job[1]], seeds[job[1]]),
+                                    jobs))
         flat = [c for answer in answers for c in answer]
         out, start = [], 0
         for part, _ in parts:
@@ -202,6 +231,20 @@ class ServerEngine:
         answer = server.request("/generate", payload)
         return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], self.weight_version)
                 for c in answer["completions"]]
+
+    def _request_rollout(self, server: ServerConnection, prompts: List[Prompt], seeds,
+                         sampling: SamplingConfig, settings: MultiTurnSettings) -> List[Trajectory]:
+        payload = dict(prompts=[list(p.input_ids) for p in prompts],
+                       messages=[p.messages for p in prompts],
+                       columns=[p.columns for p in prompts], row_ids=[p.prompt_id for p in prompts],
+                       seeds=seeds, max_tokens=sampling.max_tokens,
+                       temperature=sampling.temperature, top_p=sampling.top_p,
+                       top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
+                       stop_token_ids=self.eos, max_length=settings.max_length,
+                       limit_scope=settings.limit_scope, template_kwargs=settings.template_kwargs)
+        answer = server.request("/rollout", payload)
+        return [Trajectory(**dict(t, weight_version=self.weight_version))
+                for t in answer["trajectories"]]
 
     # ---- weights ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -19,6 +19,13 @@ to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
                               communicator
     POST /reset_prefix_cache
     POST /close_communicator  {"token"}
+    POST /rollout             with --multi_turn_scheduler: whole multi-turn episodes (prompt
+                              token ids, chat messages, dataset columns, seeds, sampling and
+                              length budget) -> trajectories with loss masks and rollout_infos
+
+With `--multi_turn_scheduler` the server runs the scheduler itself (rollout/multi_turn), as
+ms-swift's rollout server does; /health then names it, and trainers send /rollout requests
+instead of /generate.
 
 Malformed requests get a 4xx with a message (422: invalid JSON or fields, 400: values the model
 cannot take, 409: out of order, 403: another client's communicator token; 401: a missing or
@@ -33,17 +40,18 @@ import secrets
 import signal
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Union
 
-from swift_megatron.errors import UserError
+from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
 
 logger = get_logger(__name__)
 
-COMMUNICATOR_TIMEOUT_S = 600.0
 INT32_MAX = 2 ** 31 - 1   # vLLM's token counts are int32
+REPLICA_POLL_S = 1.0      # how often the server checks that its replicas are alive
 
 
 # ---- replica processes -----------------------------------------------------------------------
@@ -117,43 +125,50 @@ class Replica:
     def __init__(self, index: int, process, conn):
         self.index, self.process, self.conn = index, process, conn
         self.lock = threading.Lock()
-        self.failure: Optional[ReplicaError] = None
+
+    def _gone(self) -> ReplicaError:
+        return ReplicaError("ReplicaGone", f"rollout replica {self.index} exited", False)
+
+    def _send(self, name: str, kwargs: dict) -> None:
+        try:
+            self.conn.send((name, kwargs))
+        except OSError:
+            raise self._gone() from None
 
     def _reply(self):
         try:
             reply = self.conn.recv()
         except (EOFError, OSError):   # the replica process died mid-command
-            raise ReplicaError("ReplicaGone", f"rollout replica {self.index} exited", False) \
-                from None
+            raise self._gone() from None
         if reply[0] == "error":
             raise ReplicaError(*reply[1:])
         return reply[1]
 
-    def _acquire(self) -> None:
-        self.lock.acquire()
-        if self.failure is not None:
-            failure, self.failure = self.failure, None
-            self.lock.release()
-            raise failure
-
     def call(self, name: str, **kwargs):
-        self._acquire()
-        try:
-            self.conn.send((name, kwargs))
+        with self.lock:
+            self._send(name, kwargs)
             return self._reply()
-        finally:
-            self.lock.release()
 
-    def submit(self, name: str, **kwargs) -> None:
-        self._acquire()
-        self.conn.send((name, kwargs))
-        threading.Thread(target=self._await_reply, daemon=True).start()
-
-    def _await_reply(self) -> None:
+    def submit(self, name: str, on_done: Callable[[Optional[ReplicaError]], None],
+               **kwargs) -> None:
+        """Send a command and return; `on_done(error or None)` runs when its reply comes, before
+        the replica takes its next command."""
+        self.lock.acquire()
         try:
-            self._reply()
-        except ReplicaError as exc:
-            self.failure = exc
+            self._send(name, kwargs)
+        except ReplicaError:
+            self.lock.release()
+            raise
+        threading.Thread(target=self._await_reply, args=(on_done,), daemon=True).start()
+
+    def _await_reply(self, on_done) -> None:
+        try:
+            error = None
+            try:
+                self._reply()
+            except ReplicaError as exc:
+                error = exc
+            on_done(error)
         finally:
             self.lock.release()
 
@@ -247,9 +262,12 @@ class ServerState:
     vocab_size: int
     host: str
     backend: str                     # weight-sync backend: "nccl" (CUDA) or "gloo" (CPU)
-    weight_version: int = 0
+    communicator_timeout: float = 120.0   # seconds to join the communicator / per broadcast
+    weight_version: int = 0          # weight updates loaded by every replica
     client_rank: Optional[int] = None
     communicator_token: Optional[str] = None   # given to the client that opened it
+    sync_error: Optional[str] = None           # why the open communicator's last update failed
+    multi_turn: Optional["MultiTurnService"] = None   # --multi_turn_scheduler
 
     @property
     def world_size(self) -> int:
@@ -307,7 +325,17 @@ def _models():
     class CloseCommunicatorRequest(Strict):
         token: Optional[StrictStr] = None
 
-    return GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseCommunicatorRequest
+    class RolloutRequest(GenerateRequest):
+        prompts: List[List[StrictInt]] = Field(min_length=1)
+        messages: List[List[Dict[str, Any]]]
+        columns: Optional[List[Dict[str, Any]]] = None
+        row_ids: Optional[List[StrictInt]] = None
+        max_length: StrictInt = Field(ge=2, le=INT32_MAX)
+        limit_scope: Literal["per_round", "total"] = "per_round"
+        template_kwargs: Dict[str, Any] = {}
+
+    return (GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest,
+            CloseCommunicatorRequest, RolloutRequest)
 
 
 def _check_generate(request, vocab_size: int) -> None:
@@ -340,40 +368,163 @@ def _check_bucket(request) -> None:
                                  f"{len(request.shapes)})")
 
 
-def _replica_call(state: ServerState, method: str, name: str, **kwargs) -> list:
+def _replica_call(state: ServerState, method: str, *args, **kwargs) -> list:
     """Run a command on every replica (call: wait for each; submit: return at once)."""
     from fastapi import HTTPException
 
     try:
-        return [getattr(replica, method)(name, **kwargs) for replica in state.replicas]
+        return [getattr(replica, method)(*args, **kwargs) for replica in state.replicas]
     except ReplicaError as exc:
         raise HTTPException(400 if exc.bad_input else 500, str(exc)) from None
 
 
-def _generate(state: ServerState, request) -> dict:
+def _sampling(request) -> Dict[str, Any]:
+    return dict(max_tokens=request.max_tokens, temperature=request.temperature,
+                top_p=request.top_p, top_k=request.top_k,
+                repetition_penalty=request.repetition_penalty)
+
+
+def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str, Any],
+                          seeds: list, stop_token_ids: List[int], logprobs: bool) -> List[dict]:
+    """`prompts` split over the replicas, generated concurrently, in order."""
     from fastapi import HTTPException
 
-    _check_generate(request, state.vocab_size)
-    sampling = dict(max_tokens=request.max_tokens, temperature=request.temperature,
-                    top_p=request.top_p, top_k=request.top_k,
-                    repetition_penalty=request.repetition_penalty)
-    seeds = request.seeds or [None] * len(request.prompts)
-    slices = _split(len(request.prompts), len(state.replicas))
+    slices = _split(len(prompts), len(state.replicas))
     parts = [(r, s) for r, s in zip(state.replicas, slices) if s.stop > s.start]
-    with ThreadPoolExecutor(len(parts)) as pool:
-        futures = [pool.submit(replica.call, "generate", prompts=request.prompts[s],
-                               sampling=sampling, seeds=seeds[s],
-                               stop_token_ids=request.stop_token_ids, logprobs=request.logprobs)
+    with ThreadPoolExecutor(max(len(parts), 1)) as pool:
+        futures = [pool.submit(replica.call, "generate", prompts=prompts[s], sampling=sampling,
+                               seeds=seeds[s], stop_token_ids=stop_token_ids, logprobs=logprobs)
                    for replica, s in parts]
         try:
             results = [f.result() for f in futures]
         except ReplicaError as exc:
             raise HTTPException(400 if exc.bad_input else 500, str(exc)) from None
-    return {"completions": [c for part in results for c in part],
+    return [c for part in results for c in part]
+
+
+def _generate(state: ServerState, request) -> dict:
+    _check_generate(request, state.vocab_size)
+    seeds = request.seeds or [None] * len(request.prompts)
+    completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
+                                        request.stop_token_ids, request.logprobs)
+    return {"completions": completions, "weight_version": state.weight_version}
+
+
+# ---- multi-turn rollouts (--multi_turn_scheduler) ----------------------------------------------
+@dataclasses.dataclass
+class MultiTurnService:
+    """The server's scheduler, and the tokenizer that renders its messages. One rollout runs
+    at a time (schedulers and their event loop are not shared between threads)."""
+
+    name: str
+    scheduler: Any
+    tokenizer: Any
+    max_turns: Optional[int]
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class _ReplicaEngine:
+    """The RolloutEngine the multi-turn loop drives inside the server: the replicas."""
+
+    def __init__(self, state: ServerState, stop_token_ids: List[int]):
+        self.state, self.stop_token_ids = state, stop_token_ids
+        self.weight_version = state.weight_version
+
+    def generate(self, prompts, sampling, seeds=None) -> list:
+        from swift_megatron.rollout.engine import Completion
+
+        if not prompts:
+            return []
+        sampling_dict = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                             top_p=sampling.top_p, top_k=sampling.top_k,
+                             repetition_penalty=sampling.repetition_penalty)
+        out = _generate_on_replicas(self.state, [list(p) for p in prompts], sampling_dict,
+                                    list(seeds or [None] * len(prompts)), self.stop_token_ids,
+                                    True)
+        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"],
+                           self.weight_version) for c in out]
+
+
+def _rollout(state: ServerState, request) -> dict:
+    """Whole episodes with the server's scheduler (rollout/multi_turn/runner.py)."""
+    from fastapi import HTTPException
+
+    from swift_megatron.data import Prompt
+    from swift_megatron.rollout.engine import SamplingConfig
+    from swift_megatron.rollout.multi_turn import MultiTurnSettings, run_episodes
+
+    service = state.multi_turn
+    if service is None:
+        raise HTTPException(409, "this server runs no multi-turn scheduler: start it with "
+                                 "--multi_turn_scheduler, or send /generate requests")
+    _check_generate(request, state.vocab_size)
+    count = len(request.prompts)
+    columns = request.columns or [{}] * count
+    row_ids = request.row_ids or list(range(count))
+    if not len(request.messages) == len(columns) == len(row_ids) == count:
+        raise HTTPException(400, f"prompts, messages, columns and row_ids differ in length "
+                                 f"({count}, {len(request.messages)}, {len(columns)}, "
+                                 f"{len(row_ids)})")
+    prompts = [Prompt(row, "", list(ids), messages, dict(cols))
+               for row, ids, messages, cols in zip(row_ids, request.prompts, request.messages,
+                                                   columns)]
+    sampling = SamplingConfig(**_sampling(request))
+    settings = MultiTurnSettings(max_completion_length=request.max_tokens,
+                                 max_length=request.max_length, max_turns=service.max_turns,
+                                 limit_scope=request.limit_scope,
+                                 template_kwargs=dict(request.template_kwargs))
+    seeds = [s if s is not None else i for i, s in enumerate(request.seeds or [None] * count)]
+    engine = _ReplicaEngine(state, request.stop_token_ids)
+    try:
+        with service.lock:
+            trajectories = run_episodes(engine, service.tokenizer, service.scheduler, prompts,
+                                        sampling, seeds, settings)
+    except UserError as exc:
+        raise HTTPException(400, str(exc)) from None
+    return {"trajectories": [dataclasses.asdict(t) for t in trajectories],
             "weight_version": state.weight_version}
 
 
+def multi_turn_service(args, model_dir: str) -> Optional[MultiTurnService]:
+    """--multi_turn_scheduler's scheduler (plugins loaded, names checked), or None."""
+    options = args.multi_turn
+    if options.multi_turn_scheduler is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from swift_megatron.compat.ms_swift import flat_args
+    from swift_megatron.rewards import load_plugins
+    from swift_megatron.rollout.multi_turn import build_scheduler
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS
+
+    load_plugins(options.external_plugins)
+    if options.gym_env is not None:
+        GYM_ENVS.lookup(options.gym_env)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scheduler = build_scheduler(options.multi_turn_scheduler, max_turns=options.max_turns,
+                                tokenizer=tokenizer, args=flat_args(args))
+    return MultiTurnService(options.multi_turn_scheduler, scheduler, tokenizer, options.max_turns)
+
+
+def _when_all_done(count: int, then: Callable[[List[ReplicaError]], None]):
+    """An `on_done` callback for `count` replicas that calls then(errors) after the last reply."""
+    lock, errors, remaining = threading.Lock(), [], [count]
+
+    def done(error: Optional[ReplicaError]) -> None:
+        with lock:
+            if error is not None:
+                errors.append(error)
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            then(errors)
+    return done
+
+
 def _init_communicator(state: ServerState, request) -> dict:
+    """Open the weight-sync group; every replica waits for the trainer to join it for up to
+    --communicator_timeout seconds, after which the communicator is closed again (a client that
+    never joins does not hold the server)."""
     from fastapi import HTTPException
 
     if state.client_rank is not None:
@@ -381,15 +532,28 @@ def _init_communicator(state: ServerState, request) -> dict:
                                  "/close_communicator first")
     port = request.port or free_port(state.host)
     world_size = state.world_size + 1
-    for replica in state.replicas:
-        replica.submit("open_communicator", backend=state.backend, host=state.host, port=port,
-                       world_size=world_size,
-                       rank_offset=replica.index * state.tensor_parallel_size,
-                       timeout_s=COMMUNICATOR_TIMEOUT_S)
-    state.client_rank = world_size - 1
-    state.communicator_token = secrets.token_urlsafe(16)
+    token = secrets.token_urlsafe(16)
+    state.client_rank, state.communicator_token, state.sync_error = world_size - 1, token, None
+
+    def opened(errors: List[ReplicaError]) -> None:
+        if errors and state.communicator_token == token:
+            logger.warning(f"weight-sync communicator closed: the trainer did not join within "
+                           f"--communicator_timeout {state.communicator_timeout:g} s "
+                           f"({errors[0]})")
+            state.client_rank = state.communicator_token = None
+
+    done = _when_all_done(len(state.replicas), opened)
+    try:
+        for replica in state.replicas:
+            replica.submit("open_communicator", done, backend=state.backend, host=state.host,
+                           port=port, world_size=world_size,
+                           rank_offset=replica.index * state.tensor_parallel_size,
+                           timeout_s=state.communicator_timeout)
+    except ReplicaError as exc:
+        state.client_rank = state.communicator_token = None
+        raise HTTPException(500, str(exc)) from None
     return {"port": port, "world_size": world_size, "client_rank": state.client_rank,
-            "backend": state.backend, "token": state.communicator_token}
+            "backend": state.backend, "token": token}
 
 
 def _check_owner(state: ServerState, token: Optional[str]) -> None:
@@ -402,24 +566,37 @@ def _check_owner(state: ServerState, token: Optional[str]) -> None:
 
 
 def _update_weights(state: ServerState, request) -> dict:
+    """Start receiving one bucket on every replica; the weight version counts an update once
+    every replica has loaded its last bucket."""
     from fastapi import HTTPException
 
     _check_bucket(request)
     if state.client_rank is None:
         raise HTTPException(409, "no weight-sync communicator: POST /init_communicator first")
     _check_owner(state, request.token)
+    if state.sync_error is not None:
+        raise HTTPException(500, f"the previous weight bucket failed ({state.sync_error}); POST "
+                                 "/close_communicator and open a new one")
     specs = [{"name": n, "dtype": d, "shape": s}
              for n, d, s in zip(request.names, request.dtypes, request.shapes)]
-    _replica_call(state, "submit", "receive", specs=specs, src=state.client_rank, last=request.last)
-    if request.last:
-        state.weight_version += 1
+
+    def received(errors: List[ReplicaError]) -> None:
+        if errors:
+            logger.warning(f"weight update failed: {errors[0]}")
+            state.sync_error = str(errors[0])
+        elif request.last:
+            state.weight_version += 1
+
+    done = _when_all_done(len(state.replicas), received)
+    _replica_call(state, "submit", "receive", done, specs=specs, src=state.client_rank,
+                  last=request.last)
     return {"status": "ok", "weight_version": state.weight_version}
 
 
 def _close_communicator(state: ServerState, request) -> dict:
     if state.client_rank is not None:
         _check_owner(state, request.token)
-        state.client_rank = state.communicator_token = None
+        state.client_rank = state.communicator_token = state.sync_error = None
         _replica_call(state, "call", "close_communicator")
     return {"status": "ok"}
 
@@ -449,6 +626,15 @@ async def _invalid_request(request, exc):
     return JSONResponse(status_code=422, content={"detail": detail})
 
 
+async def _unexpected_error(request, exc):
+    """500 with a JSON body naming the error (Starlette's default is plain text); the traceback
+    still goes to the server's log."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=500,
+                        content={"detail": f"internal error: {type(exc).__name__}: {exc}"})
+
+
 def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bool = False):
     """The FastAPI application over the replicas (handlers are sync: they run in a thread pool,
     so /health answers while a generation is running). With `api_key`, every endpoint needs it;
@@ -456,19 +642,22 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
 
-    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest = _models()
+    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest, \
+        RolloutRequest = _models()
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
         if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
     app = FastAPI(title="swift-megatron rollout server", dependencies=auth, **docs)
     app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(Exception, _unexpected_error)
 
     @app.get("/health")
     def health():
         if not all(r.process.is_alive() for r in state.replicas):
             raise HTTPException(503, "a rollout replica process has exited")
         return {"status": "ok", "world_size": state.world_size,
-                "weight_version": state.weight_version}
+                "weight_version": state.weight_version,
+                "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None}
 
     @app.get("/get_world_size")
     def get_world_size():
@@ -477,6 +666,10 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     @app.post("/generate")
     def generate(request: GenerateRequest):
         return _generate(state, request)
+
+    @app.post("/rollout")
+    def rollout(request: RolloutRequest):
+        return _rollout(state, request)
 
     @app.post("/init_communicator")
     def init_communicator(request: InitCommunicatorRequest):
@@ -537,9 +730,21 @@ def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
 
 
+def _watch_replicas(replicas: List[Replica], server, died: List[int]) -> None:
+    """Stop the HTTP server as soon as a replica process exits (the command then exits 1)."""
+    while not server.should_exit:
+        gone = [r.index for r in replicas if not r.process.is_alive()]
+        if gone:
+            died.extend(gone)
+            server.should_exit = True
+            return
+        time.sleep(REPLICA_POLL_S)
+
+
 def serve(args) -> None:
     """Run `megatron rollout` (RolloutCommandArguments) until interrupted (SIGINT or SIGTERM:
-    the replicas and their engine processes are stopped either way)."""
+    exit 0) or until a replica process dies (exit 1); the replicas and their engine processes
+    are stopped either way."""
     try:
         import uvicorn
     except ImportError:
@@ -556,16 +761,25 @@ def serve(args) -> None:
     vllm_compat.check_model_supported(model_dir)
     settings = engine_settings(args, model_dir)
     vllm_compat.check_engine_settings(settings)
+    multi_turn = multi_turn_service(args, model_dir)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
     replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
+    died: List[int] = []
     try:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
-                            serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl")
+                            serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl",
+                            serve_args.communicator_timeout, multi_turn=multi_turn)
         logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
                     f"on http://{serve_args.host}:{serve_args.port}")
         app = build_app(state, serve_args.api_key, serve_args.enable_docs)
-        uvicorn.run(app, host=serve_args.host, port=serve_args.port,
-                    log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, host=serve_args.host, port=serve_args.port,
+                                               log_level="warning"))
+        threading.Thread(target=_watch_replicas, args=(replicas, server, died),
+                         daemon=True).start()
+        server.run()
     finally:
         _stop_all(replicas)
+    if died:
+        raise ServiceFailure(f"rollout replica {died[0]} exited (see its log above); the server "
+                             "stopped")

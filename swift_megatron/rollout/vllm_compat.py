@@ -380,7 +380,10 @@ class NcclCommunicator:
     """A NCCL group between the trainer's rank 0 and the server's workers that does not touch
     torch.distributed's global state (vLLM's StatelessProcessGroup + PyNcclCommunicator)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device,
+                 timeout_s: float = 600.0):
+        import inspect
+
         import torch
 
         import_vllm()
@@ -390,8 +393,10 @@ class NcclCommunicator:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # pynccl compares devices
             self.device = torch.device("cuda", torch.cuda.current_device())
+        timeout = {"store_timeout": int(timeout_s)} if "store_timeout" in \
+            inspect.signature(StatelessProcessGroup.create).parameters else {}
         self.group = StatelessProcessGroup.create(host=host, port=port, rank=rank,
-                                                  world_size=world_size)
+                                                  world_size=world_size, **timeout)
         self.comm = PyNcclCommunicator(self.group, device=self.device)
 
     def broadcast(self, tensor, src: int) -> None:

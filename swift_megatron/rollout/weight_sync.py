@@ -110,10 +110,26 @@ def unpack(specs: Sequence[TensorSpec], flat: torch.Tensor) -> List[NamedTensor]
 
 
 # ---- communicators ---------------------------------------------------------------------------
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent): 127.0.0.1 for a
+    loopback host, the host itself for one of this machine's own addresses."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
 class GlooCommunicator:
     """A gloo group outside torch.distributed's global state (the trainer has its own world):
     a TCPStore served by rank 0 and a ProcessGroupGloo over it. Rank 0's store listens on `host`
-    only (torch's TCPStore alone listens on every interface), as vLLM's NCCL group does."""
+    only (torch's TCPStore alone listens on every interface), as vLLM's NCCL group does, and
+    every rank's gloo connections use this machine's address towards `host` (gloo's default is
+    the address of the machine's hostname); with a wildcard host (0.0.0.0) gloo's default stays."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
         import torch.distributed as dist
@@ -129,8 +145,13 @@ class GlooCommunicator:
             listen_fd = listener.detach()
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
                                    master_listen_fd=listen_fd)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_default_device() if host in WILDCARD_HOSTS
+                             else dist.ProcessGroupGloo.create_device(
+                                 hostname=local_address_towards(host))]
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("weight_sync", self.store), rank,
-                                           world_size, timeout)
+                                           world_size, options)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.group.broadcast(tensor, src).wait()
@@ -144,7 +165,7 @@ def open_communicator(backend: str, host: str, port: int, rank: int, world_size:
                       device: torch.device, timeout_s: float = 600.0):
     """Join the weight-sync group: `backend` "nccl" (CUDA tensors on `device`) or "gloo"."""
     if backend == "nccl":
-        return vllm_compat.NcclCommunicator(host, port, rank, world_size, device)
+        return vllm_compat.NcclCommunicator(host, port, rank, world_size, device, timeout_s)
     if backend == "gloo":
         return GlooCommunicator(host, port, rank, world_size, timeout_s)
     raise ValueError(f"unknown weight-sync backend {backend!r}")

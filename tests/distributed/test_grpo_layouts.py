@@ -78,6 +78,10 @@ KEYS = ["loss/policy", "grad_norm", "reward/mean", "entropy", "rollout/completio
 EXTRA_KEYS = {"dapo": ["kl"], "grpo": ["kl"], "real": ["kl"],
               "mix": ["reward/kl", "teacher_kl", "entropy/completion_max",
                       "entropy/completion_min", "entropy/kept_fraction", "rollout_correction/ess"]}
+# Values that are exactly 0 in one process at step 1 (the reference equals the policy) may come
+# out as one float32 rounding step (2^-23, seen at TP=2 on one CPU and not on another): the
+# policy and its frozen reference are separate modules whose matmuls may round differently.
+ABS = {"reward/kl": 1e-6}
 # dapo normalises by the token count of the whole step (all DP ranks), as cispo in `mix` does:
 # mix runs under every layout, the others under DP=2.
 CASES = [("mix", "tp2"), ("mix", "pp2"), ("mix", "dp2"), ("dapo", "dp2"), ("grpo", "dp2"),
@@ -92,7 +96,8 @@ def test_layout_reproduces_single_process(setup, config, layout):
     assert len(got) == len(expected) == 2
     for mine, ref in zip(got, expected):
         for key in KEYS + EXTRA_KEYS[config]:
-            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (layout, key)
+            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=ABS.get(key, 1e-7)), \
+                (layout, key)
     kl = "reward/kl" if config == "mix" else "kl"
     assert expected[1][kl] > 0 and expected[0]["grad_norm"] > 0  # the policy really moved
 

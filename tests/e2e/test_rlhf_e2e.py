@@ -136,3 +136,34 @@ def test_user_errors_exit_2(base, tmp_path, extra, message):
     proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path, *extra, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_kill_9_leaves_no_processes_behind(base, tmp_path):
+    """A trainer killed with `kill -9` after its first checkpoint takes its helper processes
+    with it (megatron's checkpoint-writer Manager and its resource tracker included)."""
+    import time
+
+    import psutil
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               MASTER_PORT=str(free_port()))
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", *map(str, base),
+                             "--train_iters", "50", "--output_dir", str(tmp_path / "run"),
+                             "--save", str(save), "--save_interval", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while not (save / "latest_checkpointed_iteration.txt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "megatron's checkpoint writer started no process?"
+    finally:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    left = [" ".join(p.cmdline())[:120] for p in alive]
+    for survivor in alive:
+        survivor.kill()
+    assert not left, left

@@ -26,6 +26,8 @@
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 # One GPU:
+#   lora_vs_full      ours on the trl_compare setup, --train_type full then lora (same run)
+#   profile_lora      the profile phase with --train_type lora ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
@@ -79,6 +81,12 @@ phase() {
                         --work_dir /tmp/trl_varlen --variable_length ;;
         profile) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile ;;
+        profile_lora) SWIFT_MEGATRON_PROFILE=$OUT/profile_lora python3 benchmarks/trl_compare.py \
+                          --preset qwen2.5-1.5b --rollout_batches 3 --tool ours \
+                          --work_dir /tmp/profile_lora -- --train_type lora ;;
+        lora_vs_full) for mode in full lora; do python3 benchmarks/trl_compare.py \
+                          --preset qwen2.5-1.5b --rollout_batches 4 --tool ours \
+                          --work_dir /tmp/$mode -- --train_type $mode || return 1; done ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \

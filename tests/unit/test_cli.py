@@ -212,6 +212,20 @@ def test_dry_run_checks_the_model(tmp_path):
     assert no_sp.returncode == 2 and "--sequence_parallel true" in no_sp.stderr
 
 
+def test_dry_run_checks_multi_turn_names():
+    base = ["rlhf", "--dry_run", "true", "--micro_batch_size", "4", "--global_batch_size", "32",
+            "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "5"]
+    ok = cli(*base, "--gym_env", "grid_world")
+    assert ok.returncode == 0, ok.stderr
+    assert "checked rewards: gym_reward" in ok.stdout
+    assert "checked multi-turn scheduler: gym_scheduler, gym env grid_world" in ok.stdout
+    typo = cli(*base, "--gym_env", "grid_wrld")
+    assert typo.returncode == 2 and "--gym_env: unknown gym env 'grid_wrld'. Did you mean " \
+        "'grid_world'?" in typo.stderr and "Traceback" not in typo.stderr
+    no_reward = cli(*base[:-4], "--multi_turn_scheduler", "calculator")
+    assert no_reward.returncode == 2 and "--use_gym_env true" in no_reward.stderr
+
+
 # ---- launching ---------------------------------------------------------------------------------
 
 def test_torchrun_argv():

@@ -198,6 +198,12 @@ def test_base_weights_bit_identical_after_100_merged_exports(checks):
     assert checks["qwen3"]["base_untouched"] == {"exports": 100, "bit_identical": True}
 
 
+def test_lora_backward_has_no_batched_matmul(checks):
+    """megatron's frozen output layer multiplied the transposed logits' gradient through
+    torch.matmul's batched fallback (10x slower on an H100): the gradient is made contiguous."""
+    assert checks["qwen3"]["backward_ops"] == {"b2": ["aten::mm"], "b1": ["aten::mm"]}
+
+
 def test_targeting_some_projections_of_a_fused_linear(checks):
     result = checks["qwen3"]["partial"]
     assert result == {"adapted_modules": 4, "k_equal_base": True, "q_moved": True,

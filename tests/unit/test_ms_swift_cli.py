@@ -5,6 +5,7 @@ section, every unknown flag reported at once with a correct suggestion, ms-swift
 silent adjustments, its launch variables."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,9 +52,40 @@ ACCEPTED = {
     "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000, "tau_pos": 1, "tau_neg": "1.05",
     "teacher_model": "Qwen/Qwen3.5-9B", "advantage_estimator": "rloo", "teacher_kl_coef": "1.0",
 }
-OTHER_ISSUES = {"teacher_model_server": "--teacher_model", "multi_turn_scheduler": "issue 15", "use_gym_env": "issue 15",
-                "gym_env": "issue 15", "max_turns": "issue 15", "freeze_vit": "issue 12",
-                "use_ray": "torchrun, not Ray"}
+OTHER_ISSUES = {"teacher_model_server": "--teacher_model",
+                "vllm_server_pass_dataset": "every dataset column reaches",
+                "context_manager": "removed in ms-swift too", "async_generate": "issue 15",
+                "freeze_vit": "issue 12", "use_ray": "torchrun, not Ray"}
+
+
+# examples/megatron/grpo/multi_turn/frozen_lake.sh
+MULTI_TURN = ["--multi_turn_scheduler", "gym_scheduler", "--gym_env", "frozen_lake",
+              "--max_turns", 10, "--completion_length_limit_scope", "per_round"]
+
+
+def test_multi_turn_flags_of_the_frozen_lake_example():
+    args = rlhf(*MULTI_TURN, "--reward_funcs", "format", "--reward_weights", "0.2", "1.0")
+    g = args.grpo
+    assert (g.multi_turn_scheduler, g.gym_env, g.max_turns) == ("gym_scheduler", "frozen_lake", 10)
+    assert g.use_gym_env is True and g.num_reward_columns == 2   # gym_env implies use_gym_env
+    assert rlhf(*MULTI_TURN, "--use_gym_env", "false").grpo.use_gym_env is False
+    plain = rlhf().grpo
+    assert (plain.multi_turn_scheduler, plain.max_turns, plain.use_gym_env,
+            plain.completion_length_limit_scope) == (None, None, False, "per_round")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_turns", 3], "--max_turns applies to multi-turn rollouts: pass --multi_turn_scheduler"),
+    (["--gym_env", "grid_world"], "--gym_env applies to multi-turn rollouts"),
+    (["--completion_length_limit_scope", "total"], "--completion_length_limit_scope applies"),
+    (MULTI_TURN[:2] + ["--max_turns", 0], "--max_turns must be >= 1"),
+    (MULTI_TURN + ["--reward_funcs", "format", "--reward_weights", "1"],
+     "--reward_weights has 1 values but --reward_funcs and --reward_model and --use_gym_env "
+     "(gym_reward) name 2 rewards"),
+])
+def test_multi_turn_flag_errors_name_the_flags(argv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        rlhf(*argv)
 
 
 @pytest.mark.parametrize("flag", sorted(ACCEPTED))

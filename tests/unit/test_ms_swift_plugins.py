@@ -235,8 +235,9 @@ def test_lookup_of_unknown_names():
     with pytest.raises(UserError, match=r"--gym_env: unknown gym env 'frozen_lak'\. Did you mean "
                                         r"'frozen_lake'\? Registered: frozen_lake"):
         GYM_ENVS.lookup("frozen_lak")
-    with pytest.raises(UserError, match=r"--multi_turn_scheduler: .*Registered: \(none"):
-        SCHEDULERS.lookup("anything")
+    with pytest.raises(UserError, match=r"--multi_turn_scheduler: unknown multi-turn scheduler "
+                                        r"'anything'\. Registered: calculator, gym_scheduler"):
+        SCHEDULERS.lookup("anything")   # the built-ins (rollout/multi_turn/builtin.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,7 +277,8 @@ def test_scheduler_defaults_and_run_needs_multi_turn_support():
     assert asyncio.run(scheduler.on_turn_end(request, choice, 1)) == {}
     with pytest.raises(NotImplementedError, match="Tips must implement step"):
         scheduler.step(request, choice, 1)
-    with pytest.raises(UserError, match=r"Tips\.run: multi-turn rollouts are not available"):
+    with pytest.raises(UserError, match=r"Tips\.run: swift-megatron runs multi-turn rollouts "
+                                        r"itself"):
         asyncio.run(scheduler.run(request, protocol.RequestConfig()))
     with pytest.raises(TypeError, match="abstract"):
         rollout.Env({})
@@ -566,7 +568,7 @@ def test_real_ms_swift_is_used_not_shadowed(tmp_path, monkeypatch):
     assert real_orm.__file__ == str(tmp_path / "swift/rewards/orm.py")  # still imported
     assert module.ORM is real_orm.ORM and real_orm.orms["double"] is module.Double
     assert "ms_swift_builtin" not in registered_names()  # only what the plugin added
-    assert GYM_ENVS.names() == ["lake"]
+    assert GYM_ENVS.names() == ["grid_world", "lake"]   # the built-in and the plugin's
     funcs = resolve_reward_funcs(["double"], [module], RewardConfig(),
                                  init_kwargs={"args": SimpleNamespace(scale=1.5)})
     assert compute_rewards(funcs, ["a"]) == [[3.0]]
@@ -605,7 +607,8 @@ def test_ms_swift_example_plugin(math_verify_or_fallback):
     modules = load_plugins([MS_SWIFT_PLUGIN])
     assert swift_modules() == {}
     assert {"external_countdown", "external_r1v_acc", "async_genrm"} <= set(registered_names())
-    assert GYM_ENVS.names() == ["custom_env"] and SCHEDULERS.names() == ["tool_call_scheduler"]
+    assert GYM_ENVS.names() == ["custom_env", "grid_world"]
+    assert SCHEDULERS.names() == ["calculator", "gym_scheduler", "tool_call_scheduler"]
     funcs = resolve_reward_funcs(["external_countdown", "external_r1v_acc"], modules,
                                  RewardConfig(), init_kwargs={"args": SimpleNamespace()})
     countdown = compute_rewards(funcs[:1], [c[0] for c in COUNTDOWN_CASES],

@@ -12,7 +12,8 @@
   is exponential backoff;
 - the server runs with --api_key: every endpoint answers 401 without it (the client, and the
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
-- `megatron rlhf --vllm_mode server` trains against it (two processes, last);
+- `megatron rlhf --vllm_mode server` trains against it: multi-turn rollouts (the trainer runs
+  the scheduler), then two processes (last);
 - SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown).
 """
 import json
@@ -20,8 +21,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -39,20 +42,21 @@ from tests.vllm.test_colocate import EOS, PROMPTS, hf_greedy, hf_model  # noqa: 
 
 pytestmark = pytest.mark.slow
 SERVER_LOG = {}   # "path": the server's stdout + stderr
+COMMUNICATOR_TIMEOUT_S = 6
 API_KEY = "test-key-0123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(vllm_model_dir, tmp_path_factory):
+def start_server(model_dir, log_dir, replicas: int):
+    """(process, address, log file) of a `megatron rollout` subprocess that answers /health."""
     port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    SERVER_LOG["path"] = log.name
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", vllm_model_dir,
-           "--torch_dtype", "float32", "--vllm_data_parallel_size", "2", "--host", "127.0.0.1",
-           "--port", str(port), "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
-           "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs", '{"max_num_batched_tokens": 1024}',
-           "--api_key", API_KEY]
+    log = open(log_dir / "server.log", "w+")
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", model_dir,
+           "--torch_dtype", "float32", "--vllm_data_parallel_size", str(replicas), "--host",
+           "127.0.0.1", "--port", str(port), "--vllm_enforce_eager", "true",
+           "--vllm_max_model_len", "256", "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs",
+           '{"max_num_batched_tokens": 1024}', "--api_key", API_KEY,
+           "--communicator_timeout", str(COMMUNICATOR_TIMEOUT_S)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"
@@ -62,6 +66,13 @@ def server(vllm_model_dir, tmp_path_factory):
         proc.kill()
         log.seek(0)
         raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
+    return proc, address, log
+
+
+@pytest.fixture(scope="module")
+def server(vllm_model_dir, tmp_path_factory):
+    proc, address, log = start_server(vllm_model_dir, tmp_path_factory.mktemp("server"), 2)
+    SERVER_LOG["path"] = log.name
     yield address
     import psutil
 
@@ -224,6 +235,88 @@ def test_backoff_policy():
     assert backoff_delays(0) == []
 
 
+def test_a_communicator_nobody_joins_is_closed_after_the_timeout(server):
+    """/init_communicator without joining holds the replicas for --communicator_timeout only:
+    generation then goes on, no weight version is counted and a new communicator can open."""
+    health = ServerConnection(server, 30, api_key=API_KEY)
+    version = health.request("/health")["weight_version"]
+    status, opened = post(server, "/init_communicator", b"{}")
+    assert status == 200
+    started = time.monotonic()
+    generate(server, prompts=[[1, 2, 3]], max_tokens=2)   # waits for the timeout
+    assert COMMUNICATOR_TIMEOUT_S - 1 < time.monotonic() - started < COMMUNICATOR_TIMEOUT_S + 30
+    assert health.request("/health")["weight_version"] == version
+    status, again = post(server, "/init_communicator", b"{}")   # no 409: the first one closed
+    assert status == 200 and again["token"] != opened["token"]
+    status, _ = post(server, "/close_communicator", json.dumps({"token": again["token"]}).encode())
+    assert status == 200
+
+
+def test_concurrent_good_and_bad_requests(server):
+    """A bounded load test: 240 requests from 24 threads, a third of them malformed; each gets
+    its own status and the server still serves afterwards."""
+    good = json.dumps({"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 2}).encode()
+    bad = [(path, body, status) for path, body, status in MALFORMED if path == "/generate"]
+    jobs = [("/generate", good, 200) if i % 3 else bad[i % len(bad)] for i in range(200)]
+    jobs += [("/health", None, 200)] * 40
+
+    def send(job):
+        path, body, expected = job
+        status, answer = post(server, path, body)
+        return status == expected and (status != 200 or "detail" not in answer)
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(send, jobs))
+    assert all(results), f"{results.count(False)} of {len(jobs)} requests got a wrong status"
+    assert len(generate(server, prompts=[[7, 8]], max_tokens=2)["completions"]) == 1
+
+
+def test_unexpected_errors_are_json_500():
+    """A bug inside a handler answers 500 with a JSON body naming the error (not plain text)."""
+    from fastapi.testclient import TestClient
+
+    from swift_megatron.rollout.server import ServerState, build_app
+
+    class Broken:
+        index, process = 0, None
+
+        def call(self, name, **kwargs):
+            raise RuntimeError("boom")
+
+    app = build_app(ServerState([Broken()], 1, 10, "127.0.0.1", "gloo"))
+    answer = TestClient(app, raise_server_exceptions=False).post("/reset_prefix_cache")
+    assert answer.status_code == 500
+    assert answer.json() == {"detail": "internal error: RuntimeError: boom"}
+
+
+def test_grpo_server_mode_multi_turn(server, vllm_model_dir, math_dataset_path, tmp_path):
+    """Multi-turn rollouts in server mode: the trainer runs the scheduler (the demo's two-turn
+    lookup_tool) and sends each turn's token ids; the server's logprobs of the model's tokens
+    equal the trainer's over the two-turn sequences."""
+    out = tmp_path / "run"
+    host, port = server.rsplit(":", 1)
+    demo = os.path.join(REPO, "swift_megatron", "demo")
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", vllm_model_dir,
+           "--dataset", math_dataset_path, "--external_plugins", os.path.join(demo, "rewards.py"),
+           os.path.join(demo, "multi_turn.py"), "--multi_turn_scheduler", "lookup_tool",
+           "--max_turns", "2", "--reward_funcs", "contains_answer", "digit_ratio",
+           "--num_generations", "4", "--global_batch_size", "8", "--micro_batch_size", "2",
+           "--max_completion_length", "8", "--max_length", "128", "--lr", "1e-3",
+           "--train_iters", "2", "--report_to", "none", "--logging_steps", "1",
+           "--add_version", "false", "--output_dir", str(out), "--vllm_mode", "server",
+           "--vllm_server_host", host, "--vllm_server_port", port,
+           "--log_rollout_offpolicy_metrics", "true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "logging.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["multi_turn/num_turns_mean"] == 2.0 for r in rows)
+    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
+
+
 def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
     """`megatron rlhf --vllm_mode server` with two training processes: rank 0 gathers both
     ranks' requests and pushes the weights (gloo), rank 1 drains the export stream; the server's
@@ -249,3 +342,27 @@ def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
     assert ServerConnection(server, 30, api_key=API_KEY).request("/health")["weight_version"] >= 3
+
+
+def test_a_dead_replica_stops_the_server_with_exit_1(vllm_model_dir, tmp_path):
+    """When a replica process dies the server stops (exit 1, the replica named, no traceback)
+    and leaves none of its processes behind."""
+    import psutil
+
+    proc, address, log = start_server(vllm_model_dir, tmp_path, 1)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        replica = next(p for p in psutil.Process(proc.pid).children()
+                       if "spawn_main" in " ".join(p.cmdline()))
+        replica.kill()
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert code == 1, output[-3000:]
+    assert "rollout replica 0 exited" in output and "Traceback" not in output, output[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"

@@ -1,6 +1,8 @@
 """Weight-sync pieces that need no engine: bucketing of the export stream (sizes, oversized
 tensors, the `last` mark) and the flat wire format (pack/unpack round trip across dtypes, with
-aligned offsets)."""
+aligned offsets), and the CPU communicator's addresses (store and gloo connections on the
+server's host only)."""
+import pytest
 import torch
 
 from swift_megatron.rollout.weight_sync import (ALIGN, iter_buckets, layout, pack, spec_of,
@@ -43,29 +45,80 @@ def test_the_gloo_groups_store_listens_on_its_host_only():
     closed."""
     import socket
 
-    import pytest
-
     from swift_megatron.rollout.weight_sync import GlooCommunicator
     from tests.distributed.launch import free_port
 
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("192.0.2.1", 9))   # no packet is sent: this picks the outward address
-        others = [probe.getsockname()[0]]
-    except OSError:
-        others = []
-    finally:
-        probe.close()
-    others = [a for a in others if not a.startswith("127.")]
+    other = outward_address()
     port = free_port()
     comm = GlooCommunicator("127.0.0.1", port, 0, 1, timeout_s=10)
     try:
         comm.broadcast(torch.ones(2), 0)   # a group of one works
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
-        if not others:
+        if other is None:
             pytest.skip("this machine has no non-loopback IPv4 address to probe from")
         with pytest.raises(OSError):
-            socket.create_connection((others[0], port), timeout=5).close()
+            socket.create_connection((other, port), timeout=5).close()
     finally:
         comm.close()
+
+
+def outward_address():
+    """This machine's non-loopback IPv4 address, or None."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))   # no packet is sent: this picks the outward address
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("where", ["loopback", "outward"])
+def test_the_gloo_groups_connections_use_the_hosts_address(where):
+    """A two-rank weight-sync group on `host` opens its gloo listeners on that address only
+    (gloo's default is the address of the machine's hostname). Both a loopback and an outward
+    host are tried: whichever the hostname resolves to, the other one tells the difference."""
+    import threading
+
+    import psutil
+
+    from swift_megatron.rollout.weight_sync import GlooCommunicator
+    from tests.distributed.launch import free_port
+
+    host = "127.0.0.1" if where == "loopback" else outward_address()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+
+    def listening():
+        return {c.laddr for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN}
+
+    before, port, comms = listening(), free_port(), [None, None]
+
+    def join(rank):
+        comms[rank] = GlooCommunicator(host, port, rank, 2, timeout_s=30)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        new = listening() - before
+        assert new and {address.ip for address in new} == {host}, new
+        tensors = [torch.arange(4.0), torch.zeros(4)]
+        threads = [threading.Thread(target=comms[r].broadcast, args=(tensors[r], 0))
+                   for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert torch.equal(tensors[1], torch.arange(4.0))
+    finally:
+        for comm in comms:
+            comm.close()

@@ -4,8 +4,9 @@ rollout schedulers (`swift.rollout.multi_turn.RolloutScheduler`, `MultiTurnSched
 Plugins subclass them and register with `envs["name"] = MyEnv` / `multi_turns["name"] =
 MyScheduler`; the classes land in swift_megatron/rollout/plugin_registry.py. The hooks a subclass
 overrides (`reset`/`step`/`close`, `step`/`check_finished`, `on_trajectory_start`/`on_turn_end`)
-keep ms-swift's signatures and defaults. Driving a conversation needs an inference engine:
-`run` raises a UserError until swift-megatron runs multi-turn rollouts itself.
+keep ms-swift's signatures and defaults. swift-megatron's rollout loop drives those hooks
+(compat/ms_swift/scheduler.py); `run`, ms-swift's own loop over an inference engine, is not
+used and raises a UserError.
 """
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Optional, Tuple
@@ -68,8 +69,9 @@ class RolloutScheduler(ABC):
 
     async def run(self, infer_request: RolloutInferRequest, request_config: RequestConfig,
                   **kwargs) -> RolloutOutput:
-        raise UserError(f"{type(self).__name__}.run: multi-turn rollouts are not available in "
-                        f"swift-megatron yet; scheduler plugins load, but cannot run")
+        raise UserError(f"{type(self).__name__}.run: swift-megatron runs multi-turn rollouts "
+                        f"itself and calls the scheduler's hooks (on_trajectory_start, "
+                        f"on_turn_end, check_finished, step), not run()")
 
 
 class MultiTurnScheduler(RolloutScheduler, ABC):

@@ -3,7 +3,9 @@
 A Sample is one completion with everything the loss needs. `collate` turns a list of samples
 into one micro-batch: the model reads (prompt + completion)[:-1] and predicts `targets` =
 (prompt + completion)[1:]; `completion_mask` marks the target positions that are completion
-tokens. The loss-side tensors are [B, S] (B samples, S = longest prompt + completion - 1).
+tokens the model generated (multi-turn: a sample's `loss_mask` leaves out the tool and
+environment tokens between its turns). The loss-side tensors are [B, S] (B samples, S =
+longest prompt + completion - 1).
 
 What the model reads, two layouts:
 - padded: `tokens` / `position_ids` [B, S'] right-padded (S' = S rounded up to
@@ -38,6 +40,9 @@ class Sample:
     advantage: float = 0.0
     weight_version: int = 0
     completion_text: str = ""
+    loss_mask: Optional[List[int]] = None   # multi-turn: 1 on the model's tokens, 0 on the
+    #                                         scheduler's (tool/environment) tokens
+    rollout_infos: Optional[Dict] = None    # multi-turn: the trajectory's metadata
 
     @property
     def truncated(self) -> bool:
@@ -66,6 +71,8 @@ def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
         tokens[row, :n], targets[row, :n] = sequence[:-1], sequence[1:]
         keep = not (overlong_filter and sample.truncated)
         mask[row, start:n] = float(keep)
+        if sample.loss_mask is not None:
+            mask[row, start:n] *= torch.tensor(sample.loss_mask, dtype=torch.float32)
         if sample.rollout_logprobs is not None:
             rollout[row, start:n] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
     micro = dict(

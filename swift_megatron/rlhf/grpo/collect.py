@@ -7,6 +7,10 @@ their share (each completion scored exactly once), and all-gather the scored sam
 rank of the replica holds the same list in the same canonical order (prompt, then sample).
 Advantages need every DP rank's rewards (batch std, global metrics): one all_gather of a small
 tensor, keyed by group id, so nothing depends on rank order.
+
+With a multi-turn scheduler (--multi_turn_scheduler, or the rollout servers') each request is a
+whole conversation (rollout/multi_turn): the sample holds every token after the prompt with a
+loss mask, rewards score the model's last answer, and multi_turn/ metrics are gathered.
 """
 import dataclasses
 import math
@@ -22,6 +26,8 @@ from swift_megatron.rlhf.grpo.advantages import compute_advantages
 from swift_megatron.rlhf.grpo.batch import Sample
 from swift_megatron.rlhf.grpo.filtering import zero_std_prompt_ids
 from swift_megatron.rollout.engine import RolloutEngine, SamplingConfig
+from swift_megatron.rollout.multi_turn import (MultiTurnScheduler, MultiTurnSettings, Trajectory,
+                                               multi_turn_metrics, run_episodes)
 
 logger = get_logger(__name__)
 
@@ -37,6 +43,7 @@ class CollectSettings:
     max_resample_times: int
     advantage_estimator: str = "grpo"
     kl_beta: float = 0.0          # --kl_in_reward: rewards minus kl_beta x completion KL
+    multi_turn: Optional[MultiTurnSettings] = None   # with a scheduler: the turn budget
 
 
 @dataclasses.dataclass
@@ -52,10 +59,18 @@ class TrainerState:
 class RolloutCollector:
     def __init__(self, engine: RolloutEngine, reward_funcs: Sequence[Tuple[str, Callable]],
                  tokenizer, settings: CollectSettings, mp_group, dp_group,
-                 resample_source: Callable[[int], List[Prompt]], device: torch.device):
+                 resample_source: Callable[[int], List[Prompt]], device: torch.device,
+                 scheduler: Optional[MultiTurnScheduler] = None):
         self.engine, self.reward_funcs, self.tokenizer = engine, list(reward_funcs), tokenizer
         self.settings, self.mp_group, self.dp_group = settings, mp_group, dp_group
         self.resample_source, self.device = resample_source, device
+        self.scheduler = scheduler
+        # multi-turn: our scheduler, or the rollout servers' (server mode, `megatron rollout
+        # --multi_turn_scheduler`)
+        self.server_scheduler = getattr(engine, "server_scheduler", None)
+        self.multi_turn = scheduler is not None or self.server_scheduler is not None
+        if self.multi_turn and settings.multi_turn is None:
+            raise ValueError("multi-turn rollouts need CollectSettings.multi_turn")
         self.trainer_state = TrainerState()
 
     # ---- generation and scoring, shared by the ranks of one model replica ----------------
@@ -74,30 +89,50 @@ class RolloutCollector:
         requests = [(i, k) for i in range(len(prompts)) for k in range(g)]
         mine = requests[self._share(len(requests))]
         seeds = [_request_seed(seed, group_ids[i], k) for i, k in mine]
-        completions = self.engine.generate([prompts[i].input_ids for i, _ in mine],
-                                           self.settings.sampling, seeds)
+        completions = self._generate([prompts[i] for i, _ in mine], seeds)
         local = self._score([prompts[i] for i, _ in mine], [group_ids[i] for i, _ in mine],
                             completions)
         parts: List[List[Sample]] = [None] * dist.get_world_size(self.mp_group)
         dist.all_gather_object(parts, local, group=self.mp_group)
         return [s for part in parts for s in part]
 
+    def _generate(self, prompts: List[Prompt], seeds: List[int]) -> list:
+        """One completion per prompt: a single engine call, or with a scheduler one multi-turn
+        Trajectory each (every rank runs the same number of turns: the engines are
+        collective), or the servers' trajectories."""
+        if self.server_scheduler is not None:
+            return self.engine.rollout(prompts, self.settings.sampling, seeds,
+                                       self.settings.multi_turn)
+        if self.scheduler is None:
+            return self.engine.generate([p.input_ids for p in prompts], self.settings.sampling,
+                                        seeds)
+        return run_episodes(self.engine, self.tokenizer, self.scheduler, prompts,
+                            self.settings.sampling, seeds, self.settings.multi_turn,
+                            keep_going=lambda active: self._reduce(active, dist.ReduceOp.MAX) > 0)
+
     def _score(self, prompts: List[Prompt], group_ids: List[int], completions) -> List[Sample]:
         if not prompts:
             return []
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions],
                                             skip_special_tokens=True)
-        per_func = compute_rewards(self.reward_funcs, texts, **reward_columns(
-            prompts, group_ids, completions, texts, self.trainer_state))
+        # multi-turn: rewards score the model's last answer (ms-swift), the log shows everything
+        answers = [c.last_answer if isinstance(c, Trajectory) else text
+                   for c, text in zip(completions, texts)]
+        per_func = compute_rewards(self.reward_funcs, answers, **reward_columns(
+            prompts, group_ids, completions, answers, self.trainer_state))
         samples = []
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             rewards = [values[row] for values in per_func]
+            multi = isinstance(completion, Trajectory)
             samples.append(Sample(
-                group_id=group_ids[row], prompt_id=prompt.prompt_id, prompt_ids=list(prompt.input_ids),
+                group_id=group_ids[row], prompt_id=prompt.prompt_id,
+                prompt_ids=list(completion.prompt_ids if multi else prompt.input_ids),
                 completion_ids=completion.token_ids, rollout_logprobs=completion.logprobs,
                 finish_reason=completion.finish_reason, rewards=rewards,
                 reward=_weighted(rewards, self.settings.reward_weights),
-                weight_version=completion.weight_version, completion_text=texts[row]))
+                weight_version=completion.weight_version, completion_text=texts[row],
+                loss_mask=completion.loss_mask if multi else None,
+                rollout_infos=completion.rollout_infos if multi else None))
         return samples
 
     # ---- dynamic sampling (DAPO) ---------------------------------------------------------
@@ -155,7 +190,17 @@ class RolloutCollector:
                                "kept them")
         metrics = {"rollout/unresolved_zero_std_groups":
                    float(self._reduce(unresolved, dist.ReduceOp.SUM, self.dp_group))}
+        if self.multi_turn:
+            metrics.update(self._multi_turn_metrics(samples))
         return samples, metrics
+
+    def _multi_turn_metrics(self, samples: List[Sample]) -> Dict[str, float]:
+        """multi_turn/ metrics over every DP rank's trajectories."""
+        mine = [(s.rollout_infos, s.loss_mask.count(0), s.loss_mask.count(1)) for s in samples]
+        parts: List[list] = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(parts, mine, group=self.dp_group)
+        rows = [row for part in parts for row in part]
+        return multi_turn_metrics([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
     def _reduce(self, value: int, op, group=None) -> int:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
@@ -168,17 +213,24 @@ def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completi
     """The keyword arguments of the reward functions, one list entry per completion: ms-swift's
     names (messages: the prompt's chat turns plus the completion as the last assistant turn,
     prompt_id: the group id shared by one prompt's completions, finish_reason, is_truncated,
-    response_token_ids: the token ids per turn, here one turn, and trainer_state, one object for
-    the batch), then the dataset columns, which win over ms-swift's names as in ms-swift, then
-    our names (prompts, completion_ids, truncated), which datasets may not use
+    response_token_ids: the model's token ids per turn, and trainer_state, one object for
+    the batch; multi-turn trajectories: messages is the whole conversation, and rollout_infos
+    the scheduler's metadata with num_turns, step_rewards and total_reward), then the dataset
+    columns, which win over ms-swift's names as in ms-swift, then our names (prompts, completion_ids, truncated), which datasets may not use
     (data/prompts.py RESERVED_COLUMNS)."""
     truncated = [c.truncated for c in completions]
+    multi = bool(completions) and all(isinstance(c, Trajectory) for c in completions)
     ms_swift = dict(
-        messages=[[dict(m) for m in p.messages] + [{"role": "assistant", "content": text}]
-                  for p, text in zip(prompts, texts)],
+        messages=[[dict(m) for m in c.messages] if multi else
+                  [dict(m) for m in p.messages] + [{"role": "assistant", "content": text}]
+                  for p, c, text in zip(prompts, completions, texts)],
         prompt_id=list(group_ids), finish_reason=[c.finish_reason for c in completions],
-        is_truncated=list(truncated), response_token_ids=[[list(c.token_ids)] for c in completions],
+        is_truncated=list(truncated),
+        response_token_ids=[[list(t) for t in c.turn_token_ids] if multi else [list(c.token_ids)]
+                            for c in completions],
         trainer_state=trainer_state)
+    if multi:
+        ms_swift["rollout_infos"] = [dict(c.rollout_infos) for c in completions]
     columns = {key: [p.columns.get(key) for p in prompts] for key in prompts[0].columns}
     ours = dict(prompts=[p.text for p in prompts], truncated=truncated,
                 completion_ids=[c.token_ids for c in completions])

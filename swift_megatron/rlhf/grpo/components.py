@@ -301,8 +301,27 @@ def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,
 def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok):
     """The rollout engine the flags ask for: embedded, vLLM colocate or vLLM servers."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
-                        eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad)
+    eng = build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
+                       eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad)
+    try:
+        check_multi_turn_sources(args, getattr(eng, "server_scheduler", None))
+    except UserError:
+        eng.close()   # a server must not keep this trainer's weight-sync communicator
+        raise
+    return eng
+
+
+def check_multi_turn_sources(args: RlhfArguments, server_scheduler: Optional[str]) -> None:
+    """One multi-turn scheduler at most: ours (--multi_turn_scheduler) or the rollout
+    servers' (`server_scheduler`); --use_gym_env needs one of them."""
+    g = args.grpo
+    if server_scheduler is not None and g.multi_turn_scheduler is not None:
+        raise UserError(f"the rollout servers run the multi-turn scheduler {server_scheduler} "
+                        f"(megatron rollout --multi_turn_scheduler): drop --multi_turn_scheduler "
+                        f"{g.multi_turn_scheduler} here, or start the servers without one")
+    if g.use_gym_env and g.multi_turn_scheduler is None and server_scheduler is None:
+        raise UserError("--use_gym_env true: the rollout servers run no multi-turn scheduler "
+                        "(start them with --multi_turn_scheduler gym_scheduler --gym_env ...)")
 
 
 def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference) -> list:
@@ -327,13 +346,44 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     plugins = load_plugins(g.external_plugins)
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []
-    return funcs + reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
-                                      use_hf=args.model.use_hf)
+    funcs += reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
+                                use_hf=args.model.use_hf)
+    if g.use_gym_env:
+        from swift_megatron.rollout.multi_turn.gym import gym_reward
+
+        funcs.append(("gym_reward", gym_reward))
+    return funcs
+
+
+def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict, server_scheduler=None):
+    """--multi_turn_scheduler (None without one) and the turn budget (also for the rollout
+    servers' scheduler, `server_scheduler`). Call after the plugins are loaded (rewards()):
+    they may register schedulers and environments."""
+    g = args.grpo
+    from swift_megatron.rollout import multi_turn
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS
+
+    if g.gym_env is not None:
+        GYM_ENVS.lookup(g.gym_env)   # a typo fails here, not at the first rollout
+    d = args.data
+    kwargs = {} if d.enable_thinking is None else {"enable_thinking": d.enable_thinking}
+    settings = multi_turn.MultiTurnSettings(
+        max_completion_length=g.max_completion_length,
+        max_length=d.max_length or hf_config.get("max_position_embeddings") or 2**31 - 1,
+        max_turns=g.max_turns, limit_scope=g.completion_length_limit_scope,
+        template_kwargs=kwargs)
+    if g.multi_turn_scheduler is None:
+        return None, settings
+    return multi_turn.build_scheduler(g.multi_turn_scheduler, max_turns=g.max_turns,
+                                      tokenizer=tok, args=flat_args(args)), settings
 
 
 def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
-              fresh: Callable[[int], List[Prompt]]) -> RolloutCollector:
+              fresh: Callable[[int], List[Prompt]], hf_config: Optional[dict] = None
+              ) -> RolloutCollector:
     g = args.grpo
+    multi_turn, turn_settings = multi_turn_scheduler(
+        args, tok, hf_config or {}, getattr(eng, "server_scheduler", None))
     sampling = SamplingConfig(max_tokens=g.max_completion_length, temperature=g.temperature,
                               top_p=g.top_p, top_k=g.top_k, repetition_penalty=g.repetition_penalty)
     settings = CollectSettings(
@@ -342,9 +392,9 @@ def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
         reward_weights=g.reward_weights or [1.0] * len(reward_funcs),
         scale_rewards=g.scale_rewards, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, advantage_estimator=g.advantage_estimator,
-        kl_beta=g.beta if g.kl_in_reward else 0.0)
+        kl_beta=g.beta if g.kl_in_reward else 0.0, multi_turn=turn_settings)
     return RolloutCollector(eng, reward_funcs, tok, settings, state.mp_group, state.dp_group,
-                            fresh, state.device)
+                            fresh, state.device, scheduler=multi_turn)
 
 
 def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:

@@ -73,7 +73,7 @@ class GRPOTrainer:
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
         self.reward_funcs = build.rewards(args, self.state.device)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
-                                         self.reward_funcs, fresh)
+                                         self.reward_funcs, fresh, hf_config)
         self.collector.trainer_state.max_steps = self.train_iters
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
@@ -332,10 +332,14 @@ class GRPOTrainer:
             return
         prompt_text = {p.prompt_id: p.text for p in self.train_prompts}
         self.completions_log.log(self.step, [
-            dict(prompt_id=s.prompt_id, prompt=prompt_text.get(s.prompt_id, ""),
+            dict(prompt_id=s.prompt_id,
+                 # multi-turn: the prompt the episode started from (a scheduler may set its own)
+                 prompt=prompt_text.get(s.prompt_id, "") if s.rollout_infos is None
+                 else self.tokenizer.decode(s.prompt_ids),
                  completion=s.completion_text, reward=s.reward,
                  rewards=dict(zip([n for n, _ in self.reward_funcs], s.rewards)),
-                 advantage=s.advantage, length=len(s.completion_ids), truncated=s.truncated)
+                 advantage=s.advantage, length=len(s.completion_ids), truncated=s.truncated,
+                 **({} if s.rollout_infos is None else {"rollout_infos": s.rollout_infos}))
             for s in samples])
 
     # ---- checkpoints -----------------------------------------------------------------------

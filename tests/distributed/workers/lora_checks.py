@@ -17,6 +17,7 @@ Checks (every model in float32; B random and nonzero unless said otherwise):
     base_untouched  (qwen3) base weights bit-identical after 100 merged exports
     partial         (qwen3) targets q_proj + v_proj only
     errors          (qwen3, qwen3_moe) the UserError messages of bad adapters
+    backward_ops    (qwen3) the matmul operators of a forward + backward (no batched matmul)
 """
 import argparse
 import json
@@ -274,6 +275,24 @@ def check_partial(hf_dir, state, out_dir):
             "q_moved": bool((q != q0).any()), "v_moved": bool((v != v0).any()), "targets": targets}
 
 
+def check_backward_ops(loaded):
+    """The matmuls of a LoRA forward + backward on a padded batch (b = 2) and on one row (b = 1,
+    as packed sequences are): the logits' gradient reaches the frozen output layer with row-major
+    strides, so no batched matmul (`aten::bmm`) runs."""
+    import torch
+    from torch.profiler import profile
+
+    ops = {}
+    for rows in (2, 1):
+        tokens = torch.randint(0, 100, (rows, 16), generator=torch.Generator().manual_seed(0))
+        with profile() as prof:
+            logits = loaded.model(tokens, torch.arange(16).expand(rows, 16), None)
+            logits.float().square().mean().backward()
+        loaded.model.zero_grad()
+        ops[f"b{rows}"] = sorted({e.key for e in prof.key_averages()} & {"aten::bmm", "aten::mm"})
+    return ops
+
+
 def _user_error(fn):
     from swift_megatron.errors import UserError
 
@@ -368,6 +387,7 @@ def run_family(family, root, out, state):
                                                       os.path.join(work, "peft"), peft_targets)
     if family == "qwen3":
         result["base_untouched"] = check_base_untouched(loaded)
+        result["backward_ops"] = check_backward_ops(loaded)
         result["partial"] = check_partial(hf_dir, state, os.path.join(work, "partial"))
         result["errors"] = check_errors(hf_dir, state, adapter_dir, work)
     if not dense:
