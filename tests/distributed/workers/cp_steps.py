@@ -21,9 +21,9 @@ from swift_megatron.bridge.position import RankPosition
 from swift_megatron.model.build import build_chunks
 from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.parallel.state import ParallelState
+from swift_megatron.rlhf.grpo.batch import fixed_length, split_micro_batches
 from swift_megatron.rlhf.grpo.objective import (LossSettings, StepConstants, collect_logprobs,
                                                 grpo_loss)
-from swift_megatron.rlhf.grpo.batch import fixed_length, split_micro_batches
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
                                            wrap_ddp)
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
@@ -32,7 +32,9 @@ from tests.distributed.workers.packed_vs_padded import DENSE, MOE, samples
 
 
 def fill_weights(chunk, num_layers: int) -> None:
-    """Weights from the parameter's global name only: the same in every layout (TP = 1)."""
+    """Weights from the parameter's global name only: the same in every layout (TP = 1; the
+    models' embeddings are untied, else the last stage's output layer would get a fill of its
+    own)."""
     pos = RankPosition.current(num_layers).for_chunk(chunk)
     for name, param in chunk.named_parameters():
         gen = torch.Generator().manual_seed(zlib.crc32(pos.to_global(name).encode()))
