@@ -124,7 +124,8 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_model_family(hf_config, args.model.model_type, model_files)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                     p.expert_model_parallel_size, p.expert_tensor_parallel_size)
+                     p.expert_model_parallel_size, p.expert_tensor_parallel_size,
+                     vpp=p.virtual_pipeline_model_parallel_size or 1)
         if experts and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
             raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
                             "--sequence_parallel true (megatron-core refuses to train MoE with "
@@ -191,7 +192,8 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
     return RunShape(
         dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16",
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-        ep=p.expert_model_parallel_size, dp=plan.dp_size, sequence_parallel=p.sequence_parallel,
+        ep=p.expert_model_parallel_size, dp=plan.dp_size, cp=p.context_parallel_size,
+        sequence_parallel=p.sequence_parallel,
         lora=t.train_type == "lora", lora_rank=args.lora.lora_rank,
         reference_copy=g.beta > 0 and (t.train_type != "lora" or bool(g.ref_model)),
         distributed_optimizer=p.use_distributed_optimizer,

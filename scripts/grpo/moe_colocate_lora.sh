@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # ms-swift's examples/megatron/grpo/moe_colocate_lora.sh: LoRA GRPO of Qwen3-30B-A3B on one node
-# with 8 GPUs, TP 2 x EP 4 x PP 2, sequence parallelism (a MoE model with TP needs it), vLLM in
-# colocate mode with TP 4. ms-swift's version adds context parallelism 2 (issue 16); without it
-# dp_size is 2 instead of 1 and every batch rule still holds.
+# with 8 GPUs, TP 2 x EP 4 x PP 2 x CP 2, sequence parallelism (a MoE model with TP needs it),
+# vLLM in colocate mode with TP 4. Context parallelism splits each sequence over 2 GPUs
+# (megatron's load-balanced layout; docs/rlhf.md, Parallelism).
 #
 #   bash scripts/grpo/moe_colocate_lora.sh [extra megatron rlhf flags]
 #
 # Batch arithmetic (completion level), world 8:
-#   dp_size = 8 / (TP 2 x PP 2 x CP 1) = 2
-#   global_batch_size 64 = micro_batch_size 2 x dp 2 x 16 accumulation steps
+#   dp_size = 8 / (TP 2 x PP 2 x CP 2) = 1
+#   global_batch_size 64 = micro_batch_size 2 x dp 1 x 32 accumulation steps
 #   steps_per_generation 2 -> generation_batch_size = 64 x 2 = 128 completions
-#   = 16 prompts x num_generations 8; each DP group gets 16 / 2 = 8 prompts (a multiple of
+#   = 16 prompts x num_generations 8; the one DP group gets all 16 prompts (a multiple of
 #   micro_batch_size 2); every vLLM TP-4 group generates the 64 completions of its 4 processes.
 set -euo pipefail
 MODEL=${MODEL:-Qwen/Qwen3-30B-A3B-Instruct-2507}
@@ -23,7 +23,7 @@ megatron rlhf \
     --model "$MODEL" \
     --save_safetensors true \
     --merge_lora false \
-    --context_parallel_size 1 \
+    --context_parallel_size 2 \
     --tensor_model_parallel_size 2 \
     --expert_model_parallel_size 4 \
     --pipeline_model_parallel_size 2 \

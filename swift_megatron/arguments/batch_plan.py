@@ -13,6 +13,8 @@ The accepted set is ms-swift's Megatron GRPO (so its example scripts port unchan
   generation_batch_size % world_size == 0 (equal generation share per rank)   (f)
   colocate: world_size % vllm_tensor_parallel_size == 0                       (g)
   num_experts % expert_model_parallel_size == 0 (once the model is read)     (h)
+  interleaved pipeline (VPP > 1): grad_accum_steps % PP == 0 (megatron's
+      schedule runs the micro-batches in groups of PP)                        (i)
 
 Rule (e) is stated on global_batch_size in the seed docs; ms-swift's code and example scripts
 apply it to the rollout batch, and so do we (docs/rlhf.md explains).
@@ -40,6 +42,7 @@ class BatchInputs:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1
     colocate_vllm: bool = False
     vllm_tensor_parallel_size: int = 1
     num_experts: Optional[int] = None
@@ -246,7 +249,20 @@ RULE_H = Rule(
                f"expert_model_parallel_size="
                f"{_or(e for e in range(1, i.num_experts + 1) if i.num_experts % e == 0)}"))
 
-_RULES = (RULE_A, RULE_B, RULE_C, RULE_D, RULE_E, RULE_F, RULE_G, RULE_H)
+def _accum(i: BatchInputs) -> int:
+    return i.global_batch_size // (i.micro_batch_size * _dp(i))
+
+
+RULE_I = Rule(
+    lambda i: i.virtual_pipeline_model_parallel_size == 1
+    or _accum(i) % i.pipeline_model_parallel_size == 0,
+    lambda i: (f"virtual_pipeline_model_parallel_size={i.virtual_pipeline_model_parallel_size}: "
+               f"the interleaved schedule runs micro-batches in groups of "
+               f"pipeline_model_parallel_size={i.pipeline_model_parallel_size}, but "
+               f"grad_accum_steps = global_batch_size / (micro_batch_size x dp_size) = "
+               f"{_accum(i)}: {_use(i, 'global_batch_size', RULE_I)}"))
+
+_RULES = (RULE_A, RULE_B, RULE_C, RULE_D, RULE_E, RULE_F, RULE_G, RULE_H, RULE_I)
 
 
 # ---- rules of particular loss types --------------------------------------------------------

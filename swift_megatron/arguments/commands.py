@@ -46,6 +46,7 @@ class RlhfArguments:
             self.training.lr = 1e-4 if self.training.train_type == "lora" else 1e-5
         check_lr_bounds(self.training)
         self._check_optimizer_flags()
+        self._check_virtual_pipeline()
         t = self.training
         if self.model.model is None and not (t.dry_run or t.mcore_model or t.mcore_adapter
                                              or t.load):
@@ -60,6 +61,25 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
 
+
+    def _check_virtual_pipeline(self) -> None:
+        """What the interleaved schedule (--virtual_pipeline_model_parallel_size) needs: PP > 1
+        (megatron's rule), a fixed number of micro-batches, and one model chunk per stage for
+        LoRA (its adapters and their files are per chunk: not implemented)."""
+        p = self.parallel
+        if not p.virtual_pipeline_model_parallel_size:
+            return
+        if p.pipeline_model_parallel_size == 1:
+            raise UserError("--virtual_pipeline_model_parallel_size needs "
+                            "--pipeline_model_parallel_size > 1 (it interleaves model chunks "
+                            "over the pipeline stages)")
+        if self.training.train_type == "lora":
+            raise UserError("--train_type lora with --virtual_pipeline_model_parallel_size is not "
+                            "supported yet; drop --virtual_pipeline_model_parallel_size")
+        if self.batch.max_tokens_per_micro_batch is not None:
+            raise UserError("--max_tokens_per_micro_batch varies the number of micro-batches, "
+                            "which --virtual_pipeline_model_parallel_size needs to be a multiple "
+                            "of --pipeline_model_parallel_size: use --micro_batch_size")
 
     def _check_optimizer_flags(self) -> None:
         """Combinations megatron-core 0.16.1's optimizer cannot run (training/optim.py checks
@@ -94,6 +114,11 @@ class ExportCommandArguments:
         return self.lora.adapters[0] if self.lora.adapters else self.export.mcore_adapter
 
     def __post_init__(self):
+        p = self.parallel
+        if p.context_parallel_size > 1 or p.virtual_pipeline_model_parallel_size:
+            raise UserError("megatron export loads the model in a TP/PP/EP layout only: drop "
+                            "--context_parallel_size and --virtual_pipeline_model_parallel_size "
+                            "(a conversion needs neither; its output loads in any layout)")
         e = self.export
         if e.to_hf and e.to_mcore:
             raise UserError("choose one of --to_hf true and --to_mcore true")
@@ -168,6 +193,8 @@ def batch_inputs(args: RlhfArguments, world_size: int, num_experts: Optional[int
         generation_batch_size=g.generation_batch_size, steps_per_generation=g.steps_per_generation,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size, colocate_vllm=colocate_vllm,
+        context_parallel_size=p.context_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size or 1,
+        colocate_vllm=colocate_vllm,
         vllm_tensor_parallel_size=args.vllm.vllm_tensor_parallel_size, num_experts=num_experts,
         expert_model_parallel_size=p.expert_model_parallel_size)

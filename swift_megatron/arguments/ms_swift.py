@@ -14,7 +14,6 @@ _MULTIMODAL = "vision-language models are not supported yet (issue 12: multimoda
 _SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
                      "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
                      "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")
-_CP_VPP = "not supported yet (issue 16: context parallelism and the interleaved pipeline)"
 _TE = "needs Transformer Engine, which swift-megatron does not use"
 
 NOT_SUPPORTED: Dict[str, str] = {
@@ -35,8 +34,15 @@ NOT_SUPPORTED: Dict[str, str] = {
                        "--multi_turn_scheduler (docs/multi_turn.md)",
     "async_generate": "asynchronous generation is not supported yet (issue 15)",
     # parallelism
-    **{name: _CP_VPP for name in ("cp_comm_type", "microbatch_group_size_per_vp_stage",
-                                 "pipeline_model_parallel_layout")},
+    "cp_comm_type": "context parallelism has one implementation, all-gather of keys and values "
+                    "in our SDPA attention (Transformer Engine's p2p / a2a variants are not "
+                    "used): drop the flag",
+    "microbatch_group_size_per_vp_stage": "the interleaved pipeline runs micro-batches in "
+                                          "groups of --pipeline_model_parallel_size (megatron's "
+                                          "default): drop the flag",
+    "pipeline_model_parallel_layout": "layers split evenly: PP x "
+                                      "--virtual_pipeline_model_parallel_size chunks of equal "
+                                      "size; an uneven layout is not supported",
     # not planned
     "use_ray": "swift-megatron launches with torchrun, not Ray: pass the flags of the `train:` and "
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "

@@ -15,11 +15,12 @@ class ParallelArguments:
     pipeline_model_parallel_size: int = arg(1, "Pipeline-parallel degree (PP): the layers are "
                                             "split into this many stages.")
     virtual_pipeline_model_parallel_size: Optional[int] = arg(
-        None, "Interleaved pipeline: model chunks per pipeline stage.",
-        not_yet="the interleaved (virtual) pipeline schedule is not implemented")
+        None, "Interleaved pipeline (1F1B): model chunks per pipeline stage (needs PP > 1; "
+        "PP x it must divide the layers, and the micro-batches per step be a multiple of PP).")
     context_parallel_size: int = arg(1, "Context-parallel degree (CP): each sequence is split "
-                                     "across this many GPUs.",
-                                     not_yet="context parallelism needs a CP-aware attention")
+                                     "across this many GPUs (megatron's load-balanced layout: "
+                                     "2 x CP chunks, every sequence padded to a multiple of "
+                                     "2 x CP).")
     expert_model_parallel_size: int = arg(1, "Expert-parallel degree (EP) for MoE models.")
     expert_tensor_parallel_size: int = arg(1, "Tensor-parallel degree inside each expert (ETP). "
                                            "With --expert_model_parallel_size 1 it is set to the "
@@ -47,6 +48,11 @@ class ParallelArguments:
                      "expert_tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp < 1:
+            raise UserError(f"--virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
+        if vpp == 1:
+            self.virtual_pipeline_model_parallel_size = None
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             self.adjustments = ["--sequence_parallel true needs --tensor_model_parallel_size > 1: "
                                 "turned off (as ms-swift does)"]

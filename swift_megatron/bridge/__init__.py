@@ -5,6 +5,7 @@ rank's place in the TP/PP/EP grid and offers:
 - `load(model, hf_dir)`: stream HF safetensors into the sharded model (each rank reads its slices);
 - `export(model)`: yield (hf_name, full tensor) on every rank, one tensor at a time: the single
   path for `megatron export --to_hf`, weight sync to rollout engines and LoRA merge;
+`model` is this stage's model, or the list of its model chunks (the interleaved schedule);
 - `save_hf(model, out_dir, source_dir)`: write a loadable HF checkpoint from `export`.
 The mapping classes (mapping.py) own every scatter/gather; bridge/ never imports rollout/.
 """
@@ -33,21 +34,27 @@ class Bridge:
         self.pos = RankPosition.current(config.num_layers, shape.num_experts or 0)
         self._plan = None
 
-    def load(self, model: torch.nn.Module, hf_dir: str) -> None:
-        load_hf_weights(unwrap(model), hf_dir, self.mappings, self.dims, self.pos)
+    def _parts(self, model):
+        """(unwrapped chunk, its RankPosition) of each model chunk of this stage."""
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        return [(unwrap(c), self.pos.for_chunk(unwrap(c))) for c in chunks]
 
-    def export(self, model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
-        model = unwrap(model)
-        if self._plan is None:
-            self._plan = build_plan(model, self.mappings, self.dims, self.pos)
-        return export_hf_weights(model, self.mappings, self.dims, self.pos, self._plan)
+    def load(self, model, hf_dir: str) -> None:
+        for chunk, pos in self._parts(model):
+            load_hf_weights(chunk, hf_dir, self.mappings, self.dims, pos)
 
-    def num_exported(self, model: torch.nn.Module) -> int:
+    def export(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
+        parts = self._parts(model)
         if self._plan is None:
-            self._plan = build_plan(unwrap(model), self.mappings, self.dims, self.pos)
+            self._plan = build_plan(parts, self.mappings, self.dims)
+        return export_hf_weights(parts, self.mappings, self.dims, self._plan)
+
+    def num_exported(self, model) -> int:
+        if self._plan is None:
+            self._plan = build_plan(self._parts(model), self.mappings, self.dims)
         return sum(len(item.outputs) for item in self._plan)
 
-    def save_hf(self, model: torch.nn.Module, out_dir: str, source_dir: str, *,
+    def save_hf(self, model, out_dir: str, source_dir: str, *,
                 dtype: Optional[torch.dtype] = None, max_shard_size: str = "5GB",
                 exist_ok: bool = False) -> None:
         write_hf_checkpoint(self.export(model), out_dir, hf_config=self.hf_config,

@@ -7,6 +7,8 @@ layout, experts are broadcast over the EP group, then everything over the PP gro
 
 The sequence and the HF shapes come from an export plan built once per model (one
 all_gather_object of names and shapes), so ranks that do not own a tensor can allocate it.
+A stage's model is given as `parts`: (model chunk, its RankPosition) pairs, one per chunk of the
+interleaved schedule.
 """
 import dataclasses
 import re
@@ -38,11 +40,18 @@ def _order_key(name: str, table: List[Mapping]) -> tuple:
     return (group, int(layer.group(1)) if layer else 0, position, int(expert.group(1)) if expert else -1)
 
 
-def _local_plan(model, mappings: List[Mapping], dims: Dims, pos: RankPosition) -> Dict[str, PlanItem]:
+Parts = List[Tuple[torch.nn.Module, RankPosition]]
+
+
+def _global_parameters(parts: Parts) -> Dict[str, torch.nn.Parameter]:
+    """{global name: parameter} of every chunk of this stage."""
+    return {pos.to_global(n): p for model, pos in parts for n, p in bridge_parameters(model)}
+
+
+def _local_plan(parts: Parts, mappings: List[Mapping], dims: Dims) -> Dict[str, PlanItem]:
     """Plan items for the tensors this rank owns (TP rank 0 of its group describes them)."""
-    items = {}
-    for name, param in bridge_parameters(model):
-        global_name = pos.to_global(name)
+    items, pos = {}, parts[0][1]
+    for global_name, param in _global_parameters(parts).items():
         mapping, index = find_mapping(mappings, global_name)
         if not mapping.export:
             continue
@@ -55,9 +64,9 @@ def _local_plan(model, mappings: List[Mapping], dims: Dims, pos: RankPosition) -
     return items
 
 
-def build_plan(model, mappings: List[Mapping], dims: Dims, pos: RankPosition) -> List[PlanItem]:
+def build_plan(parts: Parts, mappings: List[Mapping], dims: Dims) -> List[PlanItem]:
     """The global export sequence (identical on every rank)."""
-    local = _local_plan(model, mappings, dims, pos)
+    local = _local_plan(parts, mappings, dims)
     gathered: List[Optional[Dict[str, PlanItem]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     merged = {}
@@ -107,12 +116,11 @@ def _materialize(item: PlanItem, params: Dict[str, torch.Tensor], mappings: List
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, mappings: List[Mapping], dims: Dims,
-                      pos: RankPosition, plan: Optional[List[PlanItem]] = None
-                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+def export_hf_weights(parts: Parts, mappings: List[Mapping], dims: Dims,
+                      plan: Optional[List[PlanItem]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield every HF tensor, full size, on every rank, in a fixed global order."""
-    plan = plan if plan is not None else build_plan(model, mappings, dims, pos)
-    params = {pos.to_global(n): p for n, p in bridge_parameters(model)}
-    device = next(model.parameters()).device
+    plan = plan if plan is not None else build_plan(parts, mappings, dims)
+    params, pos = _global_parameters(parts), parts[0][1]
+    device = next(parts[0][0].parameters()).device
     for item in plan:
         yield from _materialize(item, params, mappings, dims, pos, device).items()

@@ -1,5 +1,9 @@
-"""Where this rank sits for the bridge: its TP and expert-TP shards, and how its pipeline-stage-
-local layer numbers and EP-local expert numbers translate to global ones."""
+"""Where this rank sits for the bridge: its TP and expert-TP shards, and how a model chunk's
+local layer numbers and EP-local expert numbers translate to global ones.
+
+Layers are cut into PP x VPP chunks of equal size (VPP = 1 without the interleaved schedule);
+chunk c of stage p holds global chunk c x PP + p (megatron's interleaved assignment).
+`RankPosition.current` describes a stage's first chunk; `for_chunk(model)` any chunk."""
 import dataclasses
 import re
 
@@ -19,33 +23,43 @@ class RankPosition:
     pp_size: int
     ep_rank: int
     ep_size: int
-    layers_per_stage: int
+    layers_per_chunk: int
     experts_per_rank: int
+    layer_offset: int  # global number of the chunk's first layer
 
     @classmethod
     def current(cls, num_layers: int, num_experts: int = 0) -> "RankPosition":
         pp, ep = mpu.get_pipeline_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
+        per_chunk = num_layers // (pp * (mpu.get_virtual_pipeline_model_parallel_world_size() or 1))
+        pp_rank = mpu.get_pipeline_model_parallel_rank()
         return cls(
             tp=Shard(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()),
             etp=Shard(mpu.get_expert_tensor_parallel_rank(),
                       mpu.get_expert_tensor_parallel_world_size()),
-            pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp,
+            pp_rank=pp_rank, pp_size=pp,
             ep_rank=mpu.get_expert_model_parallel_rank(), ep_size=ep,
-            layers_per_stage=num_layers // pp, experts_per_rank=(num_experts or 0) // ep)
+            layers_per_chunk=per_chunk, experts_per_rank=(num_experts or 0) // ep,
+            layer_offset=pp_rank * per_chunk)
+
+    def for_chunk(self, model) -> "RankPosition":
+        """The position of a model chunk (a GPTModel built with `vp_stage`, or not)."""
+        stage = getattr(model, "vp_stage", None) or 0
+        return dataclasses.replace(
+            self, layer_offset=(stage * self.pp_size + self.pp_rank) * self.layers_per_chunk)
 
     def shard(self, is_expert: bool) -> Shard:
         return self.etp if is_expert else self.tp
 
     def to_global(self, name: str) -> str:
         """Stage-local layer and EP-local expert numbers -> global numbers."""
-        name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + self.pp_rank * self.layers_per_stage}.", name)
+        name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + self.layer_offset}.", name)
         return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + self.ep_rank * self.experts_per_rank}.", name)
 
     def owner_stage(self, global_name: str) -> int:
         """The pipeline stage holding a global name (embedding first, head last)."""
         layer = _LAYER.match(global_name)
         if layer:
-            return int(layer.group(1)) // self.layers_per_stage
+            return int(layer.group(1)) // self.layers_per_chunk % self.pp_size
         return 0 if global_name.startswith("embedding.") else self.pp_size - 1
 
     def owner_ep(self, global_name: str) -> int:

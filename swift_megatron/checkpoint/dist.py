@@ -45,10 +45,13 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
-    if len(chunks) != 1:
-        raise ValueError("virtual pipeline chunks are not supported")
-    return unwrap(chunks[0]).sharded_state_dict()
+def sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
+    """megatron's sharded state dict of this stage: its one chunk's, or {"model0": ...,
+    "model1": ...} for the chunks of the interleaved schedule (as megatron's own checkpoints;
+    the tensors' keys are global layer names, so any layout loads what another saved)."""
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
 def _broadcast_str(value: str) -> str:
@@ -66,7 +69,7 @@ def save_model(chunks: Sequence[torch.nn.Module], directory: str, exist_ok: bool
     if dist.get_rank() == 0:
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), tmp, sharded_strategy=save_strategy())
+    dist_checkpointing.save(sharded_state_dict(chunks), tmp, sharded_strategy=save_strategy())
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(directory):
@@ -80,6 +83,8 @@ def load_model(chunks: Sequence[torch.nn.Module], directory: str) -> None:
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         raise UserError(f"{directory} is not a megatron distributed checkpoint "
                         "(no metadata.json)")
-    model = unwrap(chunks[0])
-    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    model.load_state_dict(state, strict=True)
+    state = dist_checkpointing.load(sharded_state_dict(chunks), directory)
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state, strict=True)
+    for i, chunk in enumerate(chunks if len(chunks) > 1 else []):
+        unwrap(chunk).load_state_dict(state[f"model{i}"], strict=True)

@@ -250,7 +250,9 @@ def load_ms_swift_model(chunks: Sequence[torch.nn.Module], path: str,
     distributed checkpoint holds the adapters only: load the base model and the adapter) or a
     checkpoint without weights. Collective."""
     if len(chunks) != 1:
-        raise ValueError("virtual pipeline chunks are not supported")
+        raise UserError(f"{path}: loading an ms-swift checkpoint with "
+                        "--virtual_pipeline_model_parallel_size is not supported; convert it "
+                        "first (megatron export --to_mcore) and pass that directory")
     checkpoint = read_ms_swift_checkpoint(path)
     if checkpoint.tuner_type != "full":
         raise UserError(f"{path}: a {checkpoint.tuner_type} checkpoint holds adapters, not a model;"

@@ -184,13 +184,13 @@ def peft_dir_of(adapter: AdapterSource, hf_config: dict, tmp_dir: str) -> str:
 
 
 def load_weights(chunks, source: WeightsSource, bridge) -> None:
-    """Load the base weights `source` describes into this rank's model chunk (one chunk), in any
+    """Load the base weights `source` describes into this rank's model chunks, in any
     TP/PP/EP layout: HF safetensors through `bridge` (swift_megatron.bridge.Bridge of the model),
     our model directory, or an ms-swift checkpoint. Collective."""
     from swift_megatron.checkpoint.layout import load_model_dir
 
     if source.kind == "hf":
-        bridge.load(chunks[0], source.path)
+        bridge.load(chunks, source.path)
     elif source.kind == "ms_swift":
         ms_swift.load_ms_swift_model(chunks, source.path, bridge)
     else:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from swift_megatron.checkpoint.dist import save_strategy, unwrap
+from swift_megatron.checkpoint.dist import save_strategy, sharded_state_dict, unwrap
 from swift_megatron.checkpoint.layout import load_model_dir, write_model_dir
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -64,7 +64,7 @@ def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module],
     dist.barrier()
     write_model_dir(chunks, tmp, hf_source_dir=hf_source_dir, meta=meta)
     if save_optim:
-        model_sd = unwrap(chunks[0]).sharded_state_dict()
+        model_sd = sharded_state_dict(chunks)
         dist_checkpointing.save(optimizer.sharded_state_dict(model_sd, metadata=OPTIM_METADATA),
                                 _fresh(tmp, "optimizer"), sharded_strategy=save_strategy())
     if save_rng:
@@ -142,7 +142,7 @@ def load_checkpoint(directory: str, chunks: Sequence[torch.nn.Module], optimizer
     optim_dir = os.path.join(directory, "optimizer")
     if load_optim and os.path.isdir(optim_dir):
         _init_adam_state(optimizer)
-        model_sd = unwrap(chunks[0]).sharded_state_dict()
+        model_sd = sharded_state_dict(chunks)
         sharded = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_METADATA)
         state = dist_checkpointing.load(sharded, optim_dir)
         with torch.no_grad():  # megatron copies into leaf main params without no_grad

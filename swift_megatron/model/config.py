@@ -130,7 +130,8 @@ def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
 
 
 def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int = 1,
-                       ep: int = 1, etp: int = 1, sequence_parallel: bool = False,
+                       ep: int = 1, etp: int = 1, cp: int = 1, vpp: int = 1,
+                       sequence_parallel: bool = False,
                        use_cpu_initialization: bool = False,
                        model_type: Optional[str] = None, **overrides) -> TransformerConfig:
     """The TransformerConfig of an HF checkpoint for a given parallel layout and dtype."""
@@ -151,7 +152,7 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        sequence_parallel=sequence_parallel, variable_seq_lengths=True,
+        context_parallel_size=cp, sequence_parallel=sequence_parallel, variable_seq_lengths=True,
         use_cpu_initialization=use_cpu_initialization,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -159,6 +160,16 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         deallocate_pipeline_outputs=True,
         # mcore rejects variable_seq_lengths with its default allgather dispatcher, dense or not.
         moe_token_dispatcher_type="alltoall", cuda_graph_scope=[])
+    if vpp > 1:
+        # The interleaved schedule sends activations forward and gradients backward in one
+        # call. At PP = 2 both go to the same peer, and a batched send/recv (batch_p2p_comm,
+        # and the shape handshake of variable_seq_lengths, always batched) pairs the two
+        # directions' messages by order, so they cross (observed on gloo: wrong activations,
+        # or a deadlock). Individual send/recv keep the directions on separate groups, and
+        # the trainer gives the schedule micro-batches of one shape (rlhf/grpo/batch.py,
+        # `length`), so no handshake is needed.
+        kwargs.update(virtual_pipeline_model_parallel_size=vpp, variable_seq_lengths=False,
+                      batch_p2p_comm=False)
     if model_type == "qwen3_moe":
         kwargs.update(_moe_kwargs(hf, ep, etp))
     _check_moe_overrides(overrides, model_type)

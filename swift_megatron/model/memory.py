@@ -12,8 +12,10 @@ Per rank, in bytes:
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
   saved inputs and outputs; flash attention keeps no S x S scores), / TP with sequence
-  parallelism, a layer's worth only with full recomputation;
-- logits: the micro-batch's [tokens, vocab / TP] in the model dtype, twice (output and its
+  parallelism, a layer's worth only with full recomputation; with context parallelism a rank
+  holds tokens / CP of them, plus each layer's keys and values all-gathered over the whole
+  sequence (kept for the backward);
+- logits: the micro-batch's [tokens / CP, vocab / TP] in the model dtype, twice (output and its
   gradient), plus the chunked log-softmax's float32 working set;
 - vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
   nothing while asleep (sleep level >= 1).
@@ -37,6 +39,7 @@ class RunShape:
     pp: int = 1
     ep: int = 1
     dp: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
     lora: bool = False
     lora_rank: int = 8
@@ -100,7 +103,8 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
     per_token_layer = 2 * (7 * hidden + 2 * kv) + 6 * ffn
     layers = 1 if run.full_recompute else hf["num_hidden_layers"] // run.pp
     scale = run.tp if run.sequence_parallel else 1
-    return int(run.micro_batch_tokens * per_token_layer * layers / scale)
+    gathered_kv = 2 * 2 * kv / run.tp if run.cp > 1 else 0  # bf16 K and V of every position
+    return int(run.micro_batch_tokens * layers * (per_token_layer / scale / run.cp + gathered_kv))
 
 
 def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> Dict[str, float]:
@@ -115,7 +119,7 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
                  reference=params * width if run.reference_copy else 0,
                  teacher=run.teacher_parameters * width,
                  activations=activation_bytes(hf, run),
-                 logits=2 * run.micro_batch_tokens * hf["vocab_size"] / run.tp * width
+                 logits=2 * run.micro_batch_tokens / run.cp * hf["vocab_size"] / run.tp * width
                  + _LOGPROB_CHUNK_BYTES)
     train = sum(parts.values())
     resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (

@@ -9,6 +9,11 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   token. Packed (THD) micro-batches, whose sequences lie back to back, go through torch's
   flash-attention varlen kernel (`torch.nn.attention.varlen`) on CUDA with
   `--attention_backend flash|auto`, else through SDPA one sequence at a time (every device).
+  With context parallelism (CP > 1) each rank holds two chunks of every sequence (megatron's
+  zigzag layout, parallel/context.py): the keys and values are all-gathered over the CP group
+  (their gradients reduce-scattered back) and each local query chunk attends to the keys up to
+  its own end through SDPA with a lower-right causal mask (`causal_lower_right`, which keeps
+  the flash / memory-efficient kernels on GPU).
 
 Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
 GPU machine, so a TE path could not be tested here.
@@ -19,6 +24,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
@@ -31,6 +37,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from torch.nn.attention.bias import causal_lower_right
+
+from swift_megatron.parallel.context import CPShare
 
 
 class RMSNorm(torch.nn.Module):
@@ -54,8 +63,6 @@ class SDPAttention(MegatronModule):
                  attention_type: str = "self", attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not implement context parallelism")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -64,6 +71,8 @@ class SDPAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support an attention bias")
+        if self.config.context_parallel_size > 1:
+            return self._context_parallel(query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params).reshape(query.shape[0], -1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
@@ -90,6 +99,37 @@ class SDPAttention(MegatronModule):
                                                  enable_gqa=q.shape[1] != k.shape[1])
             parts.append(out.squeeze(0).transpose(0, 1))
         return torch.cat(parts)
+
+    def _context_parallel(self, query, key, value, attention_mask, packed_seq_params):
+        """Attention of this CP rank's query chunks against the whole sequences' keys (module
+        docstring): padded [s, b, heads, dim] or packed [t, heads, dim] -> [s or t, b?, h*d]."""
+        if attention_mask is not None:
+            raise ValueError("SDPAttention with context parallelism supports causal masking only")
+        packed = packed_seq_params is not None
+        if packed:
+            share = CPShare(packed_seq_params.cu_seqlens_q.tolist(), device=query.device)
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # [t, 1, h, d]
+        else:
+            share = CPShare([0, query.shape[0] * mpu.get_context_parallel_world_size()],
+                            device=query.device)
+        keys, values = (share.gather(t, 0, reduce_grads=True) for t in (key, value))
+        dropout = self.dropout if self.training else 0.0
+        parts, local_start = [], 0
+        for (start, end), size in zip(zip(share.cu_seqlens[:-1], share.cu_seqlens[1:]),
+                                      share.local_segments()):
+            chunk = size // 2
+            for k, index in enumerate((share.rank, 2 * share.cp - 1 - share.rank)):
+                q = query[local_start + k * chunk:local_start + (k + 1) * chunk]
+                visible = start + (index + 1) * chunk  # keys up to this chunk's end
+                q, kk, vv = (t.permute(1, 2, 0, 3) for t in
+                             (q, keys[start:visible], values[start:visible]))  # [b, h, s, d]
+                out = F.scaled_dot_product_attention(
+                    q, kk, vv, attn_mask=causal_lower_right(q.shape[2], kk.shape[2]),
+                    scale=self.scale, dropout_p=dropout, enable_gqa=q.shape[1] != kk.shape[1])
+                parts.append(out.permute(2, 0, 1, 3))  # [s, b, h, d]
+            local_start += size
+        out = torch.cat(parts)
+        return out.reshape(out.shape[0], -1) if packed else out.reshape(*out.shape[:2], -1)
 
 
 _VARLEN_BACKENDS = (AttnBackend.flash, AttnBackend.auto)

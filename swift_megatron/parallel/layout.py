@@ -17,8 +17,10 @@ def num_experts(hf_config: Mapping) -> Optional[int]:
     return hf_config.get("num_experts") or hf_config.get("num_local_experts") or None
 
 
-def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
-    """Raise UserError when TP/PP/EP/ETP do not divide the model's heads, layers or experts."""
+def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1,
+                 vpp: int = 1) -> None:
+    """Raise UserError when TP/PP/EP/ETP do not divide the model's heads, layers or experts, or
+    PP x VPP (the interleaved schedule's model chunks) its layers."""
     heads = hf_config.get("num_attention_heads")
     kv_heads = hf_config.get("num_key_value_heads") or heads
     layers = hf_config.get("num_hidden_layers")
@@ -31,6 +33,11 @@ def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1
     if layers and layers % pp:
         raise UserError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
                         f"{layers}: use one of {_divisors(layers)}")
+    if layers and vpp > 1 and layers % (pp * vpp):
+        raise UserError(f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
+                        f"{pp} x {vpp} does not divide num_hidden_layers={layers}: each stage "
+                        f"holds {vpp} chunks of equal size; use a virtual_pipeline_model_"
+                        f"parallel_size with {pp} x it among {_divisors(layers)}")
     experts = num_experts(hf_config)
     if experts is None and ep > 1:
         raise UserError("expert_model_parallel_size > 1 needs a MoE model; this model has no "

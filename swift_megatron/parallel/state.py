@@ -8,6 +8,8 @@ into megatron's parallel_state.
 import dataclasses
 import os
 import socket
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -32,6 +34,19 @@ def _init_distributed(backend: str) -> None:
     dist.init_process_group(backend=backend)
 
 
+def _replica_group():
+    """This rank's group of the ranks that share its data-parallel rank (collective: every rank
+    creates every group)."""
+    dp_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_ranks, mpu.get_data_parallel_rank())
+    mine = None
+    for dp_rank in sorted(set(dp_ranks)):
+        group = dist.new_group([r for r, d in enumerate(dp_ranks) if d == dp_rank])
+        if dp_rank == mpu.get_data_parallel_rank():
+            mine = group
+    return mine
+
+
 @dataclasses.dataclass
 class ParallelState:
     """Degrees and this rank's coordinates in the TP x CP x EP x DP x PP grid."""
@@ -48,7 +63,9 @@ class ParallelState:
 
     @classmethod
     def initialize(cls, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1,
-                   device: str = "auto", seed: int = 42) -> "ParallelState":
+                   device: str = "auto", seed: int = 42,
+                   vpp: Optional[int] = None) -> "ParallelState":
+        """`vpp`: model chunks per pipeline stage (the interleaved schedule), None for one."""
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch_device, backend = setup_device(device, local_rank)
         _init_distributed(backend)
@@ -60,9 +77,11 @@ class ParallelState:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             context_parallel_size=cp, expert_model_parallel_size=ep,
+            virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
             expert_tensor_parallel_size=etp, create_gloo_process_groups=True)
         state = cls(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=world // (tp * pp * cp),
                     world_size=world, rank=dist.get_rank(), device=torch_device)
+        state._replica_group = _replica_group() if cp > 1 else mpu.get_model_parallel_group()
         state.seed(seed)
         return state
 
@@ -73,6 +92,11 @@ class ParallelState:
         tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * self.pp_rank)
 
     # ---- coordinates --------------------------------------------------------------------
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline stage (1 without the interleaved schedule)."""
+        return mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+
     @property
     def tp_rank(self) -> int:
         return mpu.get_tensor_model_parallel_rank()
@@ -112,8 +136,9 @@ class ParallelState:
 
     @property
     def mp_group(self):
-        """The ranks that together hold one model replica (TP x PP x CP)."""
-        return mpu.get_model_parallel_group()
+        """The ranks that together hold one model replica (TP x PP x CP; megatron's model-
+        parallel group leaves CP out)."""
+        return self._replica_group
 
     def last_stage_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline."""

@@ -6,7 +6,9 @@ and is called only when no GPU is used (no CUDA, or `--device cpu`):
 - CUDA RNG state (get/set/seed, mcore's tracker helpers) -> the CPU generator. The seed call is
   required: attention forks the "model-parallel-rng" state even with dropout 0.
 - `torch.cuda.current_device()` -> "cpu"; `synchronize`, streams and events -> no-ops.
-- A global TorchFunctionMode maps `device="cuda"`, `.cuda()` and `.to("cuda")` to the CPU, and
+- A global TorchFunctionMode maps `device="cuda"`, `.cuda()` and `.to("cuda")` to the CPU, drops
+  `pin_memory=True` (no pinned-memory allocator without an accelerator; megatron's CP RoPE
+  slicing asks for it), and
   reports CPU tensor types under their CUDA names (grad clipping and the distributed optimizer
   assert `param.grad.type() == 'torch.cuda.FloatTensor'`).
 - The MoE all-to-all dispatcher converts its split sizes to numpy only for CUDA tensors; on the
@@ -47,6 +49,8 @@ class _CudaToCpu(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
         return func(*args, **kwargs)

@@ -1,9 +1,11 @@
 """One pass over a list of micro-batches through megatron's forward_backward_func (pipelined
-when PP > 1), and one optimizer step.
+when PP > 1, interleaved over the model chunks with a virtual pipeline), and one optimizer step.
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
 function needs; a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
-become megatron's THD PackedSeqParams. `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
+become megatron's THD PackedSeqParams. With context parallelism the model reads this CP rank's
+share of the positions (parallel/context.py) and `loss_fn` gets the logits of those positions.
+`loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
 `(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP
 averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
 contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
@@ -13,7 +15,10 @@ from functools import partial
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
+from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from swift_megatron.parallel.context import CPShare
 
 LossFn = Callable[[dict, torch.Tensor], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
 
@@ -31,7 +36,11 @@ def packed_seq_params(micro_batch: dict):
 
 def _forward_step(loss_fn: LossFn, data_iterator, model):
     micro_batch = next(data_iterator)
-    output = model(micro_batch["tokens"], micro_batch["position_ids"], attention_mask=None,
+    tokens, positions = micro_batch["tokens"], micro_batch["position_ids"]
+    share = CPShare.of(micro_batch)
+    if share is not None:  # this CP rank's share of the sequence (parallel/context.py)
+        tokens, positions = share.local(tokens, 1), share.local(positions, 1)
+    output = model(tokens, positions, attention_mask=None,
                    packed_seq_params=packed_seq_params(micro_batch))
     return output, partial(_loss_adapter, loss_fn, micro_batch)
 
@@ -45,12 +54,35 @@ def _loss_adapter(loss_fn: LossFn, micro_batch: dict, logits: torch.Tensor):
 def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: List[dict],
                      loss_fn: LossFn, forward_only: bool = False) -> List[Dict[str, torch.Tensor]]:
     """Run every micro-batch forward (and backward unless forward_only); returns the metrics
-    dict of each micro-batch on the last pipeline stage (an empty list elsewhere)."""
+    dict of each micro-batch on the last pipeline stage (an empty list elsewhere).
+
+    With several model chunks (the interleaved schedule) every micro-batch must have one shape,
+    and their number be a multiple of PP: a forward-only pass is topped up with copies of its
+    last micro-batch (their outputs dropped); a training pass must already be."""
+    count = len(micro_batches)
     seq_length = max(mb["tokens"].shape[1] for mb in micro_batches)
+    if len(chunks) > 1:
+        micro_batches = _interleavable(micro_batches, forward_only)
+        # the interleaved schedule runs each model chunk's forward step with its own iterator
+        data = [iter(micro_batches) for _ in chunks]
+    else:
+        data = iter(micro_batches)
     return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(micro_batches),
+        forward_step_func=partial(_forward_step, loss_fn), data_iterator=data,
         model=list(chunks), num_microbatches=len(micro_batches), seq_length=seq_length,
-        micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=forward_only)
+        micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=forward_only)[:count]
+
+
+def _interleavable(micro_batches: List[dict], forward_only: bool) -> List[dict]:
+    shapes = {tuple(mb["tokens"].shape) for mb in micro_batches}
+    if len(shapes) > 1:
+        raise ValueError(f"the interleaved pipeline needs micro-batches of one shape, got {shapes}")
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    missing = -len(micro_batches) % pp
+    if missing and not forward_only:
+        raise ValueError(f"the interleaved pipeline needs a multiple of PP={pp} micro-batches "
+                         f"per step, got {len(micro_batches)}")
+    return list(micro_batches) + [micro_batches[-1]] * missing
 
 
 def zero_grads(chunks: Sequence[torch.nn.Module], optimizer) -> None:

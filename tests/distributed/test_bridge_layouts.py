@@ -7,8 +7,10 @@ transformers and greedy-generates the same tokens, a small --max_shard_size writ
 Two processes over gloo (slow; one worker run, one layout per job): loading with TP=2 (llama,
 qwen2: vocab 505 so TP pads it), PP=2 (qwen3, tied embeddings across stages), EP=2, TP=2 x EP=2
 x ETP=1 and TP=2 x ETP=2 (qwen3_moe) exports bit-for-bit the original tensors; a Megatron model
-directory saved with TP=2 reloads with PP=2 and with 1x1 and gives identical logits. Also the
-GPU bf16 worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
+directory saved with TP=2 reloads with PP=2 and with 1x1 and gives identical logits; with the
+interleaved pipeline (PP=2 x VPP=2, qwen3: tied embeddings) the bridge loads and exports the model
+chunks bit for bit, the logits match transformers, and a model directory saved from the chunks
+reloads into them. Also the GPU bf16 worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
 
     python -m pytest tests/distributed/test_bridge_layouts.py -q            # everything (~1 min)
     python -m pytest tests/distributed/test_bridge_layouts.py -q -m "not slow"
@@ -170,6 +172,17 @@ def test_model_dir_saved_with_tp2_reloads_in_other_layouts(layouts, single):
     torch.testing.assert_close(logits_of(out, "llama_tp2"), reference, atol=1e-5, rtol=0)
     with open(out / "llama_tp2_model_dir" / "swift_megatron.json") as f:
         assert json.load(f)["saved_with"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 1}
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_chunks_round_trip(models, tmp_path):
+    ranks = run_workers("bridge_vpp.py", 2, tmp_path, ["--hf_dir", models["qwen3"]])
+    for rank in ranks:
+        assert rank["chunks"] == 2
+        assert_exported_exactly(rank)
+        assert_exported_exactly({"export": rank["reloaded_export"]})
+        assert rank["export"]["exported"] == len(safetensors_of(models["qwen3"]))
+        assert rank["logits_max_diff"] <= ATOL
 
 
 @pytest.mark.slow

@@ -7,13 +7,13 @@ from swift_megatron.arguments.batch_plan import (BatchInputs, BatchPlanError, is
 
 
 def inputs(world=1, mbs=1, gbs=16, G=8, gen=None, spg=None, tp=1, pp=1, cp=1, colocate=False,
-           vtp=1, experts=None, ep=1):
+           vtp=1, experts=None, ep=1, vpp=1):
     return BatchInputs(world_size=world, micro_batch_size=mbs, global_batch_size=gbs,
                        num_generations=G, generation_batch_size=gen, steps_per_generation=spg,
                        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                        context_parallel_size=cp, colocate_vllm=colocate,
                        vllm_tensor_parallel_size=vtp, num_experts=experts,
-                       expert_model_parallel_size=ep)
+                       expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp)
 
 
 # (inputs, expected (dp, grad_accum, spg, gen, rollout_prompts, prompts_per_dp, per_rank))
@@ -32,6 +32,7 @@ VALID = [
     (inputs(world=16, tp=2, pp=2, mbs=2, gbs=64, G=8, spg=2), (4, 8, 2, 128, 16, 4, 8)),
     (inputs(world=2, pp=2, mbs=1, gbs=4, G=4, spg=3), (1, 4, 3, 12, 3, 3, 6)),
     (inputs(world=8, cp=2, mbs=1, gbs=32, G=8), (4, 8, 1, 32, 4, 1, 4)),
+    (inputs(world=4, pp=2, vpp=2, mbs=1, gbs=8, G=4), (2, 4, 1, 8, 2, 1, 2)),
     (inputs(world=2, mbs=1, gbs=4, G=2), (2, 2, 1, 4, 2, 1, 2)),
     (inputs(world=4, mbs=2, gbs=16, G=2), (4, 2, 1, 16, 8, 2, 4)),
     (inputs(world=8, mbs=1, gbs=64, G=8, gen=128), (8, 8, 2, 128, 16, 2, 16)),
@@ -48,6 +49,10 @@ INVALID = [
     (inputs(world=6, tp=4), ["world_size=6"], "multiple of 4"),
     (inputs(world=4, pp=3), ["pipeline_model_parallel_size"], "launch a multiple of 3"),
     (inputs(world=8, cp=3, tp=1), ["context_parallel_size"], "multiple of 3"),
+    # (i) the interleaved schedule: 3 micro-batches per step, not a multiple of PP=2
+    (inputs(world=2, pp=2, vpp=2, mbs=1, gbs=3, G=3, spg=2),
+     ["virtual_pipeline_model_parallel_size=2", "grad_accum_steps", "= 3"],
+     "use global_batch_size="),
     # (b) the docs' example: gbs 12 with mbs x dp = 8
     (inputs(world=8, mbs=1, gbs=12, G=1), ["global_batch_size=12", "micro_batch_size x dp_size"],
      "use global_batch_size=8 or 16"),

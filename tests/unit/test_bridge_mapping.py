@@ -2,6 +2,8 @@
 shard loaded from a small safetensors file, then `to_hf` on all shards, gives back the original
 tensors exactly for TP sizes 1, 2 and 4; the fused layouts match hand-built ones; vocab padding
 rows are zeros and vanish on export; a wrong shape or a missing tensor is a UserError naming it."""
+import types
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -146,11 +148,23 @@ def test_patterns_translate_layer_and_expert_numbers():
 
 def test_rank_position_maps_stage_and_expert_numbers_to_global():
     pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=1, pp_size=2, ep_rank=1, ep_size=2,
-                       layers_per_stage=2, experts_per_rank=4)
+                       layers_per_chunk=2, experts_per_rank=4, layer_offset=2)
     assert (pos.to_global("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight")
             == "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight")
     assert pos.owner_stage("decoder.layers.3.input_layernorm.weight") == 1
     assert pos.owner_ep("decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight") == 1
+
+
+def test_rank_position_of_interleaved_chunks():
+    """PP=2 x VPP=2, 8 layers: chunks of 2; stage 1 holds layers 2-3 (chunk 0) and 6-7."""
+    pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=1, pp_size=2, ep_rank=0, ep_size=1,
+                       layers_per_chunk=2, experts_per_rank=0, layer_offset=2)
+    second = pos.for_chunk(types.SimpleNamespace(vp_stage=1))
+    assert second.to_global("decoder.layers.1.mlp.linear_fc1.weight") == \
+        "decoder.layers.7.mlp.linear_fc1.weight"
+    assert pos.for_chunk(types.SimpleNamespace(vp_stage=0)).layer_offset == 2
+    assert [pos.owner_stage(f"decoder.layers.{n}.input_layernorm.weight") for n in range(8)] == \
+        [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -167,7 +181,7 @@ def _load_norm(tmp_path, tensors, size=4):
     model = torch.nn.Module()
     model.decoder = _Norm(size)
     pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=0, pp_size=1, ep_rank=0, ep_size=1,
-                       layers_per_stage=1, experts_per_rank=0)
+                       layers_per_chunk=1, experts_per_rank=0, layer_offset=0)
     mappings = [Replicated("decoder.final_layernorm.weight", "model.norm.weight")]
     load_hf_weights(model, str(tmp_path), mappings, dims(), pos)
     return model

@@ -118,15 +118,23 @@ def test_bad_value_names_flag():
         rlhf("--loss_type", "ppo")
 
 
+def test_interleaved_pipeline_of_one_chunk_is_none():
+    args = rlhf("--virtual_pipeline_model_parallel_size", "1")
+    assert args.parallel.virtual_pipeline_model_parallel_size is None
+
+
 def test_columns_json():
     assert rlhf("--columns", '{"question": "query"}').data.columns == {"question": "query"}
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--virtual_pipeline_model_parallel_size", "2"], "not supported yet"),
-    (["--context_parallel_size", "2"], "--context_parallel_size is not supported yet"),
+    (["--virtual_pipeline_model_parallel_size", "2"], "needs --pipeline_model_parallel_size > 1"),
+    (["--virtual_pipeline_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
+      "--train_type", "lora"], "--train_type lora with --virtual_pipeline"),
+    (["--virtual_pipeline_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
+      "--max_tokens_per_micro_batch", "512"], "use --micro_batch_size"),
 ])
-def test_flags_of_missing_features_fail(argv, match):
+def test_interleaved_pipeline_rules(argv, match):
     with pytest.raises(UserError, match=match):
         rlhf(*argv)
 

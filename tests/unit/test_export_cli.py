@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from swift_megatron.cli.main import main
+from swift_megatron.errors import UserError
 from tests.distributed.launch import REPO, free_port
 from tests.helpers import safetensors_of
 
@@ -165,6 +166,14 @@ def parsed(*argv):
 def test_merge_lora_defaults_to_to_hf_as_in_ms_swift(flags, merge):
     args = parsed("--model", "m", "--adapters", "a", *flags)
     assert args.export.merge_lora is merge
+
+
+@pytest.mark.parametrize("flags", [["--context_parallel_size", "2"],
+                                   ["--virtual_pipeline_model_parallel_size", "2",
+                                    "--pipeline_model_parallel_size", "2"]])
+def test_context_and_interleaved_parallelism_are_refused(flags):
+    with pytest.raises(UserError, match="loads the model in a TP/PP/EP layout only"):
+        parsed("--model", "m", "--to_mcore", "true", *flags)
 
 
 @pytest.mark.parametrize("flags, default", [

@@ -65,6 +65,32 @@ def test_packed_layout_and_unpack():
     assert unpack(values, micro["packed_index"]).tolist() == [[0, 1, 2, 3], [4, 0, 0, 0]]
 
 
+def test_packed_sequences_padded_for_context_parallelism():
+    """sequence_multiple (2 x CP): each sequence padded at its end, the row to pad_to_multiple."""
+    samples = [_sample([1, 2], [3, 4, 5, 6]), _sample([6], [7])]  # 5 and 1 positions
+    micro = collate(samples, pad_id=0, pad_to_multiple=8, packed=True, sequence_multiple=4)
+    assert micro["cu_seqlens"].tolist() == [0, 8, 12, 16] and micro["max_seqlen"] == 8
+    assert micro["tokens"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0]]
+    assert micro["packed_targets"][:9].tolist() == [2, 3, 4, 5, 6, 0, 0, 0, 7]
+    assert micro["packed_index"].tolist() == [[0, 1, 2, 3, 4], [8, -1, -1, -1, -1]]
+    assert micro["position_ids"][0, 8:12].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="not a multiple of sequence_multiple=4"):
+        collate(samples, pad_id=0, pad_to_multiple=6, packed=True, sequence_multiple=4)
+
+
+def test_zigzag_positions_and_padding_multiples():
+    from swift_megatron.parallel.context import padding_multiples, zigzag_positions
+
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    shares = torch.cat([zigzag_positions(12, 3, r) for r in range(3)])
+    assert sorted(shares.tolist()) == list(range(12))  # every position on exactly one rank
+    with pytest.raises(ValueError, match="2 x CP = 4 chunks"):
+        zigzag_positions(6, 2, 0)
+    assert padding_multiples(1, 1) == (1, 1)
+    assert padding_multiples(2, 2) == (8, 4)  # TP=2 sequence parallel, CP=2
+
+
 def test_token_groups():
     from swift_megatron.rlhf.grpo.batch import token_groups
 

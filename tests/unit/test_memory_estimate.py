@@ -24,6 +24,9 @@ def test_activations_per_micro_batch():
         100 * per_token_layer
     assert activation_bytes(HF, RunShape(micro_batch_tokens=100, tp=2, sequence_parallel=True)) \
         == 100 * per_token_layer * 4 // 2
+    # CP 2: half the tokens per rank, plus each layer's gathered K and V (bf16) of all 100
+    assert activation_bytes(HF, RunShape(micro_batch_tokens=100, cp=2)) == \
+        4 * (100 * per_token_layer // 2 + 100 * 2 * 2 * 32)
 
 
 def test_full_parameter_run_and_peak():

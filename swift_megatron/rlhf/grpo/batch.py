@@ -15,7 +15,11 @@ What the model reads, two layouts:
   sequence boundaries for the attention and RoPE), `max_seqlen`, `packed_targets` [T] and
   `packed_index` [B, S]: where each (sample, position) sits in the packed row, -1 past a
   sample's length. T is rounded up to `pad_to_multiple` with one extra padding sequence.
-  No padding token is computed; logprobs are gathered back into [B, S] (`unpack`).
+  No padding token is computed; logprobs are gathered back into [B, S] (`unpack`). With
+  `sequence_multiple` > 1 (context parallelism: 2 x CP) each sequence is padded at its end to
+  a multiple of it, so that every sequence splits into 2 x CP equal chunks.
+`length` (the interleaved pipeline, whose stages exchange activations of one fixed shape): the
+model's row length, [B, length] padded or [1, length] packed, at least what the samples need.
 """
 import dataclasses
 from typing import Dict, List, Optional, Sequence
@@ -46,13 +50,16 @@ class Sample:
 
 
 def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
-            overlong_filter: bool = False, packed: bool = False) -> Dict[str, torch.Tensor]:
+            overlong_filter: bool = False, packed: bool = False,
+            sequence_multiple: int = 1, length: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """One micro-batch: targets/completion_mask [B, S], rollout_logprobs [B, S] (when every
     sample has the engine's logprobs), advantages/truncated/group_ids [B], and the model inputs
     of the chosen layout (module docstring). With overlong_filter, truncated completions get an
     empty mask."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples]
     width = -(-max(lengths) // (1 if packed else pad_to_multiple)) * (1 if packed else pad_to_multiple)
+    if length is not None and not packed:
+        width = _at_least(width, length, pad_to_multiple)
     batch = len(samples)
     tokens = torch.full((batch, width), pad_id, dtype=torch.long)
     targets = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -77,28 +84,49 @@ def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
     if all(s.rollout_logprobs is not None for s in samples):
         micro["rollout_logprobs"] = rollout
     if packed:
-        micro.update(pack(tokens, targets, lengths, pad_id, pad_to_multiple))
+        micro.update(pack(tokens, targets, lengths, pad_id, pad_to_multiple, sequence_multiple,
+                          length))
     return micro
 
 
+def _at_least(needed: int, length: int, multiple: int) -> int:
+    if length < needed or length % multiple:
+        raise ValueError(f"length={length} is shorter than the {needed} positions needed or not "
+                         f"a multiple of {multiple}")
+    return length
+
+
 def pack(tokens: torch.Tensor, targets: torch.Tensor, lengths: Sequence[int], pad_id: int,
-         pad_to_multiple: int = 1) -> dict:
+         pad_to_multiple: int = 1, sequence_multiple: int = 1,
+         length: Optional[int] = None) -> dict:
     """The packed model inputs of right-padded `tokens` / `targets` [B, S] whose rows hold
-    `lengths` real positions (module docstring)."""
-    total = sum(lengths)
+    `lengths` real positions (module docstring). `pad_to_multiple` must be a multiple of
+    `sequence_multiple`."""
+    if pad_to_multiple % sequence_multiple:
+        raise ValueError(f"pad_to_multiple={pad_to_multiple} is not a multiple of "
+                         f"sequence_multiple={sequence_multiple}")
+    segments = [-(-n // sequence_multiple) * sequence_multiple for n in lengths]
+    total = sum(segments)
     padded_total = -(-total // pad_to_multiple) * pad_to_multiple
-    segments = list(lengths) + ([padded_total - total] if padded_total > total else [])
+    if length is not None:
+        padded_total = _at_least(padded_total, length, pad_to_multiple)
+    segments += [padded_total - total] if padded_total > total else []
     cu_seqlens = torch.tensor([0] + segments, dtype=torch.int64).cumsum(0).to(torch.int32)
-    rows = [tokens[r, :n] for r, n in enumerate(lengths)]
-    fill = torch.full((padded_total - total,), pad_id, dtype=torch.long)
+
+    def padded_rows(rows: torch.Tensor) -> torch.Tensor:
+        row = torch.full((padded_total,), pad_id, dtype=torch.long)
+        for r, n in enumerate(lengths):
+            row[cu_seqlens[r]:cu_seqlens[r] + n] = rows[r, :n]
+        return row
+
     index = torch.full(tokens.shape, -1, dtype=torch.long)
     for r, n in enumerate(lengths):
         index[r, :n] = torch.arange(cu_seqlens[r], cu_seqlens[r] + n)
     return dict(
-        tokens=torch.cat(rows + [fill]).unsqueeze(0),
+        tokens=padded_rows(tokens).unsqueeze(0),
         position_ids=torch.cat([torch.arange(n) for n in segments]).unsqueeze(0),
-        packed_targets=torch.cat([targets[r, :n] for r, n in enumerate(lengths)] + [fill]),
-        packed_index=index, cu_seqlens=cu_seqlens, max_seqlen=max(segments))
+        packed_targets=padded_rows(targets), packed_index=index, cu_seqlens=cu_seqlens,
+        max_seqlen=max(segments))
 
 
 def unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -134,6 +162,16 @@ def token_groups(samples: Sequence[Sample], max_tokens: int) -> List[List[Sample
             groups.append([sample])
             total = length
     return groups
+
+
+def fixed_length(samples: Sequence[Sample], micro_batch_size: int, packed: bool,
+                 pad_to_multiple: int = 1, sequence_multiple: int = 1) -> int:
+    """A row length that fits every micro-batch of micro_batch_size of these samples (for
+    `collate`'s `length`): the longest sample, times micro_batch_size when packed."""
+    longest = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+    if packed:
+        longest = -(-longest // sequence_multiple) * sequence_multiple * micro_batch_size
+    return -(-longest // pad_to_multiple) * pad_to_multiple
 
 
 def to_device(micro_batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:

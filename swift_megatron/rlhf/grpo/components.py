@@ -27,7 +27,7 @@ from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
 from swift_megatron.logging.metrics import SinkSettings
 from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
-from swift_megatron.model.build import build_model
+from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
@@ -68,7 +68,8 @@ def parallel_state(args: RlhfArguments) -> ParallelState:
     return ParallelState.initialize(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-        etp=p.expert_tensor_parallel_size, device=args.model.device, seed=args.training.seed)
+        etp=p.expert_tensor_parallel_size, device=args.model.device, seed=args.training.seed,
+        vpp=p.virtual_pipeline_model_parallel_size)
 
 
 def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -99,21 +100,21 @@ def _config_overrides(args: RlhfArguments) -> dict:
 
 def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dtype,
                 weights: Optional[WeightsSource]):
-    """The model of this stage with the base weights: from `weights` (--mcore_model, a LoRA
-    checkpoint's base) or else from the HF checkpoint at `model_dir` through the bridge."""
-    model, config, shape = build_model(
+    """The model chunks of this stage with the base weights: from `weights` (--mcore_model, a
+    LoRA checkpoint's base) or else from the HF checkpoint at `model_dir` through the bridge."""
+    chunks, config, shape = build_chunks(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=args.model.model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
-    _load_base([model], model_dir, weights, bridge)
-    return model, config, bridge
+    _load_base(chunks, model_dir, weights, bridge)
+    return chunks, config, bridge
 
 
 def _load_base(chunks, model_dir: str, weights: Optional[WeightsSource], bridge: Bridge) -> None:
     if weights is not None:
         load_weights(chunks, weights, bridge)
     else:
-        bridge.load(chunks[0], model_dir)
+        bridge.load(chunks, model_dir)
 
 
 def _load_adapter(model, adapter: AdapterSource, hf_config: dict, bridge: Bridge) -> LoraConfig:
@@ -177,36 +178,38 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     check_settings(settings, state.device, dtype)
     _check_offload_resume(args, start)
     weights = base_weights(args, start)
-    model, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
-    lora = attach_lora(args, model, bridge, start.adapter, hf_config)
-    ddp = wrap_ddp(model, config, args.parallel.use_distributed_optimizer)
-    optimizer = build_optimizer([ddp], config, settings)
+    chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
+    lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
+    ddp = [wrap_ddp(chunk, config, args.parallel.use_distributed_optimizer) for chunk in chunks]
+    optimizer = build_optimizer(ddp, config, settings)
     scheduler = build_scheduler(optimizer, settings)
-    return Policy([ddp], config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
+    return Policy(ddp, config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
 
 
 def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtype, *,
                  model_type: Optional[str] = None, weights: Optional[WeightsSource] = None,
                  adapter: Optional[AdapterSource] = None,
-                 flag: str) -> Tuple[torch.nn.Module, Bridge]:
-    """A forward-only model of this stage (a reference or a teacher), in the policy's parallel
-    layout: weights from `weights` or the HF checkpoint at `model_dir`, plus an optional
-    adapter; eval mode, no gradients. `flag` names it in errors."""
+                 flag: str) -> Tuple[List[torch.nn.Module], Bridge]:
+    """The model chunks of a forward-only model of this stage (a reference or a teacher), in
+    the policy's parallel layout: weights from `weights` or the HF checkpoint at `model_dir`,
+    plus an optional adapter; eval mode, no gradients. `flag` names it in errors."""
     hf_config = load_hf_config(model_dir)
     moe = num_experts(hf_config) is not None   # the expert degrees apply to MoE models only
     try:
-        check_layout(hf_config, state.tp, state.pp, state.ep if moe else 1, state.etp if moe else 1)
+        check_layout(hf_config, state.tp, state.pp, state.ep if moe else 1, state.etp if moe else 1,
+                     vpp=state.vpp)
     except UserError as error:
         raise UserError(f"{flag} {model_dir}: {error}") from None
-    model, config, shape = build_model(
+    chunks, config, shape = build_chunks(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
         model_type=model_type, random_init=False, **_config_overrides(args))
     bridge = Bridge(hf_config, shape, config)
-    _load_base([model], model_dir, weights, bridge)
+    _load_base(chunks, model_dir, weights, bridge)
     if adapter is not None:
-        _load_adapter(model, adapter, hf_config, bridge)
-    model.eval().requires_grad_(False)
-    return model, bridge
+        _load_adapter(chunks[0], adapter, hf_config, bridge)  # one chunk with adapters
+    for chunk in chunks:
+        chunk.eval().requires_grad_(False)
+    return chunks, bridge
 
 
 def reference_model(args: RlhfArguments, state: ParallelState, pol: Policy, start: Start,
@@ -226,9 +229,8 @@ def reference_model(args: RlhfArguments, state: ParallelState, pol: Policy, star
             directory = pol.model_dir
         if directory != pol.model_dir:
             check_same_tokenizer(directory, tok, "--ref_model")
-        model, _ = frozen_model(args, state, directory, pol.dtype, weights=source.weights,
-                                adapter=source.adapter, flag="--ref_model")
-        frozen = [model]
+        frozen, _ = frozen_model(args, state, directory, pol.dtype, weights=source.weights,
+                                 adapter=source.adapter, flag="--ref_model")
     if g.sync_ref_model and (frozen is None or pol.lora is not None):
         raise UserError("--sync_ref_model true mixes the policy into a frozen reference: it needs "
                         "--train_type full")
@@ -242,9 +244,9 @@ def teacher(args: RlhfArguments, state: ParallelState, pol: Policy, tok) -> Opti
         return None
     directory = resolve_model_dir(g.teacher_model, args.model.use_hf, g.teacher_model_revision)
     check_same_tokenizer(directory, tok)
-    model, bridge = frozen_model(args, state, directory, pol.dtype, model_type=g.teacher_model_type,
-                                 flag="--teacher_model")
-    return Teacher([model], bridge.shape.vocab_size, g.offload_teacher_model)
+    chunks, bridge = frozen_model(args, state, directory, pol.dtype,
+                                  model_type=g.teacher_model_type, flag="--teacher_model")
+    return Teacher(chunks, bridge.shape.vocab_size, g.offload_teacher_model)
 
 
 def tokenizer(model_dir: str, hf_config: dict):

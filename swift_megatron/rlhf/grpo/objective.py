@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from swift_megatron.parallel.context import CPShare
 from swift_megatron.rlhf.grpo.batch import unpack
 from swift_megatron.rlhf.grpo.diagnostics import (entropy_summary, importance_weight_metrics,
                                                   offpolicy_metrics)
@@ -62,21 +63,35 @@ class StepConstants:
 
 
 def token_logprobs(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-    """log p(target) [B, S]; a packed micro-batch's [1, T] logits are gathered back to [B, S]."""
-    if "packed_index" in micro_batch:
-        packed = vocab_parallel_logprobs(logits[0], micro_batch["packed_targets"],
-                                         settings.temperature, settings.vocab_size)
-        return unpack(packed, micro_batch["packed_index"])
-    return vocab_parallel_logprobs(logits, micro_batch["targets"], settings.temperature,
-                                   settings.vocab_size)
+    """log p(target) [B, S]; a packed micro-batch's [1, T] logits are gathered back to [B, S].
+    With context parallelism the logits are of this CP rank's positions: the logprobs of every
+    rank are gathered (each rank then computes the same loss)."""
+    packed = "packed_index" in micro_batch
+    targets = micro_batch["packed_targets" if packed else "targets"]
+    return _per_position(micro_batch, lambda local: vocab_parallel_logprobs(
+        logits[0] if packed else logits, targets if local is None else local(targets),
+        settings.temperature, settings.vocab_size))
 
 
 def token_entropy(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-    """Entropy of the next-token distribution [B, S] (packed micro-batches gathered back)."""
+    """Entropy of the next-token distribution [B, S] (packed micro-batches gathered back, CP
+    ranks' positions gathered)."""
+    packed = "packed_index" in micro_batch
+    return _per_position(micro_batch, lambda _: vocab_parallel_entropy(
+        logits[0] if packed else logits, settings.temperature, settings.vocab_size))
+
+
+def _per_position(micro_batch: dict, compute) -> torch.Tensor:
+    """`compute(local)` -> values per position of the model's output, where `local(tensor)`
+    selects this CP rank's positions (None without CP); then [B, S] in sequence order."""
+    share = CPShare.of(micro_batch)
+    if share is None:
+        values = compute(None)
+    else:
+        values = share.gather(compute(lambda t: share.local(t, -1)), -1, reduce_grads=False)
     if "packed_index" in micro_batch:
-        packed = vocab_parallel_entropy(logits[0], settings.temperature, settings.vocab_size)
-        return unpack(packed, micro_batch["packed_index"])
-    return vocab_parallel_entropy(logits, settings.temperature, settings.vocab_size)
+        return unpack(values, micro_batch["packed_index"])
+    return values
 
 
 def collect_logprobs(settings: LossSettings, micro_batch: dict,

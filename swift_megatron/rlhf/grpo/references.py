@@ -81,8 +81,9 @@ class Reference:
     def mix_in_policy(self, alpha: float) -> None:
         """--sync_ref_model: ref = alpha * policy + (1 - alpha) * ref, parameter by parameter
         (this rank's shards; both models have the policy's architecture and layout)."""
-        ref = dict(unwrap(self.frozen[0]).named_parameters())
-        policy = dict(unwrap(self.policy_chunks[0]).named_parameters())
+        ref = {(i, n): p for i, c in enumerate(self.frozen) for n, p in unwrap(c).named_parameters()}
+        policy = {(i, n): p for i, c in enumerate(self.policy_chunks)
+                  for n, p in unwrap(c).named_parameters()}
         if ref.keys() != policy.keys():
             raise UserError("--sync_ref_model needs a reference of the policy's architecture "
                             "(drop --ref_model / --mcore_ref_model / the reference adapter)")

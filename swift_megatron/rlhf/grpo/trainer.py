@@ -30,10 +30,11 @@ from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import save_adapter
 from swift_megatron.model.config import load_hf_config
+from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
-from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
+from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
@@ -170,20 +171,32 @@ class GRPOTrainer:
 
     def step_micro_batches(self, samples: List[Sample]) -> List[List[dict]]:
         """This DP rank's micro-batches of each optimizer step of the rollout batch: the step's
-        completions split by --micro_batch_size, or by --max_tokens_per_micro_batch."""
+        completions split by --micro_batch_size, or by --max_tokens_per_micro_batch. With the
+        interleaved pipeline all of them have one shape (batch.py, `length`)."""
         per_step = len(samples) // self.plan.steps_per_generation
+        length = None
+        if self.state.vpp > 1:
+            length = fixed_length(samples, self.plan.micro_batch_size,
+                                  self.args.kernels.padding_free, *self._padding_multiples())
         return [self.micro_batches(samples[k * per_step:(k + 1) * per_step],
-                                   max_tokens=self.args.batch.max_tokens_per_micro_batch)
+                                   max_tokens=self.args.batch.max_tokens_per_micro_batch,
+                                   length=length)
                 for k in range(self.plan.steps_per_generation)]
 
-    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
-                      max_tokens: Optional[int] = None) -> List[dict]:
+    def _padding_multiples(self):
+        """(row multiple, sequence multiple) of the micro-batches (sequence parallelism, CP)."""
         tp_multiple = self.state.tp if self.args.parallel.sequence_parallel else 1
+        return padding_multiples(tp_multiple, self.state.cp)
+
+    def micro_batches(self, samples: List[Sample], micro_batch_size: Optional[int] = None,
+                      max_tokens: Optional[int] = None, length: Optional[int] = None) -> List[dict]:
+        row_multiple, sequence_multiple = self._padding_multiples()
         pad = self.tokenizer.pad_token_id
         pad = self.tokenizer.eos_token_id if pad is None else pad
         micro = split_micro_batches(samples, micro_batch_size or self.plan.micro_batch_size,
                                     max_tokens=max_tokens, pad_id=pad,
-                                    pad_to_multiple=tp_multiple,
+                                    pad_to_multiple=row_multiple,
+                                    sequence_multiple=sequence_multiple, length=length,
                                     overlong_filter=self.args.grpo.overlong_filter,
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
@@ -253,7 +266,7 @@ class GRPOTrainer:
 
     def sync_weights(self) -> Dict[str, float]:
         """Stream the policy's weights into the engine; with --check_weight_sync, verify it."""
-        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks[0]))
+        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks))
         return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
 
     @torch.no_grad()
@@ -360,10 +373,10 @@ class GRPOTrainer:
     def _save_hf_copies(self) -> None:
         """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
         checkpoint-<step>-merged with --merge_lora)."""
-        pol, chunk = self.policy, self.policy.chunks[0]
+        pol, chunk = self.policy, self.policy.chunks[0]  # one chunk with LoRA
         directory = run_checkpoint.hf_dir(self.save_dir, self.step)
         if pol.lora is None:
-            pol.bridge.save_hf(chunk, directory, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
             return
         save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
         if self.args.training.merge_lora:
@@ -411,7 +424,7 @@ class GRPOTrainer:
         if self._saved_step == self.step and os.path.isdir(merged):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
         else:
-            pol.bridge.save_hf(pol.chunks[0], final_hf, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True)
         if pol.lora is None:
             return
         adapter = run_checkpoint.hf_dir(self.save_dir, self.step)

@@ -45,9 +45,9 @@ def tokens_for(vocab: int) -> torch.Tensor:
 def load(args, state, model_dir):
     """components.py's model: the policy's (and the reference's) build and weights."""
     hf_config = load_hf_config(model_dir)
-    model, config, bridge = components._load_model(args, state, model_dir, hf_config,
-                                                   torch.float32, None)
-    return model, config, bridge
+    chunks, config, bridge = components._load_model(args, state, model_dir, hf_config,
+                                                    torch.float32, None)
+    return chunks[0], config, bridge  # one chunk: no interleaved pipeline here
 
 
 def routed_counter(model):
