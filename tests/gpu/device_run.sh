@@ -27,6 +27,9 @@
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 # One GPU:
 #   lora_vs_full      ours on the trl_compare setup, --train_type full then lora (same run)
+#   long_context      benchmarks/long_context.py: one 16k / 32k-token sequence, CP=1 then CP=2
+#                     (2 GPUs), train-step time and peak memory
+#   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler)
 #   profile_lora      the profile phase with --train_type lora ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -87,6 +90,14 @@ phase() {
         lora_vs_full) for mode in full lora; do python3 benchmarks/trl_compare.py \
                           --preset qwen2.5-1.5b --rollout_batches 4 --tool ours \
                           --work_dir /tmp/$mode -- --train_type $mode || return 1; done ;;
+        long_context) for seq in 16384 32768; do
+                          python3 benchmarks/long_context.py --seq $seq
+                          python3 -m torch.distributed.run --nproc_per_node 2 \
+                              benchmarks/long_context.py --seq $seq --cp 2; done ;;
+        multi_turn) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 3 \
+                        --tool ours --variable_length --work_dir /tmp/multi_turn -- \
+                        --multi_turn_scheduler gym_scheduler --gym_env grid_world --max_turns 3 \
+                        --use_gym_env true ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
