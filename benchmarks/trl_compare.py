@@ -141,7 +141,8 @@ def run_ours(a, model: str, dataset: str) -> dict:
 
 PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
               "perf/train_tokens_per_s", "perf/max_memory_allocated_gib",
-              "rollout/completion_tokens", "rollout/completion_length_mean")
+              "rollout/completion_tokens", "rollout/completion_length_mean",
+              "multi_turn/num_turns_mean", "multi_turn/env_tokens_mean")  # the last two: multi-turn runs
 
 
 def train_tflops(model_dir: str, tokens_per_s) -> float:
