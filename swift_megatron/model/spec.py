@@ -10,12 +10,18 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   flash-attention varlen kernel (`torch.nn.attention.varlen`) on CUDA with
   `--attention_backend flash|auto`, else through SDPA one sequence at a time (every device).
 
+Hybrid models (qwen3_5*) get one spec per layer (`hybrid_block_spec`): megatron-core's
+`GatedDeltaNet` for linear-attention layers (its parallel linears and our RMSNorm as the gated
+output norm; kernels from model/gdn.py) and `SelfAttention` with the output gate for full ones,
+with `ZeroCenteredRMSNorm` ("1 + w") for the decoder and q/k norms. megatron-core's own hybrid
+spec (experimental_attention_variant) requires Transformer Engine.
+
 Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
 GPU machine, so a TE path could not be tested here.
 """
 import inspect
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +29,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -45,6 +52,19 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored centred on zero: rms(x) * (1 + w) in float32, cast back
+    (Qwen3.5's `Qwen3_5RMSNorm`; the weight starts at 0)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, eps)
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class SDPAttention(MegatronModule):
@@ -124,19 +144,46 @@ def _dense_mlp() -> ModuleSpec:
                                                           linear_fc2=RowParallelLinear))
 
 
-def layer_spec(qk_layernorm: bool, num_experts: Optional[int]) -> ModuleSpec:
-    """One decoder layer: pre-norm attention and MLP (or MoE) with residuals."""
-    mlp = (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
-                                           moe_grouped_gemm=False) if num_experts else _dense_mlp())
-    qk_norm = RMSNorm if qk_layernorm else IdentityOp
-    attention = ModuleSpec(
+def _mlp(num_experts: Optional[int]) -> ModuleSpec:
+    return (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
+                                            moe_grouped_gemm=False) if num_experts else _dense_mlp())
+
+
+def _self_attention(qk_norm) -> ModuleSpec:
+    return ModuleSpec(
         module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear, core_attention=SDPAttention,
             linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+
+
+def _gated_delta_net() -> ModuleSpec:
+    from swift_megatron.model import gdn
+
+    gdn.install()
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
+
+
+def _layer(mixer: ModuleSpec, norm, num_experts: Optional[int]) -> ModuleSpec:
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+        input_layernorm=norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm, mlp=_mlp(num_experts), mlp_bda=get_bias_dropout_add))
+
+
+def layer_spec(qk_layernorm: bool, num_experts: Optional[int]) -> ModuleSpec:
+    """One decoder layer: pre-norm attention and MLP (or MoE) with residuals."""
+    return _layer(_self_attention(RMSNorm if qk_layernorm else IdentityOp), RMSNorm, num_experts)
+
+
+def hybrid_block_spec(layer_types: Sequence[str],
+                      num_experts: Optional[int]) -> TransformerBlockSubmodules:
+    """The decoder block of one pipeline stage of a hybrid model (its slice of `layer_types`):
+    Gated DeltaNet or gated full attention per layer, zero-centred norms."""
+    full = _layer(_self_attention(ZeroCenteredRMSNorm), ZeroCenteredRMSNorm, num_experts)
+    linear = _layer(_gated_delta_net(), ZeroCenteredRMSNorm, num_experts)
+    specs = [linear if kind == "linear_attention" else full for kind in layer_types]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
 
 
 def block_spec(num_layers_in_stage: int, qk_layernorm: bool,
