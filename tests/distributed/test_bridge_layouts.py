@@ -1,12 +1,14 @@
 """The bridge end to end on tiny checkpoints of every family (workers/bridge_layouts.py).
 
 Single process (one worker run for all families): HF -> Megatron -> HF is bit-exact for every
-tensor, Megatron logits match transformers in float32, the exported checkpoint reloads in
+tensor (Qwen3.5's vision tower and MTP tensors, outside the Megatron model, copied through), Megatron logits match transformers in float32, the exported checkpoint reloads in
 transformers and greedy-generates the same tokens, a small --max_shard_size writes an index.
 
 Two processes over gloo (slow; one worker run, one layout per job): loading with TP=2 (llama,
 qwen2: vocab 505 so TP pads it), PP=2 (qwen3, tied embeddings across stages), EP=2, TP=2 x EP=2
-x ETP=1 and TP=2 x ETP=2 (qwen3_moe) exports bit-for-bit the original tensors; a Megatron model
+x ETP=1 and TP=2 x ETP=2 (qwen3_moe), TP=2 and PP=2 (qwen3_5: Gated DeltaNet and gated
+attention split over ranks, linear and full layers on different stages), TP=2 x EP=2 (qwen3_5_moe)
+exports bit-for-bit the original tensors and matches transformers' logits; a Megatron model
 directory saved with TP=2 reloads with PP=2 and with 1x1 and gives identical logits. Also the
 GPU bf16 worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
 
@@ -69,6 +71,7 @@ def single(models, tmp_path_factory):
 def test_round_trip_is_bit_exact(single, models, family):
     out, results = single
     assert_exported_exactly(results[family])
+    assert (results[family]["export"]["passthrough"] > 0) == family.startswith("qwen3_5")
     original, exported = safetensors_of(models[family]), safetensors_of(out / f"{family}_hf")
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
@@ -126,6 +129,9 @@ LAYOUTS = [
     dict(name="qwen3_moe_ep2", family="qwen3_moe", ep=2, precision=True),
     dict(name="qwen3_moe_tp2_ep2_etp1", family="qwen3_moe", tp=2, ep=2, etp=1, precision=True),
     dict(name="qwen3_moe_tp2_etp2", family="qwen3_moe", tp=2, etp=2, precision=True),
+    dict(name="qwen3_5_tp2", family="qwen3_5", tp=2, precision=True),
+    dict(name="qwen3_5_pp2", family="qwen3_5", pp=2, precision=True),
+    dict(name="qwen3_5_moe_tp2_ep2", family="qwen3_5_moe", tp=2, ep=2, etp=1, precision=True),
 ]
 PRECISION_LAYOUTS = [job["name"] for job in LAYOUTS if job.get("precision")]
 

@@ -18,7 +18,7 @@ from swift_megatron.fixtures.tokenizer import TOKENIZER_DIR, train_tokenizer
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 504
 PAD_ID, IM_START_ID, EOS_ID = 497, 498, 499
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+MODEL_TYPES = {family: family for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,7 @@ def test_family_builds_reloads_and_runs(family, tiny_model_dir, tok):
             "tokenizer_config.json"} <= names
     config = AutoConfig.from_pretrained(model_dir)
     assert config.model_type == MODEL_TYPES[family]
+    config = config.get_text_config()  # the text stack's (qwen3_5*: nested as text_config)
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (VOCAB, 64, 4)
     assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (EOS_ID, PAD_ID, None)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -27,7 +27,8 @@ import os
 
 
 def compare_export(loaded, hf_dir: str) -> dict:
-    """Drain the bridge's export and compare each tensor with the original checkpoint."""
+    """Drain the bridge's export and compare each tensor with the original checkpoint (whose
+    tensors outside the Megatron model, the family's passthrough, are not expected)."""
     import torch
 
     from swift_megatron.bridge.io import HFReader
@@ -40,8 +41,10 @@ def compare_export(loaded, hf_dir: str) -> dict:
         same = original is not None and original.dtype == tensor.dtype
         if not (same and torch.equal(original, tensor.cpu())):
             mismatched.append(name)
+    passthrough = {n for n in reader.file_of if n.startswith(tuple(loaded.bridge.passthrough))}
     return {"exported": len(names), "duplicates": len(names) - len(set(names)),
-            "missing": sorted(set(reader.file_of) - set(names)), "mismatched": mismatched}
+            "missing": sorted(set(reader.file_of) - set(names) - passthrough),
+            "mismatched": mismatched, "passthrough": len(passthrough)}
 
 
 def run_job(job: dict, out_dir: str) -> dict:
