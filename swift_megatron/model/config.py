@@ -34,6 +34,7 @@ from megatron.core.transformer import TransformerConfig
 
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
+from swift_megatron.model.text_config import HYBRID_TYPES, MOE_TYPES, text_config
 from swift_megatron.parallel.layout import num_experts
 
 SUPPORTED = SUPPORTED_MODEL_TYPES
@@ -70,27 +71,6 @@ def load_hf_config(model_dir: str) -> Dict[str, Any]:
         raise UserError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
     with open(path) as f:
         return json.load(f)
-
-
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
-MOE_TYPES = ("qwen3_moe", "qwen3_5_moe")
-_TEXT_ONLY_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
-
-
-def text_config(hf: Mapping) -> Dict[str, Any]:
-    """The text stack's config as one flat dict: a multimodal config's `text_config` with the
-    top-level model_type and tie_word_embeddings (which decide, as in transformers); a text-only
-    save's `qwen3_5_text` type read as `qwen3_5`. Flat configs come back as they are."""
-    flat = dict(hf)
-    if isinstance(hf.get("text_config"), Mapping):
-        flat = dict(hf["text_config"])
-        flat["model_type"] = hf.get("model_type", flat.get("model_type"))
-        flat["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-        for key in ("torch_dtype", "dtype"):
-            if hf.get(key) is not None:
-                flat.setdefault(key, hf[key])
-    flat["model_type"] = _TEXT_ONLY_TYPES.get(flat.get("model_type"), flat.get("model_type"))
-    return flat
 
 
 def rope_parameters(hf: Mapping) -> Dict[str, Any]:

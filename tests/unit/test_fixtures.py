@@ -126,6 +126,12 @@ def test_auto_tokenizer_in_model_dir_matches_committed(family, tiny_model_dir):
     with open(os.path.join(TOKENIZER_DIR, "tokenizer.json")) as f:
         committed = json.load(f)
     backend.pop("post_processor"), committed.pop("post_processor")
+    if family.startswith("qwen3_5"):
+        # 5.x forces Qwen3_5Tokenizer, whose split regex also keeps combining marks (\p{M}) with
+        # letters; identical ids on text without them (asserted below)
+        pattern = lambda t: t["pre_tokenizer"]["pretokenizers"][0].pop("pattern")["Regex"]  # noqa: E731
+        assert pattern(backend) == pattern(committed).replace(r"\p{L}+", r"[\p{L}\p{M}]+") \
+            .replace(r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{M}\p{N}]")
     assert backend == committed
     assert loaded("What is 3 + 4?").input_ids == [300, 266, 220, 18, 277, 220, 19, 30]
 
