@@ -15,7 +15,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from swift_megatron.bridge.export import build_plan, export_hf_weights
-from swift_megatron.bridge.families import mappings_for, passthrough_for
+from swift_megatron.bridge.families import aliases_for, mappings_for, passthrough_for
 from swift_megatron.bridge.hf_checkpoint import write_hf_checkpoint
 from swift_megatron.bridge.load import load_hf_weights
 from swift_megatron.bridge.mapping import Dims
@@ -49,7 +49,8 @@ class Bridge:
         self._plan = None
 
     def load(self, model: torch.nn.Module, hf_dir: str) -> None:
-        load_hf_weights(unwrap(model), hf_dir, self.mappings, self.dims, self.pos)
+        load_hf_weights(unwrap(model), hf_dir, self.mappings, self.dims, self.pos,
+                        aliases_for(self.shape.model_type))
 
     def export(self, model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
         model = unwrap(model)

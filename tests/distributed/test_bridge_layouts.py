@@ -58,12 +58,35 @@ def assert_exported_exactly(result):
 
 # ---- single process -------------------------------------------------------------------------
 
+def text_only_saves(vl_dir, root):
+    """Qwen3.5's text stack saved on its own: as transformers' Qwen3_5ForCausalLM writes it
+    (model_type qwen3_5_text, tensors still under model.language_model.) and with the text
+    stack under model. (as other tools write text-only checkpoints)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    text, plain = str(root / "qwen3_5_text"), str(root / "qwen3_5_plain")
+    AutoModelForCausalLM.from_pretrained(vl_dir).save_pretrained(text)
+    shutil.copytree(text, plain)
+    tensors = load_file(os.path.join(text, "model.safetensors"))
+    save_file({k.replace("model.language_model.", "model."): v for k, v in tensors.items()},
+              os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    return {"qwen3_5_text": text, "qwen3_5_plain": plain}
+
+
+TEXT_ONLY = ("qwen3_5_text", "qwen3_5_plain")
+
+
 @pytest.fixture(scope="module")
 def single(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge_single")
     jobs = [dict(name=family, hf_dir=models[family], load="hf", logits=True, precision=True,
                  save_hf=str(out / f"{family}_hf"),
                  max_shard_size="40KB" if family == SHARDED else "5GB") for family in FAMILIES]
+    jobs += [dict(name=name, hf_dir=path, load="hf", precision=True)
+             for name, path in text_only_saves(models["qwen3_5"], out).items()]
     return out, run_jobs(jobs, 1, out)[0]
 
 
@@ -78,7 +101,7 @@ def test_round_trip_is_bit_exact(single, models, family):
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TEXT_ONLY)
 def test_logits_match_transformers(single, family):
     report = single[1][family]["precision"]
     print(f"{family}: {json.dumps(report)}")

@@ -28,6 +28,31 @@ def test_a_good_configuration_prints_plan_and_checks(base, capsys):
     assert "checked rewards: accuracy, format" in out
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_is_recognised_from_its_nested_config(base, tiny_model_dir, family, capsys):
+    """Its sizes sit under text_config (a ConditionalGeneration checkpoint)."""
+    assert run(base + ["--model", tiny_model_dir(family), "--padding_free", "false"]) == 0
+    out = capsys.readouterr().out
+    assert f"checked model: {tiny_model_dir(family)} ({family})" in out
+    assert "memory per GPU (estimate, GiB): weights" in out
+
+
+def test_qwen3_5_refuses_packed_sequences_naming_the_flag(base, tiny_model_dir):
+    with pytest.raises(UserError, match="Gated DeltaNet.*--padding_free false"):
+        run(base + ["--model", tiny_model_dir("qwen3_5")])
+
+
+def test_qwen3_5_text_only_save_reads_as_qwen3_5(base, tiny_model_dir, tmp_path, capsys):
+    source = tiny_model_dir("qwen3_5")
+    nested = json.load(open(os.path.join(source, "config.json")))
+    flat = dict(nested["text_config"], model_type="qwen3_5_text")
+    model = copy_model(source, tmp_path / "m")
+    json.dump(flat, open(os.path.join(model, "config.json"), "w"))
+    assert run(base + ["--model", model, "--padding_free", "false", "--check_model",
+                       "false"]) == 0
+    assert "(qwen3_5)" in capsys.readouterr().out
+
+
 def copy_model(source, target, **config_changes):
     shutil.copytree(source, target)
     path = os.path.join(target, "config.json")

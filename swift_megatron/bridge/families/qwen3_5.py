@@ -7,8 +7,10 @@ dt_bias split by value head; the gated output norm is replicated. Full-attention
 HF's per-head [q; gate] q_proj with k and v per query group (GatedQKV). Every decoder norm is
 zero-centred in both HF and Megatron (ZeroCenteredRMSNorm), so norms map unchanged.
 
-Checkpoints: a Qwen3_5ForConditionalGeneration keeps the text stack under
-`model.language_model.` (config with `text_config`); a text-only causal LM under `model.`.
+Checkpoints: transformers saves the text stack under `model.language_model.`, from
+Qwen3_5ForConditionalGeneration and from a text-only Qwen3_5ForCausalLM alike (model_type
+`qwen3_5_text`); exports use that prefix. Checkpoints with the text stack under `model.` (other
+tools' text-only saves) load too (LOAD_ALIASES).
 The vision tower (`model.visual.`) and the multi-token-prediction head (`mtp.`) are not part
 of the Megatron model: `PASSTHROUGH` names them so that writing an HF checkpoint copies them
 from the source checkpoint unchanged.
@@ -21,11 +23,8 @@ from swift_megatron.bridge.mapping import (ColumnParallel, GatedQKV, Mapping, Re
                                            RowParallel, Segmented)
 
 PASSTHROUGH = ("model.visual.", "mtp.")
-
-
-def decoder_prefix(hf: dict) -> str:
-    """Where the text stack lives in the checkpoint: under language_model for multimodal ones."""
-    return "model.language_model." if "text_config" in hf else "model."
+DECODER = "model.language_model."
+LOAD_ALIASES = ((DECODER, "model."),)
 
 
 def gated_attention(model: str) -> List[Mapping]:
@@ -56,10 +55,9 @@ def gated_delta_net(model: str) -> List[Mapping]:
 
 def mixers(hf: dict) -> List[Mapping]:
     """Embeddings plus both kinds of token mixer (each matches only its own layers' names)."""
-    model = decoder_prefix(hf)
     tied = bool(hf.get("tie_word_embeddings", False))
-    return embeddings(tied, model) + gated_attention(model) + gated_delta_net(model)
+    return embeddings(tied, DECODER) + gated_attention(DECODER) + gated_delta_net(DECODER)
 
 
 def mappings(hf: dict) -> List[Mapping]:
-    return mixers(hf) + dense_mlp(decoder_prefix(hf))
+    return mixers(hf) + dense_mlp(DECODER)

@@ -3,10 +3,10 @@ expert in the hub format) plus one shared expert whose output a sigmoid gate sca
 from typing import List
 
 from swift_megatron.bridge.families.common import L, layer_prefix, moe_mlp
-from swift_megatron.bridge.families.qwen3_5 import PASSTHROUGH, decoder_prefix, mixers
+from swift_megatron.bridge.families.qwen3_5 import DECODER, LOAD_ALIASES, PASSTHROUGH, mixers
 from swift_megatron.bridge.mapping import GateUp, Mapping, Replicated, RowParallel
 
-__all__ = ["PASSTHROUGH", "mappings"]
+__all__ = ["LOAD_ALIASES", "PASSTHROUGH", "mappings"]
 
 
 def shared_expert(model: str) -> List[Mapping]:
@@ -20,5 +20,4 @@ def shared_expert(model: str) -> List[Mapping]:
 
 
 def mappings(hf: dict) -> List[Mapping]:
-    model = decoder_prefix(hf)
-    return mixers(hf) + moe_mlp(model) + shared_expert(model)
+    return mixers(hf) + moe_mlp(DECODER) + shared_expert(DECODER)
