@@ -25,17 +25,15 @@ from swift_megatron.model.config import ModelShape
 
 
 def dims_of(config, shape: Optional[ModelShape] = None) -> Dims:
-    """The dimensions the fused layouts need, from a TransformerConfig (vocab from `shape`)."""
-    hybrid = shape is not None and shape.is_hybrid
+    """The dimensions the fused layouts need, from a TransformerConfig (vocab from `shape`;
+    the Gated DeltaNet sizes are read by hybrid models' tables only)."""
     return Dims(num_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
                 head_dim=config.kv_channels,
                 vocab_size=shape.vocab_size if shape else 0,
                 padded_vocab_size=shape.padded_vocab_size if shape else 0,
-                linear_qk_dim=config.linear_key_head_dim * config.linear_num_key_heads
-                if hybrid else 0,
-                linear_v_dim=config.linear_value_head_dim * config.linear_num_value_heads
-                if hybrid else 0,
-                linear_v_heads=config.linear_num_value_heads if hybrid else 0)
+                linear_qk_dim=config.linear_key_head_dim * config.linear_num_key_heads,
+                linear_v_dim=config.linear_value_head_dim * config.linear_num_value_heads,
+                linear_v_heads=config.linear_num_value_heads)
 
 
 class Bridge:
