@@ -189,8 +189,9 @@ def _moe_kwargs(hf: Mapping, model_type: str, ep: int, etp: int) -> Dict[str, An
 
 
 def _hybrid_kwargs(hf: Mapping) -> Dict[str, Any]:
-    """Gated DeltaNet sizes and the full-attention layers' output gate (qwen3_5*)."""
-    return dict(attention_output_gate=True,
+    """Gated DeltaNet sizes and the full-attention layers' output gate (qwen3_5*); layers of
+    two kinds are saved per layer in distributed checkpoints (as megatron's own hybrid does)."""
+    return dict(attention_output_gate=True, hetereogenous_dist_checkpoint=True,
                 linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
                 linear_key_head_dim=hf["linear_key_head_dim"],
                 linear_value_head_dim=hf["linear_value_head_dim"],
