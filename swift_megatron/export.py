@@ -431,7 +431,9 @@ def write_output(args: "ExportCommandArguments", inputs: ExportInputs,
     else:
         loaded.bridge.save_hf(loaded.model, e.output_dir, source_dir=inputs.hf_files,
                               dtype=DTYPES[inputs.dtype], max_shard_size=e.max_shard_size,
-                              exist_ok=e.exist_ok)
+                              exist_ok=e.exist_ok,
+                              passthrough_dir=inputs.base.hf_files if inputs.base.kind == "hf"
+                              else inputs.model_dir)
     logger.info(f"wrote {OUTPUTS[inputs.output]} {e.output_dir} ({inputs.model_type}, "
                 f"{inputs.dtype}, TP={state.tp} PP={state.pp} EP={state.ep} ETP={state.etp}) in "
                 f"{time.perf_counter() - start:.1f} s")

@@ -63,8 +63,10 @@ class Bridge:
 
     def save_hf(self, model: torch.nn.Module, out_dir: str, source_dir: str, *,
                 dtype: Optional[torch.dtype] = None, max_shard_size: str = "5GB",
-                exist_ok: bool = False) -> None:
+                exist_ok: bool = False, passthrough_dir: Optional[str] = None) -> None:
+        """Write an HF checkpoint: the exported tensors, the config and tokenizer files of
+        `source_dir`, and the passthrough tensors of `passthrough_dir` (default `source_dir`)."""
         write_hf_checkpoint(self.export(model), out_dir, hf_config=self.hf_config,
                             source_dir=source_dir, dtype=dtype, max_shard_size=max_shard_size,
                             exist_ok=exist_ok, total=self.num_exported(model),
-                            passthrough=self.passthrough)
+                            passthrough=self.passthrough, passthrough_dir=passthrough_dir)

@@ -63,7 +63,8 @@ def _write_config(out_dir: str, hf_config: dict, dtype: torch.dtype) -> None:
 def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str, *,
                         hf_config: dict, source_dir: str, dtype: Optional[torch.dtype] = None,
                         max_shard_size: str = "5GB", exist_ok: bool = False,
-                        total: Optional[int] = None, passthrough: Sequence[str] = ()) -> None:
+                        total: Optional[int] = None, passthrough: Sequence[str] = (),
+                        passthrough_dir: Optional[str] = None) -> None:
     writer_rank = not dist.is_initialized() or dist.get_rank() == 0
     out_dir = os.path.abspath(out_dir)
     tmp = f"{out_dir}.tmp-{os.getpid()}"
@@ -78,7 +79,7 @@ def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str,
             writer.add(name, tensor.to(written_dtype))
     if not writer_rank:
         return
-    for name, tensor in passthrough_tensors(source_dir, passthrough):
+    for name, tensor in passthrough_tensors(passthrough_dir or source_dir, passthrough):
         writer.add(name, tensor)
     writer.close()
     copy_model_files(source_dir, tmp)
