@@ -83,14 +83,17 @@ def check_model_family(hf_config: dict, model_type: Optional[str], source: str) 
 
 
 def check_hybrid_support(args: RlhfArguments, family: str) -> None:
-    """Gated DeltaNet layers (qwen3_5*) take neither packed sequences nor context parallelism
-    (megatron-core 0.16.1's GatedDeltaNet): refuse both before anything is built."""
+    """Gated DeltaNet layers (qwen3_5*) run packed sequences one at a time, which needs whole
+    sequences on each rank (not with sequence parallelism), and have no context parallelism
+    (megatron-core 0.16.1): refuse those before anything is built."""
     if family not in HYBRID_TYPES:
         return
-    if args.kernels.padding_free:
-        raise UserError(f"{family}: Gated DeltaNet layers do not support packed sequences yet; "
-                        "pass --padding_free false (as ms-swift's Qwen3.5 GRPO examples do)")
-    if args.parallel.context_parallel_size > 1:
+    p = args.parallel
+    if args.kernels.padding_free and p.sequence_parallel and p.tensor_model_parallel_size > 1:
+        raise UserError(f"{family}: Gated DeltaNet layers take packed sequences only without "
+                        "sequence parallelism; pass --padding_free false (as ms-swift's Qwen3.5 "
+                        "GRPO examples do) or --sequence_parallel false")
+    if p.context_parallel_size > 1:
         raise UserError(f"{family}: Gated DeltaNet layers do not support context parallelism; "
                         "use --context_parallel_size 1")
 

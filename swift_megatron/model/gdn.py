@@ -6,8 +6,10 @@ kernels fail there ("0 active drivers"). `install()` puts dispatchers in their p
 per call: fla on CUDA tensors when fla imports, else a torch path (megatron's own
 `torch_chunk_gated_delta_rule`, the chunked rule copied from transformers, and the L2 norm below).
 
-Neither path supports packed sequences in megatron-core 0.16.1 (the layer raises), nor context
-parallelism; the batch plan refuses both up front for hybrid models.
+megatron-core 0.16.1's layer refuses packed (THD) micro-batches; `PackedGatedDeltaNet` runs
+them one sequence at a time through it (each sequence's convolution and recurrence start from
+zero, as in a padded batch), which needs each rank to hold whole sequences: not with sequence
+parallelism (preflight refuses --padding_free there). Context parallelism is not supported.
 """
 import functools
 
@@ -46,6 +48,28 @@ def chunk_gated_delta_rule(query, key, value, **kwargs):
     if uses_fla(query):
         return _fla()[1](query, key, value, **kwargs)
     return gated_delta_net.torch_chunk_gated_delta_rule(query, key, value, **kwargs)
+
+
+class PackedGatedDeltaNet(gated_delta_net.GatedDeltaNet):
+    """megatron-core's GatedDeltaNet that also takes packed micro-batches ([t, 1, h] with
+    `packed_seq_params.cu_seqlens_q`), one sequence at a time; rows past the last sequence (the
+    padding that rounds a packed row up) give zeros."""
+
+    def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+        if packed_seq_params is None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        if self.sp_size > 1:
+            raise ValueError("packed sequences through Gated DeltaNet need whole sequences on "
+                             "each rank: not with sequence parallelism")
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        outputs, bias = [], None
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            out, bias = super().forward(hidden_states[start:end], None, *args, **kwargs)
+            outputs.append(out)
+        if bounds[-1] < hidden_states.shape[0]:
+            outputs.append(hidden_states.new_zeros(hidden_states.shape[0] - bounds[-1],
+                                                   *outputs[0].shape[1:]))
+        return torch.cat(outputs), bias
 
 
 def install() -> None:

@@ -11,7 +11,8 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   `--attention_backend flash|auto`, else through SDPA one sequence at a time (every device).
 
 Hybrid models (qwen3_5*) get one spec per layer (`hybrid_block_spec`): megatron-core's
-`GatedDeltaNet` for linear-attention layers (its parallel linears and our RMSNorm as the gated
+`GatedDeltaNet` (model/gdn.py's subclass, which also takes packed sequences) for linear-attention
+layers (its parallel linears and our RMSNorm as the gated
 output norm; kernels from model/gdn.py) and `SelfAttention` with the output gate for full ones,
 with `ZeroCenteredRMSNorm` ("1 + w") for the decoder and q/k norms. megatron-core's own hybrid
 spec (experimental_attention_variant) requires Transformer Engine.
@@ -29,7 +30,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -161,7 +162,7 @@ def _gated_delta_net() -> ModuleSpec:
     from swift_megatron.model import gdn
 
     gdn.install()
-    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+    return ModuleSpec(module=gdn.PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
 
 

@@ -1,11 +1,10 @@
 """`megatron rlhf` GRPO on the tiny Qwen3.5 (hybrid Gated DeltaNet) model on CPU with the embedded
-engine, full and LoRA: the engine samples from exactly the trainer's policy (weight sync), the
-first step's KL is 0 and the step updates; the final HF export keeps the vision tower and MTP
-tensors of the source bit for bit; LoRA adapts the Gated DeltaNet projections too, only adapted
-linears change, and peft reproduces the merged export from the adapter. Packed sequences are
-refused up front naming --padding_free."""
+engine, full (packed micro-batches, the default) and LoRA (padded): the engine samples from
+exactly the trainer's policy (weight sync), the first step's KL is 0 and the step updates; the
+final HF export keeps the vision tower and MTP tensors of the source bit for bit; LoRA adapts
+the Gated DeltaNet projections too, only adapted linears change, and peft reproduces the merged
+export from the adapter."""
 import json
-import os
 
 import pytest
 import torch
@@ -23,8 +22,7 @@ def base(tiny_model_dir, math_dataset_path):
             "--external_plugins", PLUGIN, "--reward_funcs", "digit_ratio", "contains_answer",
             "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
             "--max_completion_length", "16", "--report_to", "none", "--logging_steps", "1",
-            "--add_version", "false", "--train_iters", "2", "--check_weight_sync", "true",
-            "--padding_free", "false"]
+            "--add_version", "false", "--train_iters", "2", "--check_weight_sync", "true"]
 
 
 def test_full_grpo_trains_and_exports_the_untouched_parts(base, tiny_model_dir, tmp_path):
@@ -51,7 +49,7 @@ def test_lora_grpo_adapts_gated_deltanet_and_peft_reproduces_the_merge(base, tin
     out = tmp_path / "lora"
     # --lora_dropout 0: the sync check's trainer forward applies LoRA dropout (0.05 by default)
     rlhf(*base, "--train_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--beta", "0.04",
-         "--lr", "5e-3", "--lora_dropout", "0", "--output_dir", out)
+         "--lr", "5e-3", "--lora_dropout", "0", "--padding_free", "false", "--output_dir", out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in logged(out))
     with open(out / "final_adapter" / "adapter_config.json") as f:
         targets = json.load(f)["target_modules"]
@@ -70,10 +68,3 @@ def test_lora_grpo_adapts_gated_deltanet_and_peft_reproduces_the_merge(base, tin
     with torch.no_grad():
         diff = (peft_model(input_ids=tokens).logits - merged_model(input_ids=tokens).logits)
     assert diff.abs().max().item() < 1e-5
-
-
-def test_packed_sequences_are_refused_naming_the_flag(base, tmp_path):
-    argv = [a for a in base if a not in ("--padding_free", "false")]
-    proc = rlhf(*argv, "--output_dir", tmp_path / "x", check=False)
-    assert proc.returncode == 2 and "--padding_free false" in proc.stdout + proc.stderr
-    assert not os.path.exists(tmp_path / "x" / "logging.jsonl")

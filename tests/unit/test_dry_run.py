@@ -31,15 +31,29 @@ def test_a_good_configuration_prints_plan_and_checks(base, capsys):
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_is_recognised_from_its_nested_config(base, tiny_model_dir, family, capsys):
     """Its sizes sit under text_config (a ConditionalGeneration checkpoint)."""
-    assert run(base + ["--model", tiny_model_dir(family), "--padding_free", "false"]) == 0
+    assert run(base + ["--model", tiny_model_dir(family)]) == 0
     out = capsys.readouterr().out
     assert f"checked model: {tiny_model_dir(family)} ({family})" in out
     assert "memory per GPU (estimate, GiB): weights" in out
 
 
-def test_qwen3_5_refuses_packed_sequences_naming_the_flag(base, tiny_model_dir):
-    with pytest.raises(UserError, match="Gated DeltaNet.*--padding_free false"):
-        run(base + ["--model", tiny_model_dir("qwen3_5")])
+@pytest.mark.parametrize("padding_free,sp,tp,cp,message", [
+    (True, True, 2, 1, "--padding_free false"), (False, True, 2, 2, "context parallelism"),
+    (True, False, 2, 1, None), (True, True, 1, 1, None), (False, True, 2, 1, None)])
+def test_qwen3_5_refuses_what_gated_deltanet_cannot_do(padding_free, sp, tp, cp, message):
+    from types import SimpleNamespace
+
+    from swift_megatron.preflight import check_hybrid_support
+
+    args = SimpleNamespace(kernels=SimpleNamespace(padding_free=padding_free),
+                           parallel=SimpleNamespace(sequence_parallel=sp, context_parallel_size=cp,
+                                                    tensor_model_parallel_size=tp))
+    check_hybrid_support(args, "qwen3")  # other families: nothing to refuse
+    if message is None:
+        check_hybrid_support(args, "qwen3_5")
+    else:
+        with pytest.raises(UserError, match=message):
+            check_hybrid_support(args, "qwen3_5_moe")
 
 
 def test_qwen3_5_text_only_save_reads_as_qwen3_5(base, tiny_model_dir, tmp_path, capsys):
@@ -48,8 +62,7 @@ def test_qwen3_5_text_only_save_reads_as_qwen3_5(base, tiny_model_dir, tmp_path,
     flat = dict(nested["text_config"], model_type="qwen3_5_text")
     model = copy_model(source, tmp_path / "m")
     json.dump(flat, open(os.path.join(model, "config.json"), "w"))
-    assert run(base + ["--model", model, "--padding_free", "false", "--check_model",
-                       "false"]) == 0
+    assert run(base + ["--model", model, "--check_model", "false"]) == 0
     assert "(qwen3_5)" in capsys.readouterr().out
 
 
