@@ -6,8 +6,9 @@ transformers and greedy-generates the same tokens, a small --max_shard_size writ
 
 Two processes over gloo (slow; one worker run, one layout per job): loading with TP=2 (llama,
 qwen2: vocab 505 so TP pads it), PP=2 (qwen3, tied embeddings across stages), EP=2, TP=2 x EP=2
-x ETP=1 and TP=2 x ETP=2 (qwen3_moe), TP=2 and PP=2 (qwen3_5: Gated DeltaNet and gated
-attention split over ranks, linear and full layers on different stages), TP=2 x EP=2 (qwen3_5_moe)
+x ETP=1 and TP=2 x ETP=2 (qwen3_moe), TP=2 (with and without sequence parallelism) and PP=2
+(qwen3_5: Gated DeltaNet and gated attention split over ranks, linear and full layers on
+different stages), TP=2 x EP=2 + SP (qwen3_5_moe)
 exports bit-for-bit the original tensors and matches transformers' logits; a Megatron model
 directory saved with TP=2 reloads with PP=2 and with 1x1 and gives identical logits. Also the
 GPU bf16 worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
@@ -153,8 +154,10 @@ LAYOUTS = [
     dict(name="qwen3_moe_tp2_ep2_etp1", family="qwen3_moe", tp=2, ep=2, etp=1, precision=True),
     dict(name="qwen3_moe_tp2_etp2", family="qwen3_moe", tp=2, etp=2, precision=True),
     dict(name="qwen3_5_tp2", family="qwen3_5", tp=2, precision=True),
+    dict(name="qwen3_5_tp2_sp", family="qwen3_5", tp=2, sp=True, precision=True),
     dict(name="qwen3_5_pp2", family="qwen3_5", pp=2, precision=True),
-    dict(name="qwen3_5_moe_tp2_ep2", family="qwen3_5_moe", tp=2, ep=2, etp=1, precision=True),
+    dict(name="qwen3_5_moe_tp2_ep2_sp", family="qwen3_5_moe", tp=2, ep=2, etp=1, sp=True,
+         precision=True),
 ]
 PRECISION_LAYOUTS = [job["name"] for job in LAYOUTS if job.get("precision")]
 

@@ -11,7 +11,7 @@ re-created per job):
     name            result key; logits go to {out_dir}/{name}.logits.pt (rank 0)
     hf_dir          the original HF checkpoint (exports are compared with it)
     load            "hf" (through the bridge) or a Megatron model directory (any layout)
-    tp, pp, ep, etp parallel degrees (default 1)
+    tp, pp, ep, etp parallel degrees (default 1); sp: sequence parallelism (default false)
     logits          save the float32 logits on fixed random tokens
     precision       compare the logits with transformers (swift_megatron.export.measure_precision)
     save_model_dir  write a Megatron model directory there
@@ -60,7 +60,8 @@ def run_job(job: dict, out_dir: str) -> dict:
     hf_config = load_hf_config(job["hf_dir"])
     model_type = model_shape(hf_config).model_type
     source = {"hf_dir": job["hf_dir"]} if job["load"] == "hf" else {"mcore_dir": job["load"]}
-    loaded = load_mcore_model(hf_config, model_type, torch.float32, state, **source)
+    loaded = load_mcore_model(hf_config, model_type, torch.float32, state,
+                              sequence_parallel=job.get("sp", False), **source)
     result = {"export": compare_export(loaded, job["hf_dir"])}
     if job.get("logits"):
         tokens = random_tokens(loaded.shape.vocab_size, loaded.shape.max_position_embeddings, "cpu")
