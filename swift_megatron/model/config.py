@@ -110,8 +110,6 @@ def _check_hybrid(hf: Mapping) -> None:
         raise UserError(f"config.json layer_types {hf['layer_types']} must list "
                         f"num_hidden_layers={hf['num_hidden_layers']} entries, each "
                         "linear_attention or full_attention")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UserError(f"hidden_act '{hf.get('hidden_act')}' is not supported (silu)")
 
 
 def _check_supported(hf: Mapping, model_type: str) -> None:

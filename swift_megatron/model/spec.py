@@ -11,11 +11,11 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   `--attention_backend flash|auto`, else through SDPA one sequence at a time (every device).
 
 Hybrid models (qwen3_5*) get one spec per layer (`hybrid_block_spec`): megatron-core's
-`GatedDeltaNet` (model/gdn.py's subclass, which also takes packed sequences) for linear-attention
-layers (its parallel linears and our RMSNorm as the gated
-output norm; kernels from model/gdn.py) and `SelfAttention` with the output gate for full ones,
-with `ZeroCenteredRMSNorm` ("1 + w") for the decoder and q/k norms. megatron-core's own hybrid
-spec (experimental_attention_variant) requires Transformer Engine.
+`GatedDeltaNet` for linear-attention layers (model/gdn.py's subclass, which also takes packed
+sequences, with its kernels; parallel linears and our RMSNorm as the gated output norm) and
+`SelfAttention` with the output gate for full ones, with `ZeroCenteredRMSNorm` ("1 + w") for the
+decoder and q/k norms. megatron-core's own hybrid spec (experimental_attention_variant)
+requires Transformer Engine.
 
 Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
 GPU machine, so a TE path could not be tested here.
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
