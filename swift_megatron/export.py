@@ -570,9 +570,11 @@ def compare_logits(mcore: "torch.Tensor", hf: "torch.Tensor", dtype_name: str) -
 
 def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
                       weights_dtype: Optional["torch.dtype"] = None,
-                      adapter_dir: Optional[str] = None) -> PrecisionReport:
+                      adapter_dir: Optional[str] = None,
+                      length: int = PRECISION_LENGTH) -> PrecisionReport:
     """Run the loaded Megatron model and the transformers model of `hf_dir` (+ the PEFT adapter
-    `adapter_dir`), in the Megatron model's dtype, on the same random tokens. With `weights_dtype` both models' weights are first
+    `adapter_dir`), in the Megatron model's dtype, on the same random tokens (`length` per
+    sequence). With `weights_dtype` both models' weights are first
     rounded to it (the Megatron model's in place), so that a conversion that also changes the
     dtype is measured on equal weights. The transformers model runs on global rank 0 only; the
     report is returned on every rank. Collective."""
@@ -580,7 +582,7 @@ def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
 
     round_weights(loaded.model, weights_dtype)
     tokens = random_tokens(loaded.shape.vocab_size, loaded.shape.max_position_embeddings,
-                           state.device)
+                           state.device, length=length)
     mcore = mcore_logits(loaded, tokens, state)
     label = DTYPE_NAMES[loaded.dtype]
     if weights_dtype not in (None, loaded.dtype):

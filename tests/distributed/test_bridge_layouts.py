@@ -78,6 +78,8 @@ def text_only_saves(vl_dir, root):
 
 
 TEXT_ONLY = ("qwen3_5_text", "qwen3_5_plain")
+HYBRID = ("qwen3_5", "qwen3_5_moe")
+LONG = 200  # tokens: the Gated DeltaNet rule's state carried over 4 chunks of 64
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,8 @@ def single(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge_single")
     jobs = [dict(name=family, hf_dir=models[family], load="hf", logits=True, precision=True,
                  save_hf=str(out / f"{family}_hf"),
-                 max_shard_size="40KB" if family == SHARDED else "5GB") for family in FAMILIES]
+                 max_shard_size="40KB" if family == SHARDED else "5GB",
+                 long_precision=LONG if family in HYBRID else None) for family in FAMILIES]
     jobs += [dict(name=name, hf_dir=path, load="hf", precision=True)
              for name, path in text_only_saves(models["qwen3_5"], out).items()]
     return out, run_jobs(jobs, 1, out)[0]
@@ -108,6 +111,13 @@ def test_logits_match_transformers(single, family):
     print(f"{family}: {json.dumps(report)}")
     assert report["max_abs_diff"] <= ATOL
     assert report["argmax_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_gated_deltanet_logits_match_over_several_chunks(single, family):
+    report = single[1][family]["long_precision"]
+    print(f"{family} ({LONG} tokens): {json.dumps(report)}")
+    assert report["num_tokens"] == 4 * LONG and report["max_abs_diff"] <= ATOL
 
 
 def greedy_tokens(model_dir, prompt_ids):

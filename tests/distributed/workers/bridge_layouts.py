@@ -14,6 +14,7 @@ re-created per job):
     tp, pp, ep, etp parallel degrees (default 1); sp: sequence parallelism (default false)
     logits          save the float32 logits on fixed random tokens
     precision       compare the logits with transformers (swift_megatron.export.measure_precision)
+    long_precision  the same on sequences of this many tokens
     save_model_dir  write a Megatron model directory there
     save_hf         write an HF checkpoint there, with max_shard_size (default 5GB)
 
@@ -70,6 +71,9 @@ def run_job(job: dict, out_dir: str) -> dict:
             torch.save(logits, os.path.join(out_dir, f"{job['name']}.logits.pt"))
     if job.get("precision"):
         result["precision"] = dataclasses.asdict(measure_precision(loaded, job["hf_dir"], state))
+    if job.get("long_precision"):
+        result["long_precision"] = dataclasses.asdict(measure_precision(
+            loaded, job["hf_dir"], state, length=job["long_precision"]))
     if job.get("save_model_dir"):
         save_model_dir(loaded, job["save_model_dir"], job["hf_dir"], state)
     if job.get("save_hf"):
