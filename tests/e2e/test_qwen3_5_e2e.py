@@ -1,5 +1,5 @@
 """`megatron rlhf` GRPO on the tiny Qwen3.5 (hybrid Gated DeltaNet) model on CPU with the embedded
-engine, full (packed micro-batches, the default) and LoRA (padded): the engine samples from
+engine, full (dense and MoE; packed micro-batches, the default) and LoRA (padded): the engine samples from
 exactly the trainer's policy (weight sync), the first step's KL is 0 and the step updates; the
 final HF export keeps the vision tower and MTP tensors of the source bit for bit; LoRA adapts
 the Gated DeltaNet projections too, only adapted linears change, and peft reproduces the merged
@@ -25,14 +25,16 @@ def base(tiny_model_dir, math_dataset_path):
             "--add_version", "false", "--train_iters", "2", "--check_weight_sync", "true"]
 
 
-def test_full_grpo_trains_and_exports_the_untouched_parts(base, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_full_grpo_trains_and_exports_the_untouched_parts(base, tiny_model_dir, tmp_path, family):
     out = tmp_path / "run"
-    rlhf(*base, "--beta", "0.1", "--lr", "1e-3", "--output_dir", out)
+    rlhf(*base, "--model", tiny_model_dir(family), "--beta", "0.1", "--lr", "1e-3",
+         "--output_dir", out)
     rows = logged(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0 and rows[0]["grad_norm"] > 0
-    source, exported = safetensors_of(tiny_model_dir("qwen3_5")), safetensors_of(out / "final_hf")
+    source, exported = safetensors_of(tiny_model_dir(family)), safetensors_of(out / "final_hf")
     assert sorted(exported) == sorted(source)
     outside = [n for n in source if n.startswith(PASSTHROUGH)]
     assert outside and all(torch.equal(exported[n], source[n]) for n in outside)
