@@ -12,7 +12,7 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
 
 Hybrid models (qwen3_5*) get one spec per layer (`hybrid_block_spec`): megatron-core's
 `GatedDeltaNet` for linear-attention layers (model/gdn.py's subclass, which also takes packed
-sequences, with its kernels; parallel linears and our RMSNorm as the gated output norm) and
+sequences, with its kernels; parallel linears and `HeadRMSNorm` as the gated output norm) and
 `SelfAttention` with the output gate for full ones, with `ZeroCenteredRMSNorm` ("1 + w") for the
 decoder and q/k norms. megatron-core's own hybrid spec (experimental_attention_variant)
 requires Transformer Engine.
@@ -30,7 +30,8 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                          copy_to_tensor_model_parallel_region)
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -66,6 +67,21 @@ class ZeroCenteredRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each attention head's features inside a tensor-parallel region (Gated DeltaNet's
+    output norm): every TP rank normalises its own heads with the same replicated weight, so the
+    weight's gradient is partial on each rank and is summed over TP in the backward (with or
+    without sequence parallelism; finalize_model_grads must not sum it again)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, eps)
+        setattr(self.weight, "sequence_parallel", False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return copy_to_tensor_model_parallel_region(self.weight) * normed
 
 
 class SDPAttention(MegatronModule):
@@ -163,7 +179,7 @@ def _gated_delta_net() -> ModuleSpec:
 
     gdn.install()
     return ModuleSpec(module=gdn.PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
+        in_proj=ColumnParallelLinear, out_norm=HeadRMSNorm, out_proj=RowParallelLinear))
 
 
 def _layer(mixer: ModuleSpec, norm, num_experts: Optional[int]) -> ModuleSpec:

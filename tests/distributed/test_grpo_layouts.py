@@ -8,9 +8,11 @@ Configurations: dapo and grpo; `mix`, what reduces across ranks or stages in iss
 a teacher of another size, the entropy mask and its max/min summaries, token_mask IS); `real`,
 whose group loss is normalised by the step's number of groups. Qwen3.5 (hybrid Gated DeltaNet):
 TP=2 (without sequence parallelism, so that packed sequences stay whole on each rank) and PP=2
-reproduce the single-process run, all packed. (Packed vs padded runs of it drift apart over
-steps by float32 rounding amplified by the tiny model's large first gradients: 6e-4 relative
-in the policy loss at step 4, so layouts are compared in one packing mode.)"""
+reproduce the single-process run, all packed, within float32 rounding: the chunked Gated
+DeltaNet rule's sums round differently when TP splits its heads (or packing its sequences), and
+the tiny model's first update (grad norm ~180) amplifies that, so after it the policy loss (a
+near-cancelling mean, ~5e-5) agrees to ~1e-6 absolute and the KL to ~3e-4 relative, where
+qwen3's layouts agree to 1e-5; grad norms, rewards and entropies to 1e-4."""
 import json
 import os
 import subprocess
@@ -113,7 +115,9 @@ def test_qwen3_5_layout_reproduces_single_process(setup, tiny_model_dir, qwen3_5
     got = run_rlhf(tiny_model_dir("qwen3_5"), dataset, root / f"qwen3_5_{layout}",
                    QWEN3_5_LAYOUTS[layout], 2)
     assert len(got) == len(qwen3_5_reference) == 2
+    tolerance = {"loss/policy": dict(abs=2e-6), "kl": dict(rel=1e-3)}
     for mine, ref in zip(got, qwen3_5_reference):
         for key in KEYS + ["kl"]:
-            assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (layout, key)
+            assert mine[key] == pytest.approx(ref[key], **tolerance.get(key, dict(rel=1e-4))), \
+                (layout, key)
     assert qwen3_5_reference[1]["kl"] > 0 and qwen3_5_reference[0]["grad_norm"] > 0
