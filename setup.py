@@ -31,6 +31,7 @@ setup(
         "tests": read_requirements("tests.txt"),
         "vllm": read_requirements("vllm.txt"),
         "te": read_requirements("te.txt"),
+        "gdn": read_requirements("gdn.txt"),
         "report": read_requirements("report.txt"),
     },
     entry_points={"console_scripts": ["megatron=swift_megatron.cli.main:main"]},

@@ -310,18 +310,19 @@ def _weights(hf_dir: Optional[str], mcore_dir: Optional[str]) -> WeightsSource:
 
 def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
                      state: "ParallelState", *, hf_dir: Optional[str] = None,
-                     mcore_dir: Optional[str] = None,
-                     adapter_dir: Optional[str] = None) -> LoadedModel:
-    """Build the model of the current layout and load it from an HF checkpoint (through the
-    bridge) or from a Megatron checkpoint (our model directory or an ms-swift checkpoint, any
-    layout); with `adapter_dir`, a PEFT adapter on top. Collective."""
+                     mcore_dir: Optional[str] = None, adapter_dir: Optional[str] = None,
+                     sequence_parallel: bool = False) -> LoadedModel:
+    """Build the model of the current layout (with sequence parallelism when asked) and load it
+    from an HF checkpoint (through the bridge) or from a Megatron checkpoint (our model directory
+    or an ms-swift checkpoint, any layout); with `adapter_dir`, a PEFT adapter on top.
+    Collective."""
     from swift_megatron.bridge import Bridge
     from swift_megatron.model.build import build_model
 
     if (hf_dir is None) == (mcore_dir is None):
         raise ValueError("load from exactly one of hf_dir and mcore_dir")
     model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type,
-                                       random_init=False)
+                                       random_init=False, sequence_parallel=sequence_parallel)
     bridge = Bridge(hf_config, shape, config)
     load_weights([model], _weights(hf_dir, mcore_dir), bridge)
     if adapter_dir is not None:
@@ -431,7 +432,9 @@ def write_output(args: "ExportCommandArguments", inputs: ExportInputs,
     else:
         loaded.bridge.save_hf(loaded.model, e.output_dir, source_dir=inputs.hf_files,
                               dtype=DTYPES[inputs.dtype], max_shard_size=e.max_shard_size,
-                              exist_ok=e.exist_ok)
+                              exist_ok=e.exist_ok,
+                              passthrough_dir=inputs.base.hf_files if inputs.base.kind == "hf"
+                              else inputs.model_dir)
     logger.info(f"wrote {OUTPUTS[inputs.output]} {e.output_dir} ({inputs.model_type}, "
                 f"{inputs.dtype}, TP={state.tp} PP={state.pp} EP={state.ep} ETP={state.etp}) in "
                 f"{time.perf_counter() - start:.1f} s")
@@ -567,9 +570,11 @@ def compare_logits(mcore: "torch.Tensor", hf: "torch.Tensor", dtype_name: str) -
 
 def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
                       weights_dtype: Optional["torch.dtype"] = None,
-                      adapter_dir: Optional[str] = None) -> PrecisionReport:
+                      adapter_dir: Optional[str] = None,
+                      length: int = PRECISION_LENGTH) -> PrecisionReport:
     """Run the loaded Megatron model and the transformers model of `hf_dir` (+ the PEFT adapter
-    `adapter_dir`), in the Megatron model's dtype, on the same random tokens. With `weights_dtype` both models' weights are first
+    `adapter_dir`), in the Megatron model's dtype, on the same random tokens (`length` per
+    sequence). With `weights_dtype` both models' weights are first
     rounded to it (the Megatron model's in place), so that a conversion that also changes the
     dtype is measured on equal weights. The transformers model runs on global rank 0 only; the
     report is returned on every rank. Collective."""
@@ -577,7 +582,7 @@ def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
 
     round_weights(loaded.model, weights_dtype)
     tokens = random_tokens(loaded.shape.vocab_size, loaded.shape.max_position_embeddings,
-                           state.device)
+                           state.device, length=length)
     mcore = mcore_logits(loaded, tokens, state)
     label = DTYPE_NAMES[loaded.dtype]
     if weights_dtype not in (None, loaded.dtype):

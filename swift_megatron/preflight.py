@@ -17,6 +17,7 @@ from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
+from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 
 # Measured on an H100 with vLLM 0.26 (tests/gpu/test_vllm_gpu.py): after sleep(level=2), a full
@@ -75,10 +76,26 @@ def _check_reference_paths(args: RlhfArguments, start) -> None:
 
 def check_model_family(hf_config: dict, model_type: Optional[str], source: str) -> None:
     """UserError when the checkpoint's family (or --model_type) is not one we support."""
-    family = model_type or hf_config.get("model_type")
+    family = model_type or text_config(hf_config).get("model_type")
     if family not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"--model {source}: model_type {family!r} is not supported; supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_hybrid_support(args: RlhfArguments, family: str) -> None:
+    """Gated DeltaNet layers (qwen3_5*) run packed sequences one at a time, which needs whole
+    sequences on each rank (not with sequence parallelism), and have no context parallelism
+    (megatron-core 0.16.1): refuse those before anything is built."""
+    if family not in HYBRID_TYPES:
+        return
+    p = args.parallel
+    if args.kernels.padding_free and p.sequence_parallel and p.tensor_model_parallel_size > 1:
+        raise UserError(f"{family}: Gated DeltaNet layers take packed sequences only without "
+                        "sequence parallelism; pass --padding_free false (as ms-swift's Qwen3.5 "
+                        "GRPO examples do) or --sequence_parallel false")
+    if p.context_parallel_size > 1:
+        raise UserError(f"{family}: Gated DeltaNet layers do not support context parallelism; "
+                        "use --context_parallel_size 1")
 
 
 _LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
@@ -122,6 +139,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, model_files)
+        check_hybrid_support(args, args.model.model_type or text_config(hf_config)["model_type"])
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
@@ -216,7 +234,8 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPl
         model_shape(hf_config, model_type=args.model.model_type)
         if args.model.check_model:
             check_model_dir(args.model.model)
-        done.append(f"model: {args.model.model} ({args.model.model_type or hf_config['model_type']})")
+        family = args.model.model_type or text_config(hf_config)["model_type"]
+        done.append(f"model: {args.model.model} ({family})")
         done += memory_lines(args, plan, hf_config)
     done += [_check_dataset(spec, args) for spec in args.data.dataset + args.data.val_dataset]
     done += _check_rewards(args)

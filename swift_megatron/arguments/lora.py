@@ -15,7 +15,9 @@ class LoraArguments:
                           "(or / sqrt(r) with --use_rslora).")
     lora_dropout: float = arg(0.05, "Dropout on the adapter input.")
     target_modules: List[str] = arg(["all-linear"], "HF module names to adapt (q_proj, k_proj, "
-                                    "v_proj, o_proj, gate_proj, up_proj, down_proj) or all-linear.")
+                                    "v_proj, o_proj, gate_proj, up_proj, down_proj; Qwen3.5's "
+                                    "in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj) or "
+                                    "all-linear.")
     use_rslora: bool = arg(False, "Rank-stabilised LoRA scaling.")
     adapters: List[str] = arg([], "A LoRA adapter to load: a PEFT adapter directory, or a LoRA "
                               "checkpoint (ours or ms-swift's); continue training it "

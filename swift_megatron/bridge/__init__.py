@@ -6,7 +6,9 @@ rank's place in the TP/PP/EP grid and offers:
 - `export(model)`: yield (hf_name, full tensor) on every rank, one tensor at a time: the single
   path for `megatron export --to_hf`, weight sync to rollout engines and LoRA merge;
 `model` is this stage's model, or the list of its model chunks (the interleaved schedule);
-- `save_hf(model, out_dir, source_dir)`: write a loadable HF checkpoint from `export`.
+- `save_hf(model, out_dir, source_dir)`: write a loadable HF checkpoint from `export`, plus the
+  source checkpoint's tensors outside the Megatron model that the family passes through
+  (Qwen3.5's vision tower and MTP head), copied unchanged.
 The mapping classes (mapping.py) own every scatter/gather; bridge/ never imports rollout/.
 """
 from typing import Iterator, Optional, Tuple
@@ -14,7 +16,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from swift_megatron.bridge.export import build_plan, export_hf_weights
-from swift_megatron.bridge.families import mappings_for
+from swift_megatron.bridge.families import aliases_for, mappings_for, passthrough_for
 from swift_megatron.bridge.hf_checkpoint import write_hf_checkpoint
 from swift_megatron.bridge.load import load_hf_weights
 from swift_megatron.bridge.mapping import Dims
@@ -23,14 +25,25 @@ from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.model.config import ModelShape
 
 
+def dims_of(config, shape: Optional[ModelShape] = None) -> Dims:
+    """The dimensions the fused layouts need, from a TransformerConfig (vocab from `shape`;
+    the Gated DeltaNet sizes are read by hybrid models' tables only)."""
+    return Dims(num_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
+                head_dim=config.kv_channels,
+                vocab_size=shape.vocab_size if shape else 0,
+                padded_vocab_size=shape.padded_vocab_size if shape else 0,
+                linear_qk_dim=config.linear_key_head_dim * config.linear_num_key_heads,
+                linear_v_dim=config.linear_value_head_dim * config.linear_num_value_heads,
+                linear_v_heads=config.linear_num_value_heads)
+
+
 class Bridge:
     def __init__(self, hf_config: dict, shape: ModelShape, config):
         self.hf_config = hf_config
         self.shape = shape
         self.mappings = mappings_for(shape.model_type, hf_config)
-        self.dims = Dims(num_heads=config.num_attention_heads,
-                         num_query_groups=config.num_query_groups, head_dim=config.kv_channels,
-                         vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size)
+        self.passthrough = passthrough_for(shape.model_type)
+        self.dims = dims_of(config, shape)
         self.pos = RankPosition.current(config.num_layers, shape.num_experts or 0)
         self._plan = None
 
@@ -41,7 +54,8 @@ class Bridge:
 
     def load(self, model, hf_dir: str) -> None:
         for chunk, pos in self._parts(model):
-            load_hf_weights(chunk, hf_dir, self.mappings, self.dims, pos)
+            load_hf_weights(chunk, hf_dir, self.mappings, self.dims, pos,
+                            aliases_for(self.shape.model_type))
 
     def export(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
         parts = self._parts(model)
@@ -56,7 +70,10 @@ class Bridge:
 
     def save_hf(self, model, out_dir: str, source_dir: str, *,
                 dtype: Optional[torch.dtype] = None, max_shard_size: str = "5GB",
-                exist_ok: bool = False) -> None:
+                exist_ok: bool = False, passthrough_dir: Optional[str] = None) -> None:
+        """Write an HF checkpoint: the exported tensors, the config and tokenizer files of
+        `source_dir`, and the passthrough tensors of `passthrough_dir` (default `source_dir`)."""
         write_hf_checkpoint(self.export(model), out_dir, hf_config=self.hf_config,
                             source_dir=source_dir, dtype=dtype, max_shard_size=max_shard_size,
-                            exist_ok=exist_ok, total=self.num_exported(model))
+                            exist_ok=exist_ok, total=self.num_exported(model),
+                            passthrough=self.passthrough, passthrough_dir=passthrough_dir)

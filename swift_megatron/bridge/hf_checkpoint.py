@@ -1,16 +1,18 @@
 """Write an HF checkpoint directory from a stream of (name, tensor) pairs: sharded safetensors
 with index json, config.json (dtype updated), generation_config.json and tokenizer files copied
 from the source model. Written under a temporary name and renamed when complete; only global
-rank 0 writes, but every rank must drain the stream (exporting is collective)."""
+rank 0 writes, but every rank must drain the stream (exporting is collective). Tensors of the
+source checkpoint under the `passthrough` prefixes (parts the Megatron model does not hold, as
+Qwen3.5's vision tower) are copied into the output unchanged, in their own dtype."""
 import json
 import os
 import shutil
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from swift_megatron.bridge.io import HFWriter
+from swift_megatron.bridge.io import INDEX, SINGLE, HFReader, HFWriter
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.logging.progress import progress
@@ -34,6 +36,22 @@ def copy_model_files(source_dir: str, out_dir: str) -> None:
             shutil.copy2(path, os.path.join(out_dir, name))
 
 
+def passthrough_tensors(source_dir: str, prefixes: Sequence[str]
+                        ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The source checkpoint's tensors whose names start with one of `prefixes` (none when the
+    source directory holds no safetensors weights)."""
+    if not prefixes:
+        return
+    if not any(os.path.isfile(os.path.join(source_dir, n)) for n in (SINGLE, INDEX)):
+        logger.warning(f"{source_dir} holds no safetensors weights: the exported checkpoint lacks "
+                       f"its tensors under {', '.join(prefixes)}")
+        return
+    reader = HFReader(source_dir)
+    for name in sorted(reader.file_of):
+        if name.startswith(tuple(prefixes)):
+            yield name, reader.read(name)
+
+
 def _write_config(out_dir: str, hf_config: dict, dtype: torch.dtype) -> None:
     config = dict(hf_config)
     name = DTYPE_NAMES[dtype]
@@ -45,7 +63,8 @@ def _write_config(out_dir: str, hf_config: dict, dtype: torch.dtype) -> None:
 def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str, *,
                         hf_config: dict, source_dir: str, dtype: Optional[torch.dtype] = None,
                         max_shard_size: str = "5GB", exist_ok: bool = False,
-                        total: Optional[int] = None) -> None:
+                        total: Optional[int] = None, passthrough: Sequence[str] = (),
+                        passthrough_dir: Optional[str] = None) -> None:
     writer_rank = not dist.is_initialized() or dist.get_rank() == 0
     out_dir = os.path.abspath(out_dir)
     tmp = f"{out_dir}.tmp-{os.getpid()}"
@@ -60,6 +79,8 @@ def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str,
             writer.add(name, tensor.to(written_dtype))
     if not writer_rank:
         return
+    for name, tensor in passthrough_tensors(passthrough_dir or source_dir, passthrough):
+        writer.add(name, tensor)
     writer.close()
     copy_model_files(source_dir, tmp)
     _write_config(tmp, hf_config, written_dtype)

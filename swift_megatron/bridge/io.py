@@ -2,13 +2,15 @@
 
 `HFReader` opens a single `model.safetensors` or a sharded checkpoint with its index json and
 reads only the requested slice of a tensor (safetensors maps the file; nothing else is read).
+Its `aliases` ((prefix, alternative) pairs) let one name find a tensor stored under another
+prefix (Qwen3.5's `model.language_model.` text stack saved as `model.`).
 `HFWriter` takes (name, tensor) pairs one at a time, flushes a shard whenever it reaches
 `max_shard_size`, and writes the index json at the end, so peak memory is about one shard.
 """
 import json
 import os
 import re
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -23,9 +25,10 @@ SINGLE = "model.safetensors"
 class HFReader:
     """Lazy, sliced access to the tensors of an HF checkpoint directory."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, aliases: Sequence[Tuple[str, str]] = ()):
         self.directory = directory
         self.file_of = self._index(directory)
+        self.aliases = tuple(aliases)
         self._handles: Dict[str, object] = {}
 
     @staticmethod
@@ -44,6 +47,15 @@ class HFReader:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
+    def _stored(self, name: str) -> str:
+        """The name the tensor is stored under (the first alias present, else `name`)."""
+        if name in self.file_of:
+            return name
+        for prefix, alternative in self.aliases:
+            if name.startswith(prefix) and alternative + name[len(prefix):] in self.file_of:
+                return alternative + name[len(prefix):]
+        return name
+
     def _handle(self, name: str):
         if name not in self.file_of:
             raise UserError(f"{self.directory}: tensor '{name}' is missing from the checkpoint")
@@ -53,11 +65,13 @@ class HFReader:
         return self._handles[file]
 
     def shape(self, name: str) -> List[int]:
+        name = self._stored(name)
         return list(self._handle(name).get_slice(name).get_shape())
 
     def read(self, name: str, dim: Optional[int] = None, start: int = 0,
              stop: Optional[int] = None) -> torch.Tensor:
         """The tensor, or its [start:stop] slice along `dim`."""
+        name = self._stored(name)
         sliced = self._handle(name).get_slice(name)
         if dim is None:
             return sliced[:]

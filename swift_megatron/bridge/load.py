@@ -4,7 +4,7 @@ Every rank walks its own parameters, finds each one's mapping, and reads only th
 owns (no communication; peak memory about one tensor slice). A parameter without a mapping, a
 missing HF tensor or a shape mismatch stops with a message naming the tensor.
 """
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -34,8 +34,10 @@ def bridge_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Parame
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, hf_dir: str, mappings: List[Mapping], dims: Dims,
-                    pos: RankPosition) -> None:
-    reader = HFReader(hf_dir)
+                    pos: RankPosition, aliases: Sequence[Tuple[str, str]] = ()) -> None:
+    """Copy every bridged parameter's shard from `hf_dir` (names may be stored under the
+    reader `aliases`)."""
+    reader = HFReader(hf_dir, aliases)
     params = bridge_parameters(model)
     for name, param in progress(params, desc="loading HF weights"):
         global_name = pos.to_global(name)

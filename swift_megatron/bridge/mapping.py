@@ -13,6 +13,11 @@ ranks' shards (in rank order) back into full HF tensors.
     VocabParallel   split along dim 0 after padding the vocab to a multiple of TP
     QKV             q, k, v fused per query group: [q of group 0, k0, v0, q of group 1, ...]
     GateUp          gate and up fused per rank: [gate shard; up shard]
+    GatedQKV        HF q_proj holding per head [q; gate] (Qwen3.5) plus k, v, fused per query
+                    group as [q heads | gate heads | k | v]
+    Segmented       HF tensors made of named segments (Gated DeltaNet's in_proj_qkv = [q; k; v],
+                    in_proj_z, in_proj_b, in_proj_a); each rank holds its chunk of every segment,
+                    concatenated in order ([q_r, k_r, v_r, z_r, b_r, a_r] for mcore's in_proj)
 """
 import abc
 import dataclasses
@@ -39,6 +44,10 @@ class Dims:
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    # Gated DeltaNet (hybrid models; 0 elsewhere): key dim Kh * Dk, value dim Vh * Dv, Vh
+    linear_qk_dim: int = 0
+    linear_v_dim: int = 0
+    linear_v_heads: int = 0
 
 
 def _chunk(full: int, shard: Shard):
@@ -160,3 +169,73 @@ class GateUp(Mapping):
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         return {names[0]: torch.cat([h[0] for h in halves], dim=0),
                 names[1]: torch.cat([h[1] for h in halves], dim=0)}
+
+
+class GatedQKV(Mapping):
+    """Gated attention's q (with its output gate), k and v fused per query group, groups split
+    over TP. HF's q_proj rows are per head [q (head_dim); gate (head_dim)]; mcore's linear_qkv
+    rows per group are [q of its heads | gate of its heads | k | v]."""
+
+    def load(self, reader, names, shard, dims):
+        groups_start, groups_stop = _chunk(dims.num_query_groups, shard)
+        groups, per_group = groups_stop - groups_start, dims.num_heads // dims.num_query_groups
+        rows = 2 * per_group * dims.head_dim
+        qg = reader.read(names[0], 0, groups_start * rows, groups_stop * rows)
+        tail = tuple(qg.shape[1:])
+        qg = qg.reshape(groups, per_group, 2, dims.head_dim, *tail)
+        parts = [qg[:, :, 0].reshape(groups, per_group * dims.head_dim, *tail),
+                 qg[:, :, 1].reshape(groups, per_group * dims.head_dim, *tail)]
+        for name in names[1:]:
+            part = reader.read(name, 0, groups_start * dims.head_dim, groups_stop * dims.head_dim)
+            parts.append(part.reshape(groups, dims.head_dim, *tail))
+        return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+    def to_hf(self, shards, names, dims):
+        full = torch.cat(list(shards), dim=0)
+        tail, hd = tuple(full.shape[1:]), dims.head_dim
+        per_group = dims.num_heads // dims.num_query_groups
+        grouped = full.reshape(dims.num_query_groups, 2 * per_group * hd + 2 * hd, *tail)
+        q, gate, k, v = torch.split(grouped, [per_group * hd, per_group * hd, hd, hd], dim=1)
+        shape = (dims.num_query_groups, per_group, 1, hd) + tail
+        qg = torch.cat([q.reshape(shape), gate.reshape(shape)], dim=2)
+        return {names[0]: qg.reshape(-1, *tail).contiguous(),
+                names[1]: k.reshape(-1, *tail).contiguous(),
+                names[2]: v.reshape(-1, *tail).contiguous()}
+
+
+class Segmented(Mapping):
+    """A column-parallel parameter whose rows are segments of one or more HF tensors.
+
+    `segments` lists (HF name index, Dims field giving the segment's rows) in HF order; the HF
+    tensor `i` is the concatenation of its segments. Each rank holds its 1/TP chunk of every
+    segment, concatenated in the order listed."""
+
+    def __init__(self, mcore: str, *hf: str, segments, export: bool = True):
+        super().__init__(mcore, *hf, export=export)
+        self.segments = list(segments)
+
+    def _layout(self, dims):
+        """[(hf index, row offset in that tensor, rows)] of every segment."""
+        offsets, layout = [0] * len(self.hf), []
+        for index, field in self.segments:
+            rows = getattr(dims, field)
+            layout.append((index, offsets[index], rows))
+            offsets[index] += rows
+        return layout
+
+    def load(self, reader, names, shard, dims):
+        parts = []
+        for index, offset, rows in self._layout(dims):
+            start, stop = _chunk(rows, shard)
+            parts.append(reader.read(names[index], 0, offset + start, offset + stop))
+        return torch.cat(parts, dim=0)
+
+    def to_hf(self, shards, names, dims):
+        layout = self._layout(dims)
+        sizes = [rows // len(shards) for _, _, rows in layout]
+        pieces = [torch.split(shard, sizes, dim=0) for shard in shards]
+        out = {}
+        for i, name in enumerate(names):
+            out[name] = torch.cat([torch.cat([p[j] for p in pieces], dim=0)
+                                   for j, (index, _, _) in enumerate(layout) if index == i], dim=0)
+        return out

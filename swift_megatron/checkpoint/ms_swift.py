@@ -241,6 +241,12 @@ def load_sharded_model(model: torch.nn.Module, iter_dir: str) -> None:
         raise ValueError(f"weights not loaded from {iter_dir}: {not_loaded or result.unexpected_keys}")
 
 
+def _has_gated_delta_net(model: torch.nn.Module) -> bool:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    return any(isinstance(m, GatedDeltaNet) for m in model.modules())
+
+
 def load_ms_swift_model(chunks: Sequence[torch.nn.Module], path: str,
                         bridge=None) -> MsSwiftCheckpoint:
     """Load the full-model weights of the ms-swift checkpoint at `path` into this rank's model
@@ -254,6 +260,10 @@ def load_ms_swift_model(chunks: Sequence[torch.nn.Module], path: str,
                         "--virtual_pipeline_model_parallel_size is not supported; convert it "
                         "first (megatron export --to_mcore) and pass that directory")
     checkpoint = read_ms_swift_checkpoint(path)
+    if checkpoint.has_sharded_weights and _has_gated_delta_net(chunks[0]):
+        raise UserError(f"{path}: ms-swift Megatron checkpoints of Qwen3.5 (Gated DeltaNet) are "
+                        "not supported (their layout differs); export it to HF with ms-swift and "
+                        "start from that")
     if checkpoint.tuner_type != "full":
         raise UserError(f"{path}: a {checkpoint.tuner_type} checkpoint holds adapters, not a model;"
                         " pass it as --mcore_adapter (with the base model as --model)")

@@ -28,6 +28,7 @@ import torch
 from swift_megatron.bridge.mapping import QKV, Dims, GateUp
 from swift_megatron.checkpoint.ms_swift import MsSwiftCheckpoint, stored_keys
 from swift_megatron.errors import UserError
+from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 
 _KEY = re.compile(r"^decoder\.layers\.(?:(?P<layer>\d+)\.)?(?P<module>.+)\.lora_(?P<matrix>[AB])"
                   r"\.default\.weight$")
@@ -82,6 +83,16 @@ def _read_full(iter_dir: str, keys: List[str]) -> Dict[str, torch.Tensor]:
     return tensors
 
 
+def refuse_hybrid(hf_config: dict, path: str) -> None:
+    """ms-swift lays out Qwen3.5's Gated DeltaNet and gated attention differently (in_proj grouped
+    per key head, q and gate interleaved): its Megatron checkpoints of these are not read."""
+    family = text_config(hf_config).get("model_type")
+    if family in HYBRID_TYPES:
+        raise UserError(f"{path}: ms-swift Megatron checkpoints of {family} are not supported "
+                        "(their Gated DeltaNet layout differs); export it to HF with ms-swift "
+                        "and start from that")
+
+
 def _dims(hf_config: dict) -> Dims:
     heads = hf_config["num_attention_heads"]
     return Dims(num_heads=heads, num_query_groups=hf_config.get("num_key_value_heads") or heads,
@@ -115,6 +126,7 @@ def _units(key: str, tensor: torch.Tensor):
 def convert(checkpoint: MsSwiftCheckpoint, hf_config: dict,
             keys: List[str]) -> Dict[str, torch.Tensor]:
     """{"base_model.model.<HF module>.lora_A.weight": tensor, ...}: the PEFT tensors."""
+    refuse_hybrid(hf_config, checkpoint.directory)
     dims, out = _dims(hf_config), {}
     for key, tensor in _read_full(checkpoint.iter_dir, keys).items():
         module, matrix = _KEY.match(key).group("module", "matrix")

@@ -60,9 +60,10 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from swift_megatron.bridge import dims_of
 from swift_megatron.bridge.mapping import Mapping
 from swift_megatron.errors import UserError
-from swift_megatron.lora.targets import (LoraConfig, LoraTarget, dims_of, find_targets, rows_on,
+from swift_megatron.lora.targets import (LoraConfig, LoraTarget, find_targets, rows_on,
                                          split_index)
 
 

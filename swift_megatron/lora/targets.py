@@ -2,8 +2,9 @@
 target, named as the Hugging Face projections they hold.
 
 Targets are given in Hugging Face names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-down_proj, or all-linear for all of them; MoE experts' gate/up/down included, never the router,
-embeddings or lm_head). The bridge's family table says which HF projections each mcore linear
+down_proj; Qwen3.5's Gated DeltaNet in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; or
+all-linear for all of them; MoE experts' and shared experts' gate/up/down included, never the
+router, the shared expert's gate, embeddings or lm_head). The bridge's family table says which HF projections each mcore linear
 holds and how its weight is laid out over tensor-parallel ranks; `find_targets` reads both from
 it, and `split_index` derives from the same mapping where every row (column-parallel) or column
 (row-parallel) of each HF projection lives, so LoRA never repeats the bridge's slicing logic.
@@ -15,15 +16,18 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from swift_megatron.bridge import dims_of
 from swift_megatron.bridge.families.common import attention, dense_mlp, moe_mlp
-from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GateUp, Mapping,
-                                           RowParallel, Shard)
+from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GatedQKV, GateUp, Mapping,
+                                           RowParallel, Segmented, Shard)
 from swift_megatron.bridge.position import RankPosition
 from swift_megatron.errors import UserError
 
-HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 ALL_LINEAR = "all-linear"
-ADAPTABLE = (QKV, GateUp, ColumnParallel, RowParallel)  # mappings of the linears LoRA may adapt
+# mappings of the linears LoRA may adapt
+ADAPTABLE = (QKV, GatedQKV, Segmented, GateUp, ColumnParallel, RowParallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +93,6 @@ class LoraTarget:
 def default_mappings() -> List[Mapping]:
     """The decoder linears every supported family shares (the bridge's common table)."""
     return attention() + dense_mlp() + moe_mlp()
-
-
-def dims_of(config) -> Dims:
-    """The dimensions the fused QKV layout needs, from a TransformerConfig."""
-    return Dims(num_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
-                head_dim=config.kv_channels, vocab_size=0, padded_vocab_size=0)
 
 
 def _mapping_of(table: List[Mapping], global_name: str):

@@ -9,7 +9,7 @@ from megatron.core.models.gpt import GPTModel
 
 from swift_megatron.model import compat  # noqa: F401  (megatron-core fixes, applied on import)
 from swift_megatron.model.config import ModelShape, model_shape, transformer_config
-from swift_megatron.model.spec import block_spec
+from swift_megatron.model.spec import block_spec, hybrid_block_spec
 
 
 def _apply_llama3_rope_scaling(model: GPTModel, rope: Mapping) -> None:
@@ -33,10 +33,15 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                              vp_stage=vp_stage)
-    chunks = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
-    layers = config.num_layers // chunks
+    pp = config.pipeline_model_parallel_size
+    layers = config.num_layers // (pp * (config.virtual_pipeline_model_parallel_size or 1))
+    if shape.is_hybrid:   # megatron's layer offset of this chunk (interleaved: chunk-major)
+        first = ((vp_stage or 0) * pp + parallel_state.get_pipeline_model_parallel_rank()) * layers
+        spec = hybrid_block_spec(shape.layer_types[first:first + layers], shape.num_experts)
+    else:
+        spec = block_spec(layers, shape.qk_layernorm, shape.num_experts)
     model = GPTModel(
-        config, transformer_layer_spec=block_spec(layers, shape.qk_layernorm, shape.num_experts),
+        config, transformer_layer_spec=spec, rotary_percent=shape.rotary_percent,
         vocab_size=shape.padded_vocab_size, max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,

@@ -10,14 +10,23 @@ embeddings):
   qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); with
                    --moe_expert_capacity_factor, megatron's token dropping (a components.py
                    override; dense models reject it)
+  qwen3_5          hybrid: `layer_types` mixes Gated DeltaNet linear attention (mcore
+                   GatedDeltaNet, `linear_*` sizes) and full attention with an output gate,
+                   partial rotary (`partial_rotary_factor`) and zero-centred q/k norms; every
+                   decoder norm is zero-centred ("1 + w"). The text stack of a
+                   Qwen3_5ForConditionalGeneration config (`text_config`) or a text-only save.
+  qwen3_5_moe      qwen3_5 with routed experts in every layer (softmax, top-k, always
+                   renormalised) plus one shared expert scaled by a sigmoid gate
 
-Both transformers 4.x config styles (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`)
+`text_config` flattens a multimodal config to its text stack (the top-level
+`tie_word_embeddings` decides tying, as transformers does); every reader of the HF config's
+sizes goes through it. Both transformers 4.x config styles (`rope_theta`, `rope_scaling`) and 5.x (`rope_parameters`)
 are read. Unsupported model types or features fail with a message listing what is supported.
 """
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +34,7 @@ from megatron.core.transformer import TransformerConfig
 
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
+from swift_megatron.model.text_config import HYBRID_TYPES, MOE_TYPES, text_config
 from swift_megatron.parallel.layout import num_experts
 
 SUPPORTED = SUPPORTED_MODEL_TYPES
@@ -45,6 +55,14 @@ class ModelShape:
     qk_layernorm: bool
     num_experts: Optional[int]
     torch_dtype: str             # the checkpoint's dtype name
+    # hybrid models (qwen3_5*): "linear_attention" / "full_attention" per layer; None: all full
+    layer_types: Optional[Tuple[str, ...]] = None
+    rotary_percent: float = 1.0  # share of each head's dims that RoPE rotates
+    zero_centered_norms: bool = False  # decoder and q/k RMSNorms compute rms(x) * (1 + w)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.layer_types is not None
 
 
 def load_hf_config(model_dir: str) -> Dict[str, Any]:
@@ -70,11 +88,35 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 _REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 
 
+_REQUIRED_HYBRID = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
+
+
+def _required(model_type: str) -> Tuple[str, ...]:
+    required = _REQUIRED
+    if model_type in MOE_TYPES:
+        required += _REQUIRED_MOE
+    if model_type == "qwen3_5_moe":  # no dense MLP anywhere: no intermediate_size
+        required = tuple(k for k in required if k != "intermediate_size")
+    if model_type in HYBRID_TYPES:
+        required += _REQUIRED_HYBRID
+    return required
+
+
+def _check_hybrid(hf: Mapping) -> None:
+    kinds = set(hf["layer_types"])
+    if len(hf["layer_types"]) != hf["num_hidden_layers"] or \
+            not kinds <= {"linear_attention", "full_attention"}:
+        raise UserError(f"config.json layer_types {hf['layer_types']} must list "
+                        f"num_hidden_layers={hf['num_hidden_layers']} entries, each "
+                        "linear_attention or full_attention")
+
+
 def _check_supported(hf: Mapping, model_type: str) -> None:
     if model_type not in SUPPORTED:
         raise UserError(f"model_type '{model_type}' is not supported; supported: "
                         f"{', '.join(SUPPORTED)}")
-    required = _REQUIRED + (_REQUIRED_MOE if model_type == "qwen3_moe" else ())
+    required = _required(model_type)
     missing = [key for key in required if hf.get(key) is None]
     if missing:
         raise UserError(f"config.json lacks {', '.join(missing)} (needed for a {model_type} "
@@ -91,22 +133,32 @@ def _check_supported(hf: Mapping, model_type: str) -> None:
         raise UserError("qwen3_moe with dense mlp_only_layers is not supported")
     if model_type == "qwen3_moe" and hf.get("decoder_sparse_step", 1) != 1:
         raise UserError("qwen3_moe with decoder_sparse_step != 1 is not supported")
+    if model_type in HYBRID_TYPES:
+        _check_hybrid(hf)
+
+
+def _rotary_percent(hf: Mapping, rope: Mapping) -> float:
+    return float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
 
 
 def model_shape(hf: Mapping, tp: int = 1, model_type: Optional[str] = None) -> ModelShape:
+    hf = text_config(hf)
     model_type = model_type or hf.get("model_type")
     _check_supported(hf, model_type)
     rope = rope_parameters(hf)
     vocab = hf["vocab_size"]
-    experts = num_experts(hf) if model_type == "qwen3_moe" else None
+    experts = num_experts(hf) if model_type in MOE_TYPES else None
+    hybrid = model_type in HYBRID_TYPES
     return ModelShape(
         model_type=model_type, vocab_size=vocab, padded_vocab_size=-(-vocab // tp) * tp,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(rope["rope_theta"]),
         rope_scaling=rope if rope["rope_type"] == "llama3" else None,
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"), num_experts=experts,
-        torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"))
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES, num_experts=experts,
+        torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        layer_types=tuple(hf["layer_types"]) if hybrid else None,
+        rotary_percent=_rotary_percent(hf, rope), zero_centered_norms=hybrid)
 
 
 def _qkv_bias(hf: Mapping, model_type: str) -> bool:
@@ -115,8 +167,8 @@ def _qkv_bias(hf: Mapping, model_type: str) -> bool:
     return bool(hf.get("attention_bias", False))
 
 
-def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
-    return dict(
+def _moe_kwargs(hf: Mapping, model_type: str, ep: int, etp: int) -> Dict[str, Any]:
+    kwargs = dict(
         num_moe_experts=num_experts(hf), moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         # HF softmaxes over all experts, takes the top-k and renormalises when norm_topk_prob:
@@ -127,6 +179,22 @@ def _moe_kwargs(hf: Mapping, ep: int, etp: int) -> Dict[str, Any]:
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
         moe_permute_fusion=False, moe_router_fusion=False,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if model_type == "qwen3_5_moe":  # always renormalised top-k; a sigmoid-gated shared expert
+        kwargs.update(moe_router_pre_softmax=False,
+                      moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                      moe_shared_expert_gate=True)
+    return kwargs
+
+
+def _hybrid_kwargs(hf: Mapping) -> Dict[str, Any]:
+    """Gated DeltaNet sizes and the full-attention layers' output gate (qwen3_5*); layers of
+    two kinds are saved per layer in distributed checkpoints (as megatron's own hybrid does)."""
+    return dict(attention_output_gate=True, hetereogenous_dist_checkpoint=True,
+                linear_conv_kernel_dim=hf["linear_conv_kernel_dim"],
+                linear_key_head_dim=hf["linear_key_head_dim"],
+                linear_value_head_dim=hf["linear_value_head_dim"],
+                linear_num_key_heads=hf["linear_num_key_heads"],
+                linear_num_value_heads=hf["linear_num_value_heads"])
 
 
 def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int = 1,
@@ -135,18 +203,20 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
                        use_cpu_initialization: bool = False,
                        model_type: Optional[str] = None, **overrides) -> TransformerConfig:
     """The TransformerConfig of an HF checkpoint for a given parallel layout and dtype."""
+    hf = text_config(hf)
     model_type = model_type or hf.get("model_type")
     _check_supported(hf, model_type)
     heads = hf["num_attention_heads"]
     kwargs = dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+        ffn_hidden_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
+        num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=_qkv_bias(hf, model_type),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=hf.get("initializer_range", 0.02),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -170,8 +240,10 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         # `length`), so no handshake is needed.
         kwargs.update(virtual_pipeline_model_parallel_size=vpp, variable_seq_lengths=False,
                       batch_p2p_comm=False)
-    if model_type == "qwen3_moe":
-        kwargs.update(_moe_kwargs(hf, ep, etp))
+    if model_type in MOE_TYPES:
+        kwargs.update(_moe_kwargs(hf, model_type, ep, etp))
+    if model_type in HYBRID_TYPES:
+        kwargs.update(_hybrid_kwargs(hf))
     _check_moe_overrides(overrides, model_type)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -179,6 +251,6 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
 
 def _check_moe_overrides(overrides: Mapping, model_type: str) -> None:
     """Token dropping only exists in MoE layers: asking it of a dense model is a mistake."""
-    if overrides.get("moe_expert_capacity_factor") is not None and model_type != "qwen3_moe":
+    if overrides.get("moe_expert_capacity_factor") is not None and model_type not in MOE_TYPES:
         raise UserError(f"--moe_expert_capacity_factor applies to MoE models; this {model_type} "
                         "model has no experts (drop the flag)")

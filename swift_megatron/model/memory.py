@@ -25,6 +25,8 @@ resident: the weights and, unless offloaded, gradients, optimizer and reference)
 import dataclasses
 from typing import Dict, Mapping, Optional
 
+from swift_megatron.model.text_config import text_config
+
 GIB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LOGPROB_CHUNK_BYTES = 3 * (256 << 20)  # model/logprobs.py CHUNK_BYTES, a few live copies
@@ -57,6 +59,7 @@ class RunShape:
 def parameter_counts(hf: Mapping) -> Dict[str, int]:
     """Parameters of the embedding, the output head (0 when tied), one layer's attention, its
     dense MLP or its experts (all of them) and shared parts (norms, router)."""
+    hf = text_config(hf)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hidden // heads
@@ -74,6 +77,7 @@ def parameter_counts(hf: Mapping) -> Dict[str, int]:
 def rank_parameters(hf: Mapping, run: RunShape) -> int:
     """Parameters held by the first pipeline stage's ranks (it holds the embedding; the last
     stage holds the head: the larger of the two is counted, a safe side)."""
+    hf = text_config(hf)
     counts = parameter_counts(hf)
     layers = hf["num_hidden_layers"] // run.pp
     mlp = counts["mlp"] / (run.ep if counts["experts"] else 1)
@@ -110,6 +114,7 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
 def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> Dict[str, float]:
     """{part: GiB} per GPU (module docstring), with `train`, `generate`, `peak` and, when
     `device_bytes` is given, `device`."""
+    hf = text_config(hf)
     width = _DTYPE_BYTES[run.dtype]
     params = rank_parameters(hf, run)
     trainable = _trainable(hf, run, params)

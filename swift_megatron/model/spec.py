@@ -15,12 +15,19 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   its own end through SDPA with a lower-right causal mask (`causal_lower_right`, which keeps
   the flash / memory-efficient kernels on GPU).
 
+Hybrid models (qwen3_5*) get one spec per layer (`hybrid_block_spec`): megatron-core's
+`GatedDeltaNet` for linear-attention layers (model/gdn.py's subclass, which also takes packed
+sequences, with its kernels; parallel linears and `HeadRMSNorm` as the gated output norm) and
+`SelfAttention` with the output gate for full ones, with `ZeroCenteredRMSNorm` ("1 + w") for the
+decoder and q/k norms. megatron-core's own hybrid spec (experimental_attention_variant)
+requires Transformer Engine.
+
 Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
 GPU machine, so a TE path could not be tested here.
 """
 import inspect
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +35,9 @@ from megatron.core import parallel_state as mpu
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                          copy_to_tensor_model_parallel_region)
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -54,6 +63,34 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored centred on zero: rms(x) * (1 + w) in float32, cast back
+    (Qwen3.5's `Qwen3_5RMSNorm`; the weight starts at 0)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, eps)
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each attention head's features inside a tensor-parallel region (Gated DeltaNet's
+    output norm): every TP rank normalises its own heads with the same replicated weight, so the
+    weight's gradient is partial on each rank and is summed over TP in the backward (with or
+    without sequence parallelism; finalize_model_grads must not sum it again)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(config, hidden_size, eps)
+        setattr(self.weight, "sequence_parallel", False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return copy_to_tensor_model_parallel_region(self.weight) * normed
 
 
 class SDPAttention(MegatronModule):
@@ -164,19 +201,46 @@ def _dense_mlp() -> ModuleSpec:
                                                           linear_fc2=RowParallelLinear))
 
 
-def layer_spec(qk_layernorm: bool, num_experts: Optional[int]) -> ModuleSpec:
-    """One decoder layer: pre-norm attention and MLP (or MoE) with residuals."""
-    mlp = (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
-                                           moe_grouped_gemm=False) if num_experts else _dense_mlp())
-    qk_norm = RMSNorm if qk_layernorm else IdentityOp
-    attention = ModuleSpec(
+def _mlp(num_experts: Optional[int]) -> ModuleSpec:
+    return (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
+                                            moe_grouped_gemm=False) if num_experts else _dense_mlp())
+
+
+def _self_attention(qk_norm) -> ModuleSpec:
+    return ModuleSpec(
         module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear, core_attention=SDPAttention,
             linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
+
+
+def _gated_delta_net() -> ModuleSpec:
+    from swift_megatron.model import gdn
+
+    gdn.install()
+    return ModuleSpec(module=gdn.PackedGatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=HeadRMSNorm, out_proj=RowParallelLinear))
+
+
+def _layer(mixer: ModuleSpec, norm, num_experts: Optional[int]) -> ModuleSpec:
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=RMSNorm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=RMSNorm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+        input_layernorm=norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm, mlp=_mlp(num_experts), mlp_bda=get_bias_dropout_add))
+
+
+def layer_spec(qk_layernorm: bool, num_experts: Optional[int]) -> ModuleSpec:
+    """One decoder layer: pre-norm attention and MLP (or MoE) with residuals."""
+    return _layer(_self_attention(RMSNorm if qk_layernorm else IdentityOp), RMSNorm, num_experts)
+
+
+def hybrid_block_spec(layer_types: Sequence[str],
+                      num_experts: Optional[int]) -> TransformerBlockSubmodules:
+    """The decoder block of one pipeline stage of a hybrid model (its slice of `layer_types`):
+    Gated DeltaNet or gated full attention per layer, zero-centred norms."""
+    full = _layer(_self_attention(ZeroCenteredRMSNorm), ZeroCenteredRMSNorm, num_experts)
+    linear = _layer(_gated_delta_net(), ZeroCenteredRMSNorm, num_experts)
+    specs = [linear if kind == "linear_attention" else full for kind in layer_types]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
 
 
 def block_spec(num_layers_in_stage: int, qk_layernorm: bool,

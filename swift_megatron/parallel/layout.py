@@ -7,6 +7,7 @@ up front with a message that names the flag and the values that work.
 from typing import Mapping, Optional
 
 from swift_megatron.errors import UserError
+from swift_megatron.model.text_config import text_config
 
 
 def _divisors(n: int) -> str:
@@ -14,13 +15,15 @@ def _divisors(n: int) -> str:
 
 
 def num_experts(hf_config: Mapping) -> Optional[int]:
+    hf_config = text_config(hf_config)
     return hf_config.get("num_experts") or hf_config.get("num_local_experts") or None
 
 
 def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1,
                  vpp: int = 1) -> None:
-    """Raise UserError when TP/PP/EP/ETP do not divide the model's heads, layers or experts, or
-    PP x VPP (the interleaved schedule's model chunks) its layers."""
+    """Raise UserError when TP/PP/EP/ETP do not divide the model's heads (Gated DeltaNet's
+    too), layers or experts, or PP x VPP (the interleaved schedule's model chunks) its layers."""
+    hf_config = text_config(hf_config)
     heads = hf_config.get("num_attention_heads")
     kv_heads = hf_config.get("num_key_value_heads") or heads
     layers = hf_config.get("num_hidden_layers")
@@ -30,6 +33,11 @@ def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1
     if kv_heads and kv_heads % tp:
         raise UserError(f"tensor_model_parallel_size={tp} does not divide num_key_value_heads="
                         f"{kv_heads}: use one of {_divisors(kv_heads)}")
+    for key in ("linear_num_key_heads", "linear_num_value_heads"):
+        linear = hf_config.get(key) if hf_config.get("layer_types") else None
+        if linear and linear % tp:
+            raise UserError(f"tensor_model_parallel_size={tp} does not divide {key}={linear} "
+                            f"(Gated DeltaNet heads): use one of {_divisors(linear)}")
     if layers and layers % pp:
         raise UserError(f"pipeline_model_parallel_size={pp} does not divide num_hidden_layers="
                         f"{layers}: use one of {_divisors(layers)}")

@@ -17,6 +17,8 @@ import torch
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# checkpoint prefix of a multimodal model's text stack (Qwen3.5), "model." in a causal LM
+_TEXT_STACK = "model.language_model."
 
 
 class _GumbelMax:
@@ -114,7 +116,10 @@ class HFEngine:
         self.weight_version += 1
 
     def _target(self, name: str) -> torch.Tensor:
-        """The parameter (or slice of a fused expert tensor, transformers 5.x) for an HF name."""
+        """The parameter (or slice of a fused expert tensor, transformers 5.x) for an HF name
+        (a multimodal checkpoint's text-stack names map to the causal LM's)."""
+        if name.startswith(_TEXT_STACK):
+            name = "model." + name[len(_TEXT_STACK):]
         if name in self._params:
             return self._params[name]
         found = _EXPERT.match(name)

@@ -1,16 +1,19 @@
 """The bridge end to end on tiny checkpoints of every family (workers/bridge_layouts.py).
 
 Single process (one worker run for all families): HF -> Megatron -> HF is bit-exact for every
-tensor, Megatron logits match transformers in float32, the exported checkpoint reloads in
+tensor (Qwen3.5's vision tower and MTP tensors, outside the Megatron model, copied through), Megatron logits match transformers in float32, the exported checkpoint reloads in
 transformers and greedy-generates the same tokens, a small --max_shard_size writes an index.
 
 Two processes over gloo (slow; one worker run, one layout per job): loading with TP=2 (llama,
 qwen2: vocab 505 so TP pads it), PP=2 (qwen3, tied embeddings across stages), EP=2, TP=2 x EP=2
-x ETP=1 and TP=2 x ETP=2 (qwen3_moe) exports bit-for-bit the original tensors; a Megatron model
-directory saved with TP=2 reloads with PP=2 and with 1x1 and gives identical logits; with the
-interleaved pipeline (PP=2 x VPP=2, qwen3: tied embeddings) the bridge loads and exports the model
-chunks bit for bit, the logits match transformers, and a model directory saved from the chunks
-reloads into them. Also the GPU bf16 worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
+x ETP=1 and TP=2 x ETP=2 (qwen3_moe), TP=2 (with and without sequence parallelism) and PP=2
+(qwen3_5: Gated DeltaNet and gated attention split over ranks, linear and full layers on
+different stages), TP=2 x EP=2 + SP (qwen3_5_moe) exports bit-for-bit the original tensors and
+matches transformers' logits; a Megatron model directory saved with TP=2 reloads with PP=2 and
+with 1x1 and gives identical logits; with the interleaved pipeline (PP=2 x VPP=2, qwen3: tied
+embeddings) the bridge loads and exports the model chunks bit for bit, the logits match
+transformers, and a model directory saved from the chunks reloads into them. Also the GPU bf16
+worker (tests/gpu/test_bridge_gpu.py) on its tiny CPU preset.
 
     python -m pytest tests/distributed/test_bridge_layouts.py -q            # everything (~1 min)
     python -m pytest tests/distributed/test_bridge_layouts.py -q -m "not slow"
@@ -58,12 +61,38 @@ def assert_exported_exactly(result):
 
 # ---- single process -------------------------------------------------------------------------
 
+def text_only_saves(vl_dir, root):
+    """Qwen3.5's text stack saved on its own: as transformers' Qwen3_5ForCausalLM writes it
+    (model_type qwen3_5_text, tensors still under model.language_model.) and with the text
+    stack under model. (as other tools write text-only checkpoints)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    text, plain = str(root / "qwen3_5_text"), str(root / "qwen3_5_plain")
+    AutoModelForCausalLM.from_pretrained(vl_dir).save_pretrained(text)
+    shutil.copytree(text, plain)
+    tensors = load_file(os.path.join(text, "model.safetensors"))
+    save_file({k.replace("model.language_model.", "model."): v for k, v in tensors.items()},
+              os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+    return {"qwen3_5_text": text, "qwen3_5_plain": plain}
+
+
+TEXT_ONLY = ("qwen3_5_text", "qwen3_5_plain")
+HYBRID = ("qwen3_5", "qwen3_5_moe")
+LONG = 200  # tokens: the Gated DeltaNet rule's state carried over 4 chunks of 64
+
+
 @pytest.fixture(scope="module")
 def single(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge_single")
     jobs = [dict(name=family, hf_dir=models[family], load="hf", logits=True, precision=True,
                  save_hf=str(out / f"{family}_hf"),
-                 max_shard_size="40KB" if family == SHARDED else "5GB") for family in FAMILIES]
+                 max_shard_size="40KB" if family == SHARDED else "5GB",
+                 long_precision=LONG if family in HYBRID else None) for family in FAMILIES]
+    jobs += [dict(name=name, hf_dir=path, load="hf", precision=True)
+             for name, path in text_only_saves(models["qwen3_5"], out).items()]
     return out, run_jobs(jobs, 1, out)[0]
 
 
@@ -71,18 +100,26 @@ def single(models, tmp_path_factory):
 def test_round_trip_is_bit_exact(single, models, family):
     out, results = single
     assert_exported_exactly(results[family])
+    assert (results[family]["export"]["passthrough"] > 0) == family.startswith("qwen3_5")
     original, exported = safetensors_of(models[family]), safetensors_of(out / f"{family}_hf")
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + TEXT_ONLY)
 def test_logits_match_transformers(single, family):
     report = single[1][family]["precision"]
     print(f"{family}: {json.dumps(report)}")
     assert report["max_abs_diff"] <= ATOL
     assert report["argmax_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_gated_deltanet_logits_match_over_several_chunks(single, family):
+    report = single[1][family]["long_precision"]
+    print(f"{family} ({LONG} tokens): {json.dumps(report)}")
+    assert report["num_tokens"] == 4 * LONG and report["max_abs_diff"] <= ATOL
 
 
 def greedy_tokens(model_dir, prompt_ids):
@@ -128,6 +165,11 @@ LAYOUTS = [
     dict(name="qwen3_moe_ep2", family="qwen3_moe", ep=2, precision=True),
     dict(name="qwen3_moe_tp2_ep2_etp1", family="qwen3_moe", tp=2, ep=2, etp=1, precision=True),
     dict(name="qwen3_moe_tp2_etp2", family="qwen3_moe", tp=2, etp=2, precision=True),
+    dict(name="qwen3_5_tp2", family="qwen3_5", tp=2, precision=True),
+    dict(name="qwen3_5_tp2_sp", family="qwen3_5", tp=2, sp=True, precision=True),
+    dict(name="qwen3_5_pp2", family="qwen3_5", pp=2, precision=True),
+    dict(name="qwen3_5_moe_tp2_ep2_sp", family="qwen3_5_moe", tp=2, ep=2, etp=1, sp=True,
+         precision=True),
 ]
 PRECISION_LAYOUTS = [job["name"] for job in LAYOUTS if job.get("precision")]
 

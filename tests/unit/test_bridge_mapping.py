@@ -1,6 +1,7 @@
 """The bridge's mapping classes on synthetic tensors (no model, no process group): every rank's
 shard loaded from a small safetensors file, then `to_hf` on all shards, gives back the original
-tensors exactly for TP sizes 1, 2 and 4; the fused layouts match hand-built ones; vocab padding
+tensors exactly for TP sizes 1, 2 and 4; the fused layouts (QKV, GateUp, Qwen3.5's gated QKV and
+Gated DeltaNet segments) match hand-built ones; vocab padding
 rows are zeros and vanish on export; a wrong shape or a missing tensor is a UserError naming it."""
 import types
 
@@ -10,8 +11,9 @@ from safetensors.torch import save_file
 
 from swift_megatron.bridge.io import HFReader
 from swift_megatron.bridge.load import load_hf_weights
-from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GateUp, Replicated,
-                                           RowParallel, Shard, VocabParallel)
+from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GatedQKV, GateUp,
+                                           Replicated, RowParallel, Segmented, Shard,
+                                           VocabParallel)
 from swift_megatron.bridge.position import RankPosition
 from swift_megatron.errors import UserError
 
@@ -132,6 +134,69 @@ def test_gate_up_holds_gate_then_up_rows_per_rank(reader_of, tp):
         assert torch.equal(shard, expected)
     restored = mapping.to_hf(shards, ["gate", "up"], dims())
     assert all(torch.equal(restored[name], tensors[name]) for name in ("gate", "up"))
+
+
+def test_gated_qkv_regroups_per_head_q_and_gate_per_query_group(reader_of):
+    """4 heads in 2 groups, head_dim 2: HF q_proj rows per head are [q_h; gate_h]; mcore's
+    rows per group are [q of its heads | gate of its heads | k | v]."""
+    d = dims(heads=4, groups=2, head_dim=2)
+    t = {"q": numbered(16, HIDDEN), "k": numbered(4, HIDDEN) * 1000,
+         "v": numbered(4, HIDDEN) * 100000}
+    qg = t["q"].reshape(4, 2, 2, HIDDEN)  # head, [q, gate], head_dim
+    q, gate = qg[:, 0], qg[:, 1]
+    k, v = t["k"].reshape(2, 2, HIDDEN), t["v"].reshape(2, 2, HIDDEN)
+    expected = torch.cat([q[0], q[1], gate[0], gate[1], k[0], v[0],
+                          q[2], q[3], gate[2], gate[3], k[1], v[1]])
+    mapping = GatedQKV("linear_qkv.weight", "q", "k", "v")
+    reader = reader_of(t)
+    assert torch.equal(load_all(mapping, reader, ["q", "k", "v"], 1, d)[0], expected)
+    tp2 = load_all(mapping, reader, ["q", "k", "v"], 2, d)
+    assert torch.equal(torch.cat(tp2), expected)
+
+
+@pytest.mark.parametrize("heads,groups,tp", QKV_CASES)
+def test_gated_qkv_round_trip(reader_of, heads, groups, tp):
+    d = dims(heads=heads, groups=groups, head_dim=2)
+    t = {"q": numbered(2 * heads * 2, HIDDEN), "k": numbered(groups * 2, HIDDEN) * 1000,
+         "v": numbered(groups * 2, HIDDEN) * 100000}
+    mapping = GatedQKV("linear_qkv.weight", "q", "k", "v")
+    shards = load_all(mapping, reader_of(t), ["q", "k", "v"], tp, d)
+    assert all(s.shape[0] == (2 * heads // groups + 2) * 2 * groups // tp for s in shards)
+    restored = mapping.to_hf(shards, ["q", "k", "v"], d)
+    assert all(torch.equal(restored[n], t[n]) for n in "qkv")
+
+
+GDN_DIMS = dict(linear_qk_dim=8, linear_v_dim=16, linear_v_heads=4)
+GDN_IN_PROJ = [(0, "linear_qk_dim"), (0, "linear_qk_dim"), (0, "linear_v_dim"),
+               (1, "linear_v_dim"), (2, "linear_v_heads"), (3, "linear_v_heads")]
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gdn_in_proj_holds_each_segments_chunk_per_rank(reader_of, tp):
+    """in_proj_qkv = [q(8); k(8); v(16)], z(16), b(4), a(4): rank r holds
+    [q_r, k_r, v_r, z_r, b_r, a_r]; the export restores all four HF tensors."""
+    d = Dims(**dims().__dict__ | GDN_DIMS)
+    t = {"qkv": numbered(32, HIDDEN), "z": numbered(16, HIDDEN) * 1000,
+         "b": numbered(4, HIDDEN) * 100000, "a": numbered(4, HIDDEN) * 1e7}
+    names = ["qkv", "z", "b", "a"]
+    mapping = Segmented("in_proj.weight", *names, segments=GDN_IN_PROJ)
+    shards = load_all(mapping, reader_of(t), names, tp, d)
+    q, k, v = torch.split(t["qkv"], [8, 8, 16])
+    for rank, shard in enumerate(shards):
+        expected = torch.cat([x.chunk(tp)[rank] for x in (q, k, v, t["z"], t["b"], t["a"])])
+        assert torch.equal(shard, expected)
+    restored = mapping.to_hf(shards, names, d)
+    assert all(torch.equal(restored[n], t[n]) for n in names)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_gdn_conv_round_trip_keeps_its_kernel_dims(reader_of, tp):
+    d = Dims(**dims().__dict__ | GDN_DIMS)
+    t = {"conv": numbered(32, 1, 4)}
+    mapping = Segmented("conv1d.weight", "conv", segments=GDN_IN_PROJ[:3])
+    shards = load_all(mapping, reader_of(t), ["conv"], tp, d)
+    assert all(s.shape == (32 // tp, 1, 4) for s in shards)
+    assert torch.equal(mapping.to_hf(shards, ["conv"], d)["conv"], t["conv"])
 
 
 # ---- names ----------------------------------------------------------------------------------

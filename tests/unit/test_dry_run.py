@@ -28,6 +28,44 @@ def test_a_good_configuration_prints_plan_and_checks(base, capsys):
     assert "checked rewards: accuracy, format" in out
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_is_recognised_from_its_nested_config(base, tiny_model_dir, family, capsys):
+    """Its sizes sit under text_config (a ConditionalGeneration checkpoint)."""
+    assert run(base + ["--model", tiny_model_dir(family)]) == 0
+    out = capsys.readouterr().out
+    assert f"checked model: {tiny_model_dir(family)} ({family})" in out
+    assert "memory per GPU (estimate, GiB): weights" in out
+
+
+@pytest.mark.parametrize("padding_free,sp,tp,cp,message", [
+    (True, True, 2, 1, "--padding_free false"), (False, True, 2, 2, "context parallelism"),
+    (True, False, 2, 1, None), (True, True, 1, 1, None), (False, True, 2, 1, None)])
+def test_qwen3_5_refuses_what_gated_deltanet_cannot_do(padding_free, sp, tp, cp, message):
+    from types import SimpleNamespace
+
+    from swift_megatron.preflight import check_hybrid_support
+
+    args = SimpleNamespace(kernels=SimpleNamespace(padding_free=padding_free),
+                           parallel=SimpleNamespace(sequence_parallel=sp, context_parallel_size=cp,
+                                                    tensor_model_parallel_size=tp))
+    check_hybrid_support(args, "qwen3")  # other families: nothing to refuse
+    if message is None:
+        check_hybrid_support(args, "qwen3_5")
+    else:
+        with pytest.raises(UserError, match=message):
+            check_hybrid_support(args, "qwen3_5_moe")
+
+
+def test_qwen3_5_text_only_save_reads_as_qwen3_5(base, tiny_model_dir, tmp_path, capsys):
+    source = tiny_model_dir("qwen3_5")
+    nested = json.load(open(os.path.join(source, "config.json")))
+    flat = dict(nested["text_config"], model_type="qwen3_5_text")
+    model = copy_model(source, tmp_path / "m")
+    json.dump(flat, open(os.path.join(model, "config.json"), "w"))
+    assert run(base + ["--model", model, "--check_model", "false"]) == 0
+    assert "(qwen3_5)" in capsys.readouterr().out
+
+
 def copy_model(source, target, **config_changes):
     shutil.copytree(source, target)
     path = os.path.join(target, "config.json")

@@ -93,6 +93,23 @@ def test_to_hf_gives_back_the_original_tensors(dtype, mcore_dir, hf_model, tmp_p
         assert "float32 (bfloat16 weights)" in proc.stdout and "-> PASS" in proc.stdout
 
 
+def test_qwen3_5_round_trip_through_megatron_keeps_vision_and_mtp(tiny_model_dir, tmp_path):
+    """The hybrid Gated DeltaNet model: HF -> Megatron -> HF, both precision checks pass, and the
+    output holds the source's tensors bit for bit, the vision tower and MTP head (not part of
+    the Megatron model) copied from --model."""
+    model = tiny_model_dir("qwen3_5")
+    proc = export("--model", model, "--to_mcore", "true", "--output_dir", tmp_path / "mcore",
+                  "--test_convert_precision", "true")
+    assert proc.returncode == 0 and "-> PASS" in proc.stdout, proc.stdout + proc.stderr
+    proc = export("--mcore_model", tmp_path / "mcore", "--model", model, "--to_hf", "true",
+                  "--output_dir", tmp_path / "hf", "--test_convert_precision", "true")
+    assert proc.returncode == 0 and "-> PASS" in proc.stdout, proc.stdout + proc.stderr
+    original, exported = safetensors_of(model), safetensors_of(tmp_path / "hf")
+    assert sorted(exported) == sorted(original)
+    assert any(n.startswith("model.visual.") for n in original) and "mtp.fc.weight" in original
+    assert all(torch.equal(exported[n], t) for n, t in original.items())
+
+
 def test_precision_check_fails_past_its_tolerance(hf_model):
     proc = export("--model", hf_model, "--test_convert_precision", "true",
                   "--test_convert_precision_atol", "1e-30")

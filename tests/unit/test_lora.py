@@ -137,15 +137,21 @@ def checks(tiny_model_dir, tmp_path_factory):
 def test_each_projection_is_base_plus_scaled_b_a_x(checks, family):
     diffs = checks[family]["projections"]
     print(f"{family}: max abs diff per projection {json.dumps(diffs)}")
-    assert len(diffs) == 7 and max(diffs.values()) <= 1e-5
+    # hybrid: a Gated DeltaNet layer's 5 projections plus gated attention's 4, and the MLP's 3
+    assert len(diffs) == (12 if family.startswith("qwen3_5") else 7)
+    assert max(diffs.values()) <= 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fresh_adapters_give_the_base_model_and_only_adapters_train(checks, family):
     init = checks[family]["init"]
     assert init["equal_base"] and init["trainable_are_adapters"]
-    per_layer = 4 + 8 * 3 if family == "qwen3_moe" else 7  # projections (8 experts x 3)
-    assert init["num_trainable"] == 2 * 4 * per_layer  # A and B, 4 layers
+    mlp = {"qwen3_moe": 8 * 3, "qwen3_5_moe": 8 * 3 + 3}.get(family, 3)  # experts (+ shared)
+    if family.startswith("qwen3_5"):  # 3 Gated DeltaNet layers (5 projections), 1 attention
+        projections = 3 * (5 + mlp) + 4 + mlp
+    else:
+        projections = 4 * (4 + mlp)
+    assert init["num_trainable"] == 2 * projections  # A and B
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,11 +164,21 @@ def test_disabled_adapters_give_exactly_the_base_model(checks, family):
 def test_save_then_load_adapter_is_bit_exact(checks, family):
     result = checks[family]["round_trip"]
     assert result["same_names"] and result["bit_exact"] and result["same_logits"]
-    assert result["config"] == {"r": 4, "lora_alpha": 8, "target_modules": sorted(HF_PROJECTIONS),
+    gdn = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    adapted = [p for p in HF_PROJECTIONS if family.startswith("qwen3_5") or p not in gdn]
+    assert result["config"] == {"r": 4, "lora_alpha": 8, "target_modules": sorted(adapted),
                                 "peft_type": "LORA", "task_type": "CAUSAL_LM", "use_rslora": False}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# peft on transformers 5.19's Qwen3_5Moe (experts fused into parameters) does not apply
+# per-expert adapters (it does for Qwen3Moe); our expert projections are checked against the
+# HF-layout weights instead (test_each_projection_is_base_plus_scaled_b_a_x)
+PEFT_PER_EXPERT = [f if f != "qwen3_5_moe" else pytest.param(f, marks=pytest.mark.skip(
+    reason="peft does not apply per-expert adapters to transformers' fused Qwen3.5-MoE experts"))
+    for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", PEFT_PER_EXPERT)
 def test_peft_loads_our_adapter_with_the_same_logits(checks, family):
     result = checks[family]["peft_reads_ours"]
     print(f"{family}: peft.PeftModel vs Megatron LoRA logits max abs diff "
@@ -178,7 +194,7 @@ def test_we_load_an_adapter_peft_created_with_the_same_logits(checks, family):
     assert result["max_abs_diff"] <= LOGITS_ATOL and result["use_rslora"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PEFT_PER_EXPERT)
 def test_merged_export_equals_peft_merge_and_unload(checks, family):
     result = checks[family]["merge"]
     print(f"{family}: merged export vs merge_and_unload, {result['num_tensors']} tensors, max abs "
@@ -187,7 +203,7 @@ def test_merged_export_equals_peft_merge_and_unload(checks, family):
     assert result["lora_in_export"] == [] and result["missing"] == []
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PEFT_PER_EXPERT)
 def test_merge_adapter_into_hf_reloads_in_transformers_like_peft(checks, family):
     diff = checks[family]["merge_to_hf"]["max_abs_diff_vs_peft"]
     print(f"{family}: merged HF checkpoint vs peft logits max abs diff {diff:.2e}")

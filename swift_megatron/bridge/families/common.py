@@ -1,28 +1,36 @@
 """Building blocks of the family tables: the Megatron <-> HF names every decoder-only family
-shares (embeddings, attention, dense SwiGLU MLP, routed experts), in export order."""
+shares (embeddings, attention, dense SwiGLU MLP, routed experts), in export order. `model` is
+the HF prefix of the decoder ("model." for causal LMs, "model.language_model." for the text
+stack of a multimodal checkpoint)."""
 from typing import List
 
 from swift_megatron.bridge.mapping import (QKV, GateUp, Mapping, Replicated, RowParallel,
                                            VocabParallel)
 
 L = "decoder.layers.{layer}."   # Megatron layer prefix
-H = "model.layers.{layer}."     # HF layer prefix
+MODEL = "model."                # HF decoder prefix of causal LMs
 
 
-def embeddings(tied: bool) -> List[Mapping]:
+def layer_prefix(model: str = MODEL) -> str:
+    """The HF prefix of a decoder layer."""
+    return model + "layers.{layer}."
+
+
+def embeddings(tied: bool, model: str = MODEL) -> List[Mapping]:
     """Input embedding, final norm and output layer. A tied output layer exists in Megatron only
     on the last pipeline stage (a copy of the embedding): it loads from the embedding and is not
     exported, as HF omits lm_head for tied models."""
     return [
-        VocabParallel("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-        Replicated("decoder.final_layernorm.weight", "model.norm.weight"),
-        VocabParallel("output_layer.weight", "model.embed_tokens.weight", export=False) if tied
+        VocabParallel("embedding.word_embeddings.weight", model + "embed_tokens.weight"),
+        Replicated("decoder.final_layernorm.weight", model + "norm.weight"),
+        VocabParallel("output_layer.weight", model + "embed_tokens.weight", export=False) if tied
         else VocabParallel("output_layer.weight", "lm_head.weight"),
     ]
 
 
-def attention(qkv_bias: bool = False, qk_norm: bool = False) -> List[Mapping]:
+def attention(qkv_bias: bool = False, qk_norm: bool = False, model: str = MODEL) -> List[Mapping]:
     """Pre-attention norm, fused QKV (+ bias), per-head q/k norms, output projection."""
+    H = layer_prefix(model)
     q, k, v = (H + f"self_attn.{p}_proj" for p in "qkv")
     table = [
         Replicated(L + "input_layernorm.weight", H + "input_layernorm.weight"),
@@ -37,7 +45,8 @@ def attention(qkv_bias: bool = False, qk_norm: bool = False) -> List[Mapping]:
     return table
 
 
-def dense_mlp() -> List[Mapping]:
+def dense_mlp(model: str = MODEL) -> List[Mapping]:
+    H = layer_prefix(model)
     return [
         Replicated(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
         GateUp(L + "mlp.linear_fc1.weight", H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
@@ -45,8 +54,9 @@ def dense_mlp() -> List[Mapping]:
     ]
 
 
-def moe_mlp() -> List[Mapping]:
+def moe_mlp(model: str = MODEL) -> List[Mapping]:
     """Router plus routed experts, stored per expert in the HF (hub) format vLLM loads."""
+    H = layer_prefix(model)
     expert, hf_expert = L + "mlp.experts.local_experts.{expert}.", H + "mlp.experts.{expert}."
     return [
         Replicated(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),

@@ -31,6 +31,7 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
+from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.preflight import check_reward_sources
@@ -255,7 +256,7 @@ def tokenizer(model_dir: str, hf_config: dict):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    vocab = (hf_config.get("text_config") or hf_config)["vocab_size"]
+    vocab = text_config(hf_config)["vocab_size"]
     if len(tok) > vocab:
         raise UserError(f"{model_dir}: the tokenizer has {len(tok)} tokens but the model's "
                         f"vocab_size is {vocab}: they come from different models (check the "
@@ -278,7 +279,8 @@ def eos_token_ids(model_dir: str, tok) -> List[int]:
 def prompts(args: RlhfArguments, tok, hf_config: dict) -> Tuple[List[Prompt], List[Prompt]]:
     flat = SimpleNamespace(**vars(args.data), max_completion_length=args.grpo.max_completion_length,
                            use_hf=args.model.use_hf, seed=args.training.seed)
-    return prepare_prompts(flat, tok, max_position_embeddings=hf_config.get("max_position_embeddings"))
+    return prepare_prompts(flat, tok, max_position_embeddings=text_config(hf_config).get(
+        "max_position_embeddings"))
 
 
 def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,

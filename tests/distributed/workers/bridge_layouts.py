@@ -11,9 +11,10 @@ re-created per job):
     name            result key; logits go to {out_dir}/{name}.logits.pt (rank 0)
     hf_dir          the original HF checkpoint (exports are compared with it)
     load            "hf" (through the bridge) or a Megatron model directory (any layout)
-    tp, pp, ep, etp parallel degrees (default 1)
+    tp, pp, ep, etp parallel degrees (default 1); sp: sequence parallelism (default false)
     logits          save the float32 logits on fixed random tokens
     precision       compare the logits with transformers (swift_megatron.export.measure_precision)
+    long_precision  the same on sequences of this many tokens
     save_model_dir  write a Megatron model directory there
     save_hf         write an HF checkpoint there, with max_shard_size (default 5GB)
 
@@ -27,7 +28,8 @@ import os
 
 
 def compare_export(loaded, hf_dir: str) -> dict:
-    """Drain the bridge's export and compare each tensor with the original checkpoint."""
+    """Drain the bridge's export and compare each tensor with the original checkpoint (whose
+    tensors outside the Megatron model, the family's passthrough, are not expected)."""
     import torch
 
     from swift_megatron.bridge.io import HFReader
@@ -40,8 +42,10 @@ def compare_export(loaded, hf_dir: str) -> dict:
         same = original is not None and original.dtype == tensor.dtype
         if not (same and torch.equal(original, tensor.cpu())):
             mismatched.append(name)
+    passthrough = {n for n in reader.file_of if n.startswith(tuple(loaded.bridge.passthrough))}
     return {"exported": len(names), "duplicates": len(names) - len(set(names)),
-            "missing": sorted(set(reader.file_of) - set(names)), "mismatched": mismatched}
+            "missing": sorted(set(reader.file_of) - set(names) - passthrough),
+            "mismatched": mismatched, "passthrough": len(passthrough)}
 
 
 def run_job(job: dict, out_dir: str) -> dict:
@@ -57,7 +61,8 @@ def run_job(job: dict, out_dir: str) -> dict:
     hf_config = load_hf_config(job["hf_dir"])
     model_type = model_shape(hf_config).model_type
     source = {"hf_dir": job["hf_dir"]} if job["load"] == "hf" else {"mcore_dir": job["load"]}
-    loaded = load_mcore_model(hf_config, model_type, torch.float32, state, **source)
+    loaded = load_mcore_model(hf_config, model_type, torch.float32, state,
+                              sequence_parallel=job.get("sp", False), **source)
     result = {"export": compare_export(loaded, job["hf_dir"])}
     if job.get("logits"):
         tokens = random_tokens(loaded.shape.vocab_size, loaded.shape.max_position_embeddings, "cpu")
@@ -66,6 +71,9 @@ def run_job(job: dict, out_dir: str) -> dict:
             torch.save(logits, os.path.join(out_dir, f"{job['name']}.logits.pt"))
     if job.get("precision"):
         result["precision"] = dataclasses.asdict(measure_precision(loaded, job["hf_dir"], state))
+    if job.get("long_precision"):
+        result["long_precision"] = dataclasses.asdict(measure_precision(
+            loaded, job["hf_dir"], state, length=job["long_precision"]))
     if job.get("save_model_dir"):
         save_model_dir(loaded, job["save_model_dir"], job["hf_dir"], state)
     if job.get("save_hf"):

@@ -6,7 +6,8 @@ and against peft; writes {out_dir}/rank0.json: {family: {check: result}} for tes
 
 Checks (every model in float32; B random and nonzero unless said otherwise):
     projections     each linear's output vs base + scale * B A x computed from the HF-layout
-                    weights (fused q/k/v and gate/up split by hand), max abs diff per projection
+                    weights (fused q/k/v and gate/up split by hand; hybrid models: a Gated
+                    DeltaNet layer's in_proj/out_proj and gated attention), max abs diff
     init            fresh adapters (B = 0) give exactly the base logits; trainable = adapters
     disabled        disabled() gives exactly the base logits
     round_trip      save_adapter -> load_adapter into a new model: tensors and logits bit-exact
@@ -48,10 +49,14 @@ def mcore(hf_dir, state, lora=None, b_seed=SEED):
 
 
 def hf_model(hf_dir, adapter_dir=None):
+    """The transformers model (a multimodal checkpoint's whole ConditionalGeneration model, whose
+    module names, model.language_model.*, adapters use as ms-swift's do), + peft adapter."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    multimodal = hasattr(AutoConfig.from_pretrained(hf_dir), "vision_config")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32).eval()
     if adapter_dir is None:
         return model
     import peft
@@ -86,16 +91,55 @@ def _split_qkv(out, config):
     return [t.reshape(*out.shape[:-1], -1) for t in grouped.split([q_rows, hd, hd], dim=-1)]
 
 
+def _split_gated_qkv(out, config):
+    """Fused per-group [q heads | gate heads | k | v] -> (HF q_proj output, per head [q; gate],
+    k, v), by hand."""
+    import torch
+
+    hd, groups = config.kv_channels, config.num_query_groups
+    per_group = config.num_attention_heads // groups
+    grouped = out.reshape(*out.shape[:-1], groups, 2 * per_group * hd + 2 * hd)
+    q, gate, k, v = grouped.split([per_group * hd, per_group * hd, hd, hd], dim=-1)
+    heads = (*out.shape[:-1], groups, per_group, 1, hd)
+    q_proj = torch.cat([q.reshape(heads), gate.reshape(heads)], dim=-2)
+    return [t.reshape(*out.shape[:-1], -1) for t in (q_proj, k, v)]
+
+
+def _split_in_proj(out, config):
+    """GDN in_proj output [q, k, v, z, b, a] (TP=1) -> HF in_proj_qkv, z, b, a outputs."""
+    qkv = 2 * config.linear_key_head_dim * config.linear_num_key_heads \
+        + config.linear_value_head_dim * config.linear_num_value_heads
+    v, heads = config.linear_value_head_dim * config.linear_num_value_heads, \
+        config.linear_num_value_heads
+    return list(out.split([qkv, v, heads, heads], dim=-1))
+
+
+def _chunks(out, config, parts):
+    return list(out.chunk(parts, dim=-1))
+
+
 def _linears(model, layer):
-    """(mcore module, its HF module prefix, HF projections of its output chunks) of one layer."""
+    """(mcore module, HF projections of its output chunks, how to split its output) of one
+    layer: a Gated DeltaNet or a gated full-attention layer in hybrid models."""
     block = model.decoder.layers[layer]
-    hf = f"model.layers.{layer}."
+    hybrid = model.config.attention_output_gate
+    hf = f"model.language_model.layers.{layer}." if hybrid else f"model.layers.{layer}."
     mlp = block.mlp.experts.local_experts[0] if hasattr(block.mlp, "experts") else block.mlp
     mlp_hf = hf + ("mlp.experts.0." if hasattr(block.mlp, "experts") else "mlp.")
-    return [(block.self_attention.linear_qkv, [hf + f"self_attn.{p}_proj" for p in "qkv"]),
-            (block.self_attention.linear_proj, [hf + "self_attn.o_proj"]),
-            (mlp.linear_fc1, [mlp_hf + "gate_proj", mlp_hf + "up_proj"]),
-            (mlp.linear_fc2, [mlp_hf + "down_proj"])]
+    one = lambda out, config: [out]  # noqa: E731
+    two = lambda out, config: _chunks(out, config, 2)  # noqa: E731
+    if hasattr(block.self_attention, "in_proj"):
+        gdn = hf + "linear_attn."
+        mixer = [(block.self_attention.in_proj, [gdn + p for p in ("in_proj_qkv", "in_proj_z",
+                                                                   "in_proj_b", "in_proj_a")],
+                  _split_in_proj),
+                 (block.self_attention.out_proj, [gdn + "out_proj"], one)]
+    else:
+        mixer = [(block.self_attention.linear_qkv, [hf + f"self_attn.{p}_proj" for p in "qkv"],
+                  _split_gated_qkv if hybrid else _split_qkv),
+                 (block.self_attention.linear_proj, [hf + "self_attn.o_proj"], one)]
+    return mixer + [(mlp.linear_fc1, [mlp_hf + "gate_proj", mlp_hf + "up_proj"], two),
+                    (mlp.linear_fc2, [mlp_hf + "down_proj"], one)]
 
 
 def check_projections(loaded, hf_dir, lora):
@@ -108,14 +152,14 @@ def check_projections(loaded, hf_dir, lora):
     reader, adapters = HFReader(hf_dir), adapter_state_dict(loaded.model)
     config, gen = loaded.model.config, torch.Generator().manual_seed(0)
     diffs = {}
+    layers = (1, config.num_layers - 1) if config.attention_output_gate else (1,)
     with torch.no_grad():
-        for module, names in _linears(loaded.model, layer=1):
-            x = torch.randn(5, 2, module.input_size, generator=gen)
-            out = module(x)[0]
-            parts = (_split_qkv(out, config) if len(names) == 3 else out.chunk(len(names), dim=-1))
-            for name, part in zip(names, parts):
-                diffs[name.split("layers.1.")[1]] = max_abs(
-                    part, _reference(x, reader, name, adapters, lora.scale))
+        for layer in layers:  # hybrid: a Gated DeltaNet layer and the last (full) one
+            for module, names, split in _linears(loaded.model, layer):
+                x = torch.randn(5, 2, module.input_size, generator=gen)
+                for name, part in zip(names, split(module(x)[0], config)):
+                    diffs[name.split(f"layers.{layer}.")[1]] = max_abs(
+                        part, _reference(x, reader, name, adapters, lora.scale))
     return diffs
 
 
@@ -225,10 +269,11 @@ def check_merge(loaded, hf_dir, adapter_dir):
 
     merged_peft = _hf_per_expert(hf_model(hf_dir, adapter_dir).merge_and_unload().state_dict())
     exported = dict(loaded.bridge.export(loaded.model))
+    outside = {n for n in merged_peft if n.startswith(tuple(loaded.bridge.passthrough))}
     return {"max_abs_diff": max(max_abs(t, merged_peft[n]) for n, t in exported.items()),
             "num_tensors": len(exported),
             "lora_in_export": [n for n in exported if "lora" in n],
-            "missing": sorted(set(merged_peft) - set(exported) - {"lm_head.weight"})}
+            "missing": sorted(set(merged_peft) - set(exported) - outside - {"lm_head.weight"})}
 
 
 def check_merge_to_hf(hf_dir, adapter_dir, state, tokens, out_dir):
@@ -350,7 +395,8 @@ def check_peft_fused_experts(hf_dir, state, out_dir):
     def run():
         from swift_megatron.lora import load_adapter
 
-        load_adapter(mcore(hf_dir, state).model, out_dir)
+        loaded = mcore(hf_dir, state)
+        load_adapter(loaded.model, out_dir, loaded.bridge.mappings)
     return {"error": _user_error(run),
             "target_parameters": sorted(saved.get("target_parameters") or [])}
 
@@ -381,8 +427,12 @@ def run_family(family, root, out, state):
         "merge_to_hf": check_merge_to_hf(hf_dir, adapter_dir, state, tokens,
                                          os.path.join(work, "merged")),
     }
-    dense = family != "qwen3_moe"
+    from swift_megatron.lora import HF_PROJECTIONS
+
+    dense = family not in ("qwen3_moe", "qwen3_5_moe")
     peft_targets = "all-linear" if dense else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if family.startswith("qwen3_5"):  # peft's all-linear would adapt the vision tower too
+        peft_targets = list(HF_PROJECTIONS) if dense else peft_targets + ["in_proj_qkv"]
     result["ours_reads_peft"] = check_ours_reads_peft(hf_dir, state, tokens,
                                                       os.path.join(work, "peft"), peft_targets)
     if family == "qwen3":

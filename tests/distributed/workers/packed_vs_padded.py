@@ -1,8 +1,9 @@
 """Worker: the GRPO loss, its metrics, the gradients and the logprobs of one optimizer step's
 micro-batches, computed on padded and on packed (THD) micro-batches of the same completions of
 very different lengths, and on packed micro-batches formed by a token budget (a different number
-of micro-batches), for a dense and a MoE tiny model; writes all to {out_dir}/rank{R}.json.
---tp 2 runs tensor parallel with sequence parallelism (the packed row padded to a multiple of TP).
+of micro-batches), for a dense, a MoE and (--tp 1) a hybrid Gated DeltaNet tiny model; writes all
+to {out_dir}/rank{R}.json. --tp 2 runs tensor parallel with sequence parallelism (the packed row
+padded to a multiple of TP), which Gated DeltaNet's packed path does not support.
 """
 import argparse
 import json
@@ -26,6 +27,11 @@ DENSE = dict(model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_si
              tie_word_embeddings=False)
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
            moe_intermediate_size=32, norm_topk_prob=True)
+# qwen3_5's text stack: two Gated DeltaNet layers, then gated full attention
+HYBRID = dict(DENSE, model_type="qwen3_5_text", num_hidden_layers=3,
+              layer_types=["linear_attention", "linear_attention", "full_attention"],
+              linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.25)
 PROMPT_LENGTHS = (3, 9, 5, 14, 2, 7)
 COMPLETION_LENGTHS = (1, 30, 12, 4, 21, 8)
 
@@ -97,7 +103,8 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     a = parser.parse_args()
     ParallelState.initialize(tp=a.tp, etp=a.tp, device="cpu", seed=11)
-    results = {name: run(hf, a.tp, sp=a.tp > 1) for name, hf in (("dense", DENSE), ("moe", MOE))}
+    models = (("dense", DENSE), ("moe", MOE)) + ((("hybrid", HYBRID),) if a.tp == 1 else ())
+    results = {name: run(hf, a.tp, sp=a.tp > 1) for name, hf in models}
     with open(os.path.join(a.out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
     ParallelState.destroy()
