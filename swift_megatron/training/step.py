@@ -10,6 +10,7 @@ share of the positions (parallel/context.py) and `loss_fn` gets the logits of th
 averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
 contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
 """
+import contextlib
 import math
 from functools import partial
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -56,9 +57,31 @@ def forward_backward(chunks: Sequence[torch.nn.Module], micro_batches: List[dict
     """Run every micro-batch forward (and backward unless forward_only); returns the metrics
     dict of each micro-batch on the last pipeline stage (an empty list elsewhere).
 
+    A forward-only pass runs the chunks in eval mode (dropout off, e.g. LoRA's): the old-policy,
+    reference and weight-sync logprobs are the policy's own, not a dropout sample of it.
+
     With several model chunks (the interleaved schedule) every micro-batch must have one shape,
     and their number be a multiple of PP: a forward-only pass is topped up with copies of its
     last micro-batch (their outputs dropped); a training pass must already be."""
+    if forward_only:
+        with _eval_mode(chunks):
+            return _run(chunks, micro_batches, loss_fn, True)
+    return _run(chunks, micro_batches, loss_fn, False)
+
+
+@contextlib.contextmanager
+def _eval_mode(chunks: Sequence[torch.nn.Module]):
+    modes = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
+
+
+def _run(chunks, micro_batches: List[dict], loss_fn: LossFn, forward_only: bool):
     count = len(micro_batches)
     seq_length = max(mb["tokens"].shape[1] for mb in micro_batches)
     if len(chunks) > 1:

@@ -220,6 +220,10 @@ def test_lora_backward_has_no_batched_matmul(checks):
     assert checks["qwen3"]["backward_ops"] == {"b2": ["aten::mm"], "b1": ["aten::mm"]}
 
 
+def test_forward_only_passes_ignore_lora_dropout(checks):
+    assert checks["qwen3"]["forward_only"] == {"equal": True, "still_training": True}
+
+
 def test_targeting_some_projections_of_a_fused_linear(checks):
     result = checks["qwen3"]["partial"]
     assert result == {"adapted_modules": 4, "k_equal_base": True, "q_moved": True,

@@ -18,6 +18,7 @@ Checks (every model in float32; B random and nonzero unless said otherwise):
     base_untouched  (qwen3) base weights bit-identical after 100 merged exports
     partial         (qwen3) targets q_proj + v_proj only
     errors          (qwen3, qwen3_moe) the UserError messages of bad adapters
+    forward_only    (qwen3) a forward-only pass in train mode ignores LoRA dropout
     backward_ops    (qwen3) the matmul operators of a forward + backward (no batched matmul)
 """
 import argparse
@@ -338,6 +339,21 @@ def check_backward_ops(loaded):
     return ops
 
 
+def check_forward_only_is_deterministic(hf_dir, state, tokens):
+    """A forward-only pass (old-policy / reference / weight-sync logprobs) of a model in train
+    mode with LoRA dropout 0.5 gives the same logits twice (dropout off) and leaves the model in
+    train mode."""
+    from swift_megatron.export import mcore_logits
+    from swift_megatron.lora import LoraConfig
+
+    lora = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.5, target_modules=("all-linear",),
+                      seed=SEED)
+    loaded = mcore(hf_dir, state, lora)
+    loaded.model.train()
+    first, second = (mcore_logits(loaded, tokens, state) for _ in range(2))
+    return {"equal": bool((first == second).all()), "still_training": loaded.model.training}
+
+
 def _user_error(fn):
     from swift_megatron.errors import UserError
 
@@ -438,6 +454,7 @@ def run_family(family, root, out, state):
     if family == "qwen3":
         result["base_untouched"] = check_base_untouched(loaded)
         result["backward_ops"] = check_backward_ops(loaded)
+        result["forward_only"] = check_forward_only_is_deterministic(hf_dir, state, tokens)
         result["partial"] = check_partial(hf_dir, state, os.path.join(work, "partial"))
         result["errors"] = check_errors(hf_dir, state, adapter_dir, work)
     if not dense:
