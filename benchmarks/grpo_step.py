@@ -27,6 +27,8 @@ PRESETS = {
     "qwen2.5-0.5b": REAL_SHAPES["qwen2.5-0.5b"],
     "qwen2.5-1.5b": REAL_SHAPES["qwen2.5-1.5b"],
     "qwen3-1.7b": REAL_SHAPES["qwen3-1.7b"],
+    # built as Qwen3_5ForConditionalGeneration (text stack of this shape, a tiny vision tower)
+    "qwen3.5-9b-4l": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5"),
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
 }

@@ -30,6 +30,8 @@
 #   long_context      benchmarks/long_context.py: one 16k / 32k-token sequence, CP=1 then CP=2
 #                     (2 GPUs), train-step time and peak memory
 #   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler)
+#   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
+#                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
 #   profile_lora      the profile phase with --train_type lora ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -98,6 +100,8 @@ phase() {
                         --tool ours --variable_length --work_dir /tmp/multi_turn -- \
                         --multi_turn_scheduler gym_scheduler --gym_env grid_world --max_turns 3 \
                         --use_gym_env true ;;
+        qwen3_5) python3 -m pytest tests/gpu/test_bridge_gpu.py -q -s -k qwen3_5 &&
+                 $GRPO --preset qwen3.5-9b-4l --run_name qwen3_5 -- --use_vllm false ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \

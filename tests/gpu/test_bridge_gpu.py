@@ -28,7 +28,12 @@ pytestmark = pytest.mark.gpu
 
 CASES = {"qwen3_1.7b-tp2": ("qwen3_1.7b", ["--tp", 2]),
          "qwen3_moe-tp2": ("qwen3_moe", ["--tp", 2]),
-         "qwen3_moe-ep2": ("qwen3_moe", ["--tp", 1, "--ep", 2])}
+         "qwen3_moe-ep2": ("qwen3_moe", ["--tp", 1, "--ep", 2]),
+         # Qwen3.5 (flash-linear-attention's Gated DeltaNet kernels on CUDA), one GPU and two
+         "qwen3_5-tp1": ("qwen3_5", ["--tp", 1]),
+         "qwen3_5_moe-tp1": ("qwen3_5_moe", ["--tp", 1]),
+         "qwen3_5-tp2": ("qwen3_5", ["--tp", 2]),
+         "qwen3_5_moe-ep2": ("qwen3_5_moe", ["--tp", 1, "--ep", 2])}
 
 
 def check_logits_report(report: dict) -> None:
@@ -52,10 +57,11 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(case, checkpoints, tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     preset, layout = CASES[case]
-    report = run_workers("bridge_bf16_logits.py", 2, tmp_path,
+    nproc = layout[1] * (layout[3] if len(layout) > 2 else 1)   # TP x EP
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    report = run_workers("bridge_bf16_logits.py", nproc, tmp_path,
                          ["--preset", preset, "--device", "cuda", "--hf_dir", checkpoints(preset),
                           *layout], timeout=1800)[0]
     print(json.dumps(report))

@@ -33,9 +33,11 @@ from swift_megatron.export import (compare_logits, hf_logits, load_mcore_model, 
 from swift_megatron.fixtures import build_tiny_model
 from swift_megatron.fixtures.shapes import REAL_SHAPES
 from swift_megatron.model.config import load_hf_config
+from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.state import ParallelState
 
-PRESETS = {"qwen3_1.7b": REAL_SHAPES["qwen3-1.7b"], "qwen3_moe": REAL_SHAPES["qwen3-moe-small"]}
+PRESETS = {"qwen3_1.7b": REAL_SHAPES["qwen3-1.7b"], "qwen3_moe": REAL_SHAPES["qwen3-moe-small"],
+           "qwen3_5": REAL_SHAPES["qwen3.5-9b-4l"], "qwen3_5_moe": REAL_SHAPES["qwen3.5-moe-small"]}
 TINY = {"tiny_qwen3": "qwen3", "tiny_qwen3_moe": "qwen3_moe"}
 
 
@@ -57,7 +59,8 @@ def write_random_model(preset: str, out_dir: str, dtype: torch.dtype, device: to
 
 def megatron_logits(hf_dir: str, dtype: torch.dtype, state, tokens) -> torch.Tensor:
     hf_config = load_hf_config(hf_dir)
-    loaded = load_mcore_model(hf_config, hf_config["model_type"], dtype, state, hf_dir=hf_dir)
+    loaded = load_mcore_model(hf_config, text_config(hf_config)["model_type"], dtype, state,
+                              hf_dir=hf_dir)
     logits = mcore_logits(loaded, tokens, state)
     del loaded
     if state.device.type == "cuda":
@@ -91,9 +94,8 @@ def main():
     if state.rank == 0 and not os.path.isdir(hf_dir):
         write_random_model(args.preset, hf_dir, torch.bfloat16, state.device)
     state.barrier()
-    hf_config = load_hf_config(hf_dir)
-    tokens = random_tokens(hf_config["vocab_size"], hf_config["max_position_embeddings"],
-                           state.device)
+    text = text_config(load_hf_config(hf_dir))
+    tokens = random_tokens(text["vocab_size"], text["max_position_embeddings"], state.device)
     mcore = {name: megatron_logits(hf_dir, dtype, state, tokens)
              for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     result = dict(name="bridge_logits", preset=args.preset, device=args.device, tp=args.tp,
