@@ -94,7 +94,7 @@ phase() {
                           --work_dir /tmp/$mode -- --train_type $mode || return 1; done ;;
         long_context) for seq in 16384 32768; do
                           python3 benchmarks/long_context.py --seq $seq
-                          [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || continue   # CP=2: 2 GPUs
+                          [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || continue
                           python3 -m torch.distributed.run --nproc_per_node 2 \
                               benchmarks/long_context.py --seq $seq --cp 2; done ;;
         multi_turn) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 3 \
