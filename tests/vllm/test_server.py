@@ -13,7 +13,7 @@
 - the server runs with --api_key: every endpoint answers 401 without it (the client, and the
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
 - `megatron rlhf --vllm_mode server` trains against it: multi-turn rollouts (the trainer runs
-  the scheduler), then two processes (last);
+  the scheduler), --async_generate (one step off-policy), then two processes (last);
 - SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown).
 """
 import json
@@ -315,6 +315,43 @@ def test_grpo_server_mode_multi_turn(server, vllm_model_dir, math_dataset_path, 
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["multi_turn/num_turns_mean"] == 2.0 for r in rows)
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
+
+
+def grpo_run(server, model_dir, dataset, out, *extra):
+    """The rows of logging.jsonl of a one-process `megatron rlhf --vllm_mode server` run."""
+    host, port = server.rsplit(":", 1)
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model_dir,
+           "--dataset", dataset, "--external_plugins",
+           os.path.join(REPO, "swift_megatron", "demo", "rewards.py"),
+           "--reward_funcs", "digit_ratio", "--num_generations", "4", "--global_batch_size", "8",
+           "--micro_batch_size", "4", "--max_completion_length", "8", "--lr", "1e-2",
+           "--report_to", "none", "--logging_steps", "1", "--add_version", "false",
+           "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
+           "--vllm_server_port", port, "--log_rollout_offpolicy_metrics", "true",
+           "--rollout_importance_sampling_mode", "token_truncate", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "logging.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_grpo_async_generate(server, vllm_model_dir, math_dataset_path, tmp_path):
+    """--async_generate: batch 1 is generated from the initial weights as in the synchronous
+    run (same loss), batches 2 and 3 while the previous batch trained, by the weights of one
+    update before: staleness 1, and the server's logprobs then differ from the trainer's
+    (synchronous runs agree to 1e-4, test_grpo_server_mode)."""
+    sync = grpo_run(server, vllm_model_dir, math_dataset_path, tmp_path / "sync",
+                    "--train_iters", "1")
+    rows = grpo_run(server, vllm_model_dir, math_dataset_path, tmp_path / "async",
+                    "--train_iters", "3", "--async_generate", "true")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["loss"] == pytest.approx(sync[0]["loss"], abs=1e-6)
+    assert rows[0]["reward/mean"] == sync[0]["reward/mean"]
+    assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-4
+    assert min(r["rollout/logprob_abs_diff_mean"] for r in rows[1:]) > 1e-3
 
 
 def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
