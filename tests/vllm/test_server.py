@@ -317,14 +317,26 @@ def test_grpo_server_mode_multi_turn(server, vllm_model_dir, math_dataset_path, 
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
 
 
+PARITY_REWARD = """
+from swift_megatron.rewards import register_reward
+
+
+@register_reward("token_parity")
+def token_parity(completions, completion_ids, **kwargs):
+    return [float(sum(ids) % 2) for ids in completion_ids]
+"""
+
+
 def grpo_run(server, model_dir, dataset, out, *extra):
-    """The rows of logging.jsonl of a one-process `megatron rlhf --vllm_mode server` run."""
+    """The rows of logging.jsonl of a one-process `megatron rlhf --vllm_mode server` run whose
+    reward (the parity of the token ids' sum) varies within every group."""
     host, port = server.rsplit(":", 1)
+    out.mkdir()
+    (out / "parity.py").write_text(PARITY_REWARD)
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model_dir,
-           "--dataset", dataset, "--external_plugins",
-           os.path.join(REPO, "swift_megatron", "demo", "rewards.py"),
-           "--reward_funcs", "digit_ratio", "--num_generations", "4", "--global_batch_size", "8",
-           "--micro_batch_size", "4", "--max_completion_length", "8", "--lr", "1e-2",
+           "--dataset", dataset, "--external_plugins", str(out / "parity.py"),
+           "--reward_funcs", "token_parity", "--num_generations", "4", "--global_batch_size", "8",
+           "--micro_batch_size", "2", "--max_completion_length", "8", "--lr", "5e-3",
            "--report_to", "none", "--logging_steps", "1", "--add_version", "false",
            "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
            "--vllm_server_port", port, "--log_rollout_offpolicy_metrics", "true",
@@ -348,7 +360,8 @@ def test_grpo_async_generate(server, vllm_model_dir, math_dataset_path, tmp_path
                     "--train_iters", "3", "--async_generate", "true")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
-    assert rows[0]["loss"] == pytest.approx(sync[0]["loss"], abs=1e-6)
+    assert rows[0]["reward/std"] > 0 and abs(sync[0]["loss/policy"]) > 1e-6
+    assert rows[0]["loss/policy"] == pytest.approx(sync[0]["loss/policy"], abs=1e-6)
     assert rows[0]["reward/mean"] == sync[0]["reward/mean"]
     assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-4
     assert min(r["rollout/logprob_abs_diff_mean"] for r in rows[1:]) > 1e-3

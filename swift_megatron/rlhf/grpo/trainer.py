@@ -4,7 +4,8 @@
   forward-only passes, passes.py) -> advantages -> num_iterations x steps_per_generation
   optimizer steps of global_batch_size completions through forward_backward_func (with
   --sync_ref_model, the reference follows the policy every ref_model_sync_steps) -> weight sync
-  to the engine -> metrics -> checkpoint.
+  to the engine -> metrics -> checkpoint. With --async_generate (server mode) the next batch's
+  generation runs in a background thread from the rollout to the weight sync (prefetch.py).
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
@@ -299,8 +300,8 @@ class GRPOTrainer:
         return metrics
 
     def sync_weights(self) -> Dict[str, float]:
-        """Stream the policy's weights into the engine (after the generation --async_generate
-        has under way: never while a request is in flight); with --check_weight_sync, verify."""
+        """Stream the policy's weights into the engine (once the generation --async_generate
+        started is done: never while a request is in flight); with --check_weight_sync, verify."""
         if self.prefetch:
             self.prefetch.wait()
         self.engine.update_weights(self.policy.bridge.export(self.policy.chunks))
