@@ -121,3 +121,26 @@ def test_default_is_off_as_ms_swift():
     assert grpo().async_generate is False
     assert grpo("--async_generate", "true", "--vllm_mode", "server",
                 "--vllm_server_host", "h").async_generate is True
+
+
+def test_trainer_prefetches_within_the_run_and_checkpoints_the_sampler_before_it():
+    """No prefetch past --train_iters or --exit_interval; a checkpoint taken with a batch
+    prefetched saves the sampler from before that batch's draw (a resumed run draws it again)."""
+    from types import SimpleNamespace
+
+    from swift_megatron.rlhf.grpo.prefetch import Prefetched
+    from swift_megatron.rlhf.grpo.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.steps_per_rollout, trainer.train_iters = 2, 6
+    trainer.args = SimpleNamespace(training=SimpleNamespace(exit_interval=None))
+    assert [trainer._another_batch() for trainer.step in (0, 2, 4)] == [True, True, False]
+    trainer.args.training.exit_interval = 4
+    assert [trainer._another_batch() for trainer.step in (0, 2)] == [True, False]
+    trainer.sampler = SimpleNamespace(state_dict=lambda: {"position": 12})
+    trainer.prefetch = RolloutPrefetch()
+    assert trainer._sampler_state() == {"position": 12}
+    trainer.prefetch.pending = Prefetched([], [], None, {"position": 8})
+    assert trainer._sampler_state() == {"position": 8}
+    trainer.prefetch = None
+    assert trainer._sampler_state() == {"position": 12}
