@@ -353,9 +353,10 @@ def grpo_run(server, model_dir, dataset, out, *extra, processes=1):
 def test_grpo_async_generate(server, vllm_model_dir, math_dataset_path, tmp_path):
     """--async_generate with two training processes (each rank's background thread joins the
     engine's gather / scatter; rank 0 sends the requests): batch 1 is generated from the
-    initial weights as in the one-process synchronous run (same loss, gradient), batches 2 and 3 while the previous batch trained, by the weights of one
-    update before: staleness 1, and the server's logprobs then differ from the trainer's
-    (synchronous runs agree to 1e-4, test_grpo_server_mode)."""
+    initial weights as in the one-process synchronous run (same loss, gradient), batches 2
+    and 3 while the previous batch trained, by the weights of one update before: staleness 1,
+    and the server's logprobs then differ from the trainer's (synchronous runs agree to 1e-4,
+    test_grpo_server_mode)."""
     sync = grpo_run(server, vllm_model_dir, math_dataset_path, tmp_path / "sync",
                     "--train_iters", "1")
     rows = grpo_run(server, vllm_model_dir, math_dataset_path, tmp_path / "async",
