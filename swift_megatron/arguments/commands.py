@@ -60,6 +60,22 @@ class RlhfArguments:
             raise UserError("--use_gym_env applies to multi-turn rollouts: pass "
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
+        self._check_async_generate()
+
+    def _check_async_generate(self) -> None:
+        """--async_generate overlaps HTTP generation with training: server mode only (a
+        colocated engine shares the trainer's processes and memory), one engine call per
+        request (a multi-turn scheduler's turns depend on each other and on collectives)."""
+        g = self.grpo
+        if not g.async_generate:
+            return
+        if self.rollout.vllm_mode != "server" or self.rollout.use_vllm is False:
+            raise UserError("--async_generate true needs --vllm_mode server (a `megatron "
+                            "rollout` server generates the next batch while the trainer "
+                            "trains); drop --async_generate or pass --vllm_mode server")
+        if g.multi_turn_scheduler is not None:
+            raise UserError("--async_generate true does not support multi-turn rollouts (as "
+                            "ms-swift): drop --async_generate or --multi_turn_scheduler")
 
 
     def _check_virtual_pipeline(self) -> None:

@@ -174,6 +174,14 @@ class GRPOArguments:
                                       "--reward_model; --reward_weights takes one weight more). "
                                       "Default: true when --gym_env is given.")
 
+    # Asynchronous generation (docs/rlhf.md, "Asynchronous generation")
+    async_generate: bool = arg(False, "Server mode: generate the next rollout batch on the "
+                               "rollout servers while the trainer trains on this one (one step "
+                               "off-policy: the servers hold the weights of one update before). "
+                               "The engine's logprobs are the behaviour policy of "
+                               "--rollout_importance_sampling_mode; the staleness is logged as "
+                               "rollout/staleness. Not with multi-turn rollouts.")
+
     @property
     def has_teacher(self) -> bool:
         return self.teacher_model is not None

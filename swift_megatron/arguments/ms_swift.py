@@ -28,11 +28,10 @@ NOT_SUPPORTED: Dict[str, str] = {
                             "--offload_teacher_model keeps it in host memory between passes)",
     "teacher_tag_key": "multi-teacher routing needs --teacher_model_server, which is not "
                        "supported: one --teacher_model scores every completion",
-    # multi-turn and asynchronous generation
+    # multi-turn
     "vllm_server_pass_dataset": _SERVER_SCHEDULER,
     "context_manager": "removed in ms-swift too: change the conversation between turns in a "
                        "--multi_turn_scheduler (docs/multi_turn.md)",
-    "async_generate": "asynchronous generation is not supported yet (issue 15)",
     # parallelism
     "cp_comm_type": "context parallelism has one implementation, all-gather of keys and values "
                     "in our SDPA attention (Transformer Engine's p2p / a2a variants are not "

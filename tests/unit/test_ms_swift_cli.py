@@ -54,8 +54,8 @@ ACCEPTED = {
 }
 OTHER_ISSUES = {"teacher_model_server": "--teacher_model",
                 "vllm_server_pass_dataset": "every dataset column reaches",
-                "context_manager": "removed in ms-swift too", "async_generate": "issue 15",
-                "freeze_vit": "issue 12", "use_ray": "torchrun, not Ray"}
+                "context_manager": "removed in ms-swift too", "freeze_vit": "issue 12",
+                "use_ray": "torchrun, not Ray"}
 
 
 # examples/megatron/grpo/multi_turn/frozen_lake.sh

@@ -13,7 +13,7 @@
 - the server runs with --api_key: every endpoint answers 401 without it (the client, and the
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
 - `megatron rlhf --vllm_mode server` trains against it: multi-turn rollouts (the trainer runs
-  the scheduler), then two processes (last);
+  the scheduler), --async_generate (one step off-policy), then two processes (last);
 - SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown).
 """
 import json
@@ -315,6 +315,61 @@ def test_grpo_server_mode_multi_turn(server, vllm_model_dir, math_dataset_path, 
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["multi_turn/num_turns_mean"] == 2.0 for r in rows)
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
+
+
+PARITY_REWARD = """
+from swift_megatron.rewards import register_reward
+
+
+@register_reward("token_parity")
+def token_parity(completions, completion_ids, **kwargs):
+    return [float(sum(ids) % 2) for ids in completion_ids]
+"""
+
+
+def grpo_run(server, model_dir, dataset, out, *extra, processes=1):
+    """The rows of logging.jsonl of a `megatron rlhf --vllm_mode server` run whose reward (the
+    parity of the token ids' sum) varies within every group."""
+    host, port = server.rsplit(":", 1)
+    out.mkdir()
+    (out / "parity.py").write_text(PARITY_REWARD)
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model_dir,
+           "--dataset", dataset, "--external_plugins", str(out / "parity.py"),
+           "--reward_funcs", "token_parity", "--num_generations", "4", "--global_batch_size", "8",
+           "--micro_batch_size", "1", "--max_completion_length", "8", "--lr", "5e-3",
+           "--report_to", "none", "--logging_steps", "1", "--add_version", "false",
+           "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
+           "--vllm_server_port", port, "--log_rollout_offpolicy_metrics", "true",
+           "--rollout_importance_sampling_mode", "token_truncate", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()),
+               NPROC_PER_NODE=str(processes))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "logging.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_grpo_async_generate(server, vllm_model_dir, math_dataset_path, tmp_path):
+    """--async_generate with two training processes (each rank's background thread joins the
+    engine's gather / scatter; rank 0 sends the requests): batch 1 is generated from the
+    initial weights as in the one-process synchronous run (same loss, gradient), batches 2
+    and 3 while the previous batch trained, by the weights of one update before: staleness 1,
+    and the server's logprobs then differ from the trainer's (synchronous runs agree to 1e-4,
+    test_grpo_server_mode)."""
+    sync = grpo_run(server, vllm_model_dir, math_dataset_path, tmp_path / "sync",
+                    "--train_iters", "1")
+    rows = grpo_run(server, vllm_model_dir, math_dataset_path, tmp_path / "async",
+                    "--train_iters", "3", "--async_generate", "true", processes=2)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    # on-policy, the GRPO loss of a group is ~0 (advantages sum to 0): the gradient tells more
+    assert rows[0]["reward/std"] > 0 and sync[0]["grad_norm"] > 0.1
+    assert rows[0]["loss/policy"] == pytest.approx(sync[0]["loss/policy"], abs=1e-6)
+    assert rows[0]["grad_norm"] == pytest.approx(sync[0]["grad_norm"], rel=1e-5)
+    assert rows[0]["reward/mean"] == sync[0]["reward/mean"]
+    assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-4
+    assert min(r["rollout/logprob_abs_diff_mean"] for r in rows[1:]) > 1e-3
 
 
 def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):

@@ -14,6 +14,7 @@ loss mask, rewards score the model's last answer, and multi_turn/ metrics are ga
 """
 import dataclasses
 import math
+from concurrent.futures import Executor, Future
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -81,20 +82,38 @@ class RolloutCollector:
         return slice(start, start + per + (1 if rank < extra else 0))
 
     def generate_and_score(self, prompts: Sequence[Prompt], group_ids: Sequence[int],
-                           seed: int, num_generations: Optional[int] = None) -> List[Sample]:
+                           seed: int, num_generations: Optional[int] = None,
+                           generated: Optional[Future] = None) -> List[Sample]:
         """num_generations (default: the training setting) scored samples per prompt, identical
         on every rank of the replica and independent of the parallel layout (per-request
-        seeds)."""
-        g = num_generations or self.settings.num_generations
-        requests = [(i, k) for i in range(len(prompts)) for k in range(g)]
-        mine = requests[self._share(len(requests))]
-        seeds = [_request_seed(seed, group_ids[i], k) for i, k in mine]
-        completions = self._generate([prompts[i] for i, _ in mine], seeds)
+        seeds). `generated`: this rank's completions of the same call, started earlier by
+        start_generation (--async_generate)."""
+        mine, seeds = self._requests(prompts, group_ids, seed, num_generations)
+        completions = generated.result() if generated is not None \
+            else self._generate([prompts[i] for i, _ in mine], seeds)
         local = self._score([prompts[i] for i, _ in mine], [group_ids[i] for i, _ in mine],
                             completions)
         parts: List[List[Sample]] = [None] * dist.get_world_size(self.mp_group)
         dist.all_gather_object(parts, local, group=self.mp_group)
         return [s for part in parts for s in part]
+
+    def start_generation(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
+                         executor: Executor) -> Future:
+        """This rank's completions of generate_and_score(prompts, group_ids, seed), generated
+        by `executor` (a background thread: --async_generate). Single-turn only: the engine
+        call is the only collective, on the engine's own process group."""
+        if self.multi_turn:
+            raise ValueError("start_generation: multi-turn rollouts run turn by turn")
+        mine, seeds = self._requests(prompts, group_ids, seed)
+        return executor.submit(self._generate, [prompts[i] for i, _ in mine], seeds)
+
+    def _requests(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
+                  num_generations: Optional[int] = None) -> Tuple[List[Tuple[int, int]], List[int]]:
+        """This rank's share of the (prompt index, sample index) requests, and their seeds."""
+        g = num_generations or self.settings.num_generations
+        requests = [(i, k) for i in range(len(prompts)) for k in range(g)]
+        mine = requests[self._share(len(requests))]
+        return mine, [_request_seed(seed, group_ids[i], k) for i, k in mine]
 
     def _generate(self, prompts: List[Prompt], seeds: List[int]) -> list:
         """One completion per prompt: a single engine call, or with a scheduler one multi-turn
@@ -176,11 +195,11 @@ class RolloutCollector:
             sample.advantage = value
         return _rollout_metrics(table, metrics, s.reward_names, kl is not None)
 
-    def collect(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int
-                ) -> Tuple[List[Sample], Dict[str, float]]:
+    def collect(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
+                generated: Optional[Future] = None) -> Tuple[List[Sample], Dict[str, float]]:
         """This DP rank's scored samples (group ids: unique per prompt slot over the run),
-        advantages not yet assigned (assign_advantages)."""
-        samples = self.generate_and_score(prompts, group_ids, seed)
+        advantages not yet assigned (assign_advantages). `generated`: see generate_and_score."""
+        samples = self.generate_and_score(prompts, group_ids, seed, generated=generated)
         unresolved = 0
         if self.settings.dynamic_sample:
             samples, unresolved = self.resample_zero_std_groups(samples, seed)

@@ -4,7 +4,8 @@
   forward-only passes, passes.py) -> advantages -> num_iterations x steps_per_generation
   optimizer steps of global_batch_size completions through forward_backward_func (with
   --sync_ref_model, the reference follows the policy every ref_model_sync_steps) -> weight sync
-  to the engine -> metrics -> checkpoint.
+  to the engine -> metrics -> checkpoint. With --async_generate (server mode) the next batch's
+  generation runs in a background thread from the rollout to the weight sync (prefetch.py).
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
@@ -38,6 +39,7 @@ from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_bat
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
+from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
@@ -84,6 +86,7 @@ class GRPOTrainer:
             record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
+        self.prefetch = self._prefetch()
         if start.resume_dir:
             self._resume(start.resume_dir)
 
@@ -163,11 +166,43 @@ class GRPOTrainer:
                 offloader.reload()
 
     def collect(self):
-        group_ids = self.sampler.batch_sample_ids()  # stream positions: unique over the run
-        prompts = [self.train_prompts[i] for i in next(self.sampler)]
+        """This rank's samples of the next rollout batch (with --async_generate, generated
+        while the previous batch trained, and the batch after started before returning)."""
+        pending = self.prefetch.take() if self.prefetch else None
+        group_ids, prompts = (pending.group_ids, pending.prompts) if pending else self._draw()
         self.collector.trainer_state.global_step = self.step
+        seed = self.args.training.seed
         with self.generating():
-            return self.collector.collect(prompts, group_ids, seed=self.args.training.seed)
+            samples, metrics = self.collector.collect(prompts, group_ids, seed=seed,
+                                                      generated=pending and pending.generated)
+        if self.prefetch:
+            metrics.update(staleness_metrics(samples, self.engine.weight_version))
+            if self._another_batch():
+                state = self.sampler.state_dict()
+                next_ids, next_prompts = self._draw()
+                self.prefetch.start(self.collector, next_prompts, next_ids, seed, state)
+        return samples, metrics
+
+    def _draw(self):
+        """The next batch's group ids (stream positions: unique over the run) and prompts."""
+        group_ids = self.sampler.batch_sample_ids()
+        return group_ids, [self.train_prompts[i] for i in next(self.sampler)]
+
+    def _prefetch(self) -> Optional[RolloutPrefetch]:
+        """--async_generate's background generation (server mode, single-turn: checked by the
+        arguments, and here for the servers' own multi-turn scheduler)."""
+        if not self.args.grpo.async_generate:
+            return None
+        if self.collector.multi_turn:
+            raise UserError("--async_generate true does not support multi-turn rollouts, and "
+                            "the rollout servers run a --multi_turn_scheduler: drop "
+                            "--async_generate or restart them without it")
+        return RolloutPrefetch()
+
+    def _another_batch(self) -> bool:
+        """Whether a rollout batch follows the one being collected (before its steps)."""
+        after, t = self.step + self.steps_per_rollout, self.args.training
+        return after < self.train_iters and not (t.exit_interval and after >= t.exit_interval)
 
     def step_micro_batches(self, samples: List[Sample]) -> List[List[dict]]:
         """This DP rank's micro-batches of each optimizer step of the rollout batch: the step's
@@ -265,7 +300,10 @@ class GRPOTrainer:
         return metrics
 
     def sync_weights(self) -> Dict[str, float]:
-        """Stream the policy's weights into the engine; with --check_weight_sync, verify it."""
+        """Stream the policy's weights into the engine (once the generation --async_generate
+        started is done: never while a request is in flight); with --check_weight_sync, verify."""
+        if self.prefetch:
+            self.prefetch.wait()
         self.engine.update_weights(self.policy.bridge.export(self.policy.chunks))
         return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
 
@@ -352,7 +390,7 @@ class GRPOTrainer:
         check_finite_weights(pol.chunks, f"checkpoint of step {self.step}")
         state = {"step": self.step, "train_iters": self.train_iters,
                  "adam_step": adam_step(pol.optimizer),
-                 "scheduler": pol.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+                 "scheduler": pol.scheduler.state_dict(), "sampler": self._sampler_state()}
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
                                "etp": self.state.etp}}
@@ -369,6 +407,12 @@ class GRPOTrainer:
         logger.info(f"saved checkpoint {path}")
         if self.state.rank == 0:
             write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
+
+    def _sampler_state(self) -> dict:
+        """The sampler's state to resume from: with a batch prefetched, from before its draw
+        (its generation is dropped, a resumed run generates it again)."""
+        pending = self.prefetch.pending if self.prefetch else None
+        return pending.sampler_state if pending else self.sampler.state_dict()
 
     def _save_hf_copies(self) -> None:
         """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
@@ -435,6 +479,8 @@ class GRPOTrainer:
             save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora)
 
     def close(self) -> None:
+        if self.prefetch:
+            self.prefetch.close()
         self.metrics_log.close()
         self.completions_log.close()
         self.engine.close()
