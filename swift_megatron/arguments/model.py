@@ -6,7 +6,7 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "qwen2_5_vl")
 # ms-swift's own model_type names of the families above (its --model_type is not the HF one).
 MS_SWIFT_MODEL_TYPES = {"qwen2_5": "qwen2", "qwen2_5_math": "qwen2", "qwen2_5_coder": "qwen2",
                         "qwq": "qwen2", "qwen3_thinking": "qwen3", "qwen3_nothinking": "qwen3",
