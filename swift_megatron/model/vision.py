@@ -81,3 +81,18 @@ class VisionGPTModel(GPTModel):
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
         return super().forward(input_ids, mrope_positions(position_ids), attention_mask,
                                decoder_input, *args, **kwargs)
+
+
+def freeze(model: torch.nn.Module, *, freeze_llm: bool, freeze_vit: bool,
+           freeze_aligner: bool) -> None:
+    """ms-swift's full-training freezing of a vision-language model: `visual.merger` is the
+    aligner, the rest of `visual` the ViT, every other parameter the language model."""
+    for name, param in model.named_parameters():
+        if name.startswith(f"{VISUAL}.merger."):
+            frozen = freeze_aligner
+        elif name.startswith(f"{VISUAL}."):
+            frozen = freeze_vit
+        else:
+            frozen = freeze_llm
+        if frozen:
+            param.requires_grad_(False)

@@ -55,7 +55,7 @@ ACCEPTED = {
 OTHER_ISSUES = {"teacher_model_server": "--teacher_model",
                 "vllm_server_pass_dataset": "every dataset column reaches",
                 "context_manager": "removed in ms-swift too", "async_generate": "issue 15",
-                "freeze_vit": "issue 12", "use_ray": "torchrun, not Ray"}
+                "vit_lr": "issue 12", "use_ray": "torchrun, not Ray"}
 
 
 # examples/megatron/grpo/multi_turn/frozen_lake.sh
