@@ -4,8 +4,10 @@
 - The bridge loads every tensor (language model and vision tower) and exports it bit for bit,
   from the hub layout (model.layers.*, visual.*) and from transformers' in-memory layout
   (model.language_model.*, model.visual.*).
-- float32 logits with one image per sequence match transformers at TP=1 and at TP=2 with
-  sequence parallelism (images merged before the sequence is scattered); controls show the
+- float32 logits with one image per sequence, through the trainer's micro-batch path
+  (pixel_values, image_grid_thw and 3-D positions in the micro-batch), match transformers at
+  TP=1, at TP=2 with sequence parallelism (images merged before the sequence is scattered) and
+  at PP=2 (vision tower on the first stage, 3-D positions on both); controls show the
   comparison is sensitive to the M-RoPE positions and to the pixels.
 """
 import json
@@ -61,5 +63,13 @@ def test_tp1_matches_transformers_and_loads_both_layouts(checkpoints, tmp_path):
 def test_tp2_sequence_parallel_matches_transformers(checkpoints, tmp_path):
     results = run_workers("vision_checks.py", 2, tmp_path,
                           ["--hf_dir", checkpoints[0], "--tp", 2, "--sp"])
+    for result in results:
+        check(result)
+
+
+@pytest.mark.slow
+def test_pp2_matches_transformers(checkpoints, tmp_path):
+    results = run_workers("vision_checks.py", 2, tmp_path,
+                          ["--hf_dir", checkpoints[0], "--pp", 2])
     for result in results:
         check(result)

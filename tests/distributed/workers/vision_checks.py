@@ -1,9 +1,9 @@
 """Worker: the tiny Qwen2.5-VL on Megatron (model/vision.py) against transformers, with images.
 
-Loads the HF checkpoint through the bridge in the given layout (TP, sequence parallelism),
+Loads the HF checkpoint through the bridge in the given layout (TP, PP, sequence parallelism),
 exports it back and compares every tensor with the original bit for bit, then runs both models
-on two sequences holding one image each (random pixels, seeded) at different places and reports
-the float32 logit differences; controls: the same Megatron model with 1-D positions on all
+on two sequences holding one image each (random pixels, seeded) at different places (the
+Megatron model through the trainer's micro-batch path) and reports the float32 logit differences; controls: the same Megatron model with 1-D positions on all
 three M-RoPE axes, and with other pixels. With --alias_dir it also loads a copy of the checkpoint
 saved in transformers' in-memory layout (model.language_model.*, model.visual.*) and exports it.
 Writes {out_dir}/rank{R}.json.
@@ -34,13 +34,28 @@ def inputs(hf_config: dict):
     return ids, pixels, grid, (ids == pad).int()
 
 
-def megatron_logits(model, ids, positions, pixels, grid, vocab):
-    import torch
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+def megatron_logits(loaded, state, ids, positions, pixels, grid):
+    """float32 logits through the trainer's path: one micro-batch with the image entries
+    through megatron's (pipelined) schedule (training/step.py), broadcast from the last stage."""
+    import functools
 
+    import torch
+    import torch.distributed as dist
+
+    from swift_megatron.export import _gathered_logits
+    from swift_megatron.training.step import forward_backward
+
+    vocab = loaded.shape.vocab_size
+    batch = {"tokens": ids, "position_ids": positions, "pixel_values": pixels,
+             "image_grid_thw": grid}
     with torch.no_grad():
-        out = model(ids, positions, None, pixel_values=pixels, image_grid_thw=grid)
-    return gather_from_tensor_model_parallel_region(out)[..., :vocab].float()
+        out = forward_backward([loaded.model], [batch], functools.partial(_gathered_logits, vocab),
+                               forward_only=True)
+    logits = out[0]["logits"].contiguous() if state.is_last_stage else \
+        torch.empty(*ids.shape, vocab, dtype=torch.float32)
+    if state.pp > 1:
+        dist.broadcast(logits, src=state.last_stage_rank(), group=state.pp_group)
+    return logits
 
 
 def diff(a, b) -> float:
@@ -53,6 +68,7 @@ def main():
     parser.add_argument("--hf_dir", required=True)
     parser.add_argument("--alias_dir", default=None)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
     args = parser.parse_args()
 
@@ -64,7 +80,7 @@ def main():
     from swift_megatron.parallel.state import ParallelState
     from tests.distributed.workers.bridge_layouts import compare_export
 
-    state = ParallelState.initialize(tp=args.tp, device="cpu", seed=0)
+    state = ParallelState.initialize(tp=args.tp, pp=args.pp, device="cpu", seed=0)
     hf_config = load_hf_config(args.hf_dir)
     loaded = load_mcore_model(hf_config, "qwen2_5_vl", torch.float32, state,
                               hf_dir=args.hf_dir, sequence_parallel=args.sp)
@@ -75,17 +91,16 @@ def main():
         reference = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
                        mm_token_type_ids=types).logits.float()
         positions, _ = hf.model.get_rope_index(ids, types, image_grid_thw=grid)
-    vocab = loaded.shape.vocab_size
-    ours = megatron_logits(loaded.model, ids, positions, pixels, grid, vocab)
-    flat = torch.arange(SEQ).expand(2, SEQ)
+    ours = megatron_logits(loaded, state, ids, positions, pixels, grid)
+    flat = torch.arange(SEQ).expand(2, SEQ).contiguous()
     result["logits"] = {
         "max_abs_diff": diff(ours, reference),
         "max_abs_logit": float(reference.abs().max()),
         "argmax_agreement": float((ours.argmax(-1) == reference.argmax(-1)).float().mean()),
-        "control_1d_positions": diff(megatron_logits(loaded.model, ids, flat, pixels, grid, vocab),
+        "control_1d_positions": diff(megatron_logits(loaded, state, ids, flat, pixels, grid),
                                      reference),
-        "control_other_pixels": diff(megatron_logits(loaded.model, ids, positions, pixels.flip(0),
-                                                     grid, vocab), reference)}
+        "control_other_pixels": diff(megatron_logits(loaded, state, ids, positions,
+                                                     pixels.flip(0), grid), reference)}
     if args.alias_dir:
         aliased = load_mcore_model(hf_config, "qwen2_5_vl", torch.float32, state,
                                    hf_dir=args.alias_dir)
