@@ -43,3 +43,15 @@ def test_image_rows_are_refused(base, tmp_path):
                                 "images": ["red.png"], "solution": "red"}) + "\n")
     proc = rlhf(*base, "--dataset", data, "--output_dir", tmp_path / "o", check=False)
     assert proc.returncode == 2 and "row 1: it has images" in proc.stderr + proc.stdout
+
+
+def test_unfrozen_vision_tower_trains_on_text_without_changing(base, tiny_model_dir, tmp_path):
+    """--freeze_vit false --freeze_aligner false with text-only batches: the step runs, the
+    tower's gradient is zero, so (without weight decay, which would shrink it) it is exported
+    unchanged."""
+    out = tmp_path / "unfrozen"
+    rlhf(*base, "--freeze_vit", "false", "--freeze_aligner", "false", "--beta", "0",
+         "--lr", "1e-3", "--weight_decay", "0", "--train_iters", "1", "--output_dir", out)
+    source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith("visual."))
+    assert logged(out)[0]["grad_norm"] > 0
