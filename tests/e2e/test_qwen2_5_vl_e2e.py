@@ -1,8 +1,9 @@
 """`megatron rlhf` GRPO on the tiny Qwen2.5-VL on CPU with text-only prompts and the embedded
 engine: the engine (transformers' whole vision-language model) samples from exactly the
 trainer's policy after weight sync, the step updates the language model, and the default
---freeze_vit/--freeze_aligner keep every vision tensor of the export bit for bit; a dataset row
-with images is refused naming the row."""
+--freeze_vit/--freeze_aligner keep every vision tensor of the export bit for bit; an unfrozen
+tower trains without breaking text-only steps; LoRA adapts the language model only; a dataset
+row with images is refused naming the row."""
 import json
 
 import pytest
@@ -55,3 +56,13 @@ def test_unfrozen_vision_tower_trains_on_text_without_changing(base, tiny_model_
     source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
     assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith("visual."))
     assert logged(out)[0]["grad_norm"] > 0
+
+
+def test_lora_adapts_the_language_model_only(base, tiny_model_dir, tmp_path):
+    out = tmp_path / "lora"
+    rlhf(*base, "--train_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--beta", "0",
+         "--lr", "5e-3", "--lora_dropout", "0", "--train_iters", "1", "--output_dir", out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in logged(out))
+    source, merged = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    changed = {k for k in source if not torch.equal(source[k], merged[k])}
+    assert changed and not any(k.startswith("visual.") for k in changed)
