@@ -6,7 +6,7 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "qwen2_5_vl")
 # ms-swift's own model_type names of the families above (its --model_type is not the HF one).
 MS_SWIFT_MODEL_TYPES = {"qwen2_5": "qwen2", "qwen2_5_math": "qwen2", "qwen2_5_coder": "qwen2",
                         "qwq": "qwen2", "qwen3_thinking": "qwen3", "qwen3_nothinking": "qwen3",
@@ -22,7 +22,7 @@ class ModelArguments:
                                "by default, Hugging Face with --use_hf true).")
     model_type: Optional[str] = arg(None, "Override the model family read from config.json "
                                     "(llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, "
-                                    "qwen3_5_moe; ms-swift's names of these, e.g. qwen2_5 or "
+                                    "qwen3_5_moe, qwen2_5_vl; ms-swift's names of these, e.g. qwen2_5 or "
                                     "llama3_1, are accepted).")
     torch_dtype: Optional[str] = arg(None, "Training precision. Default: the checkpoint's dtype "
                                      "on CUDA, float32 on CPU.",
@@ -34,6 +34,12 @@ class ModelArguments:
     check_model: bool = arg(True, "Before loading, check that a local --model directory is "
                             "complete: config.json readable, every weight shard of the index "
                             "present with a readable safetensors header.")
+    freeze_llm: bool = arg(False, "Vision-language models, full training: freeze the language "
+                           "model (as ms-swift).")
+    freeze_vit: bool = arg(True, "Vision-language models, full training: freeze the vision "
+                           "tower, its merger excepted (as ms-swift).")
+    freeze_aligner: bool = arg(True, "Vision-language models, full training: freeze the "
+                               "aligner, the vision tower's merger (as ms-swift).")
     device: str = arg("auto", "Where to run: auto (CUDA when available, else CPU), cuda or cpu. "
                       "CPU runs Megatron-core through swift_megatron.platform.cpu (dev, CI, demo).",
                       choices=["auto", "cuda", "cpu"])

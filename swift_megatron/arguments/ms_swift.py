@@ -10,7 +10,8 @@ flag: a name in these tables still fails the parse, with the reason.
 """
 from typing import Dict, Optional
 
-_MULTIMODAL = "vision-language models are not supported yet (issue 12: multimodal GRPO)"
+_MULTIMODAL = ("not supported yet: of vision-language models only Qwen2.5-VL with "
+               "--freeze_vit/--freeze_aligner/--freeze_llm is (docs/multimodal.md; issue 12)")
 _SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
                      "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
                      "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")
@@ -19,7 +20,7 @@ _TE = "needs Transformer Engine, which swift-megatron does not use"
 NOT_SUPPORTED: Dict[str, str] = {
     # multimodal
     **{name: _MULTIMODAL for name in (
-        "freeze_vit", "freeze_aligner", "freeze_llm", "vit_gradient_checkpointing", "vit_lr",
+        "vit_gradient_checkpointing", "vit_lr",
         "aligner_lr", "vit_attn_impl", "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb",
         "language_model_only", "max_pixels")},
     # on-policy distillation

@@ -105,6 +105,9 @@ def row_messages(row: Row, default_system: Optional[str] = None
                  ) -> Tuple[List[Message], Dict[str, Any]]:
     """The chat messages a row asks the model to answer, and its other columns. A row without a
     system message gets `default_system` (--system) when given."""
+    if row.get("images"):
+        raise RowError("it has images: datasets with images are not supported by GRPO yet "
+                       "(docs/multimodal.md)")
     system = row.get("system")
     if system is not None and not isinstance(system, str):
         raise RowError(f"'system' must be a string, got {type(system).__name__}")

@@ -10,6 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from swift_megatron.model import compat  # noqa: F401  (megatron-core fixes, applied on import)
 from swift_megatron.model.config import ModelShape, model_shape, transformer_config
 from swift_megatron.model.spec import block_spec, hybrid_block_spec
+from swift_megatron.model.vision import VISION_TYPES, VisionGPTModel
 
 
 def _apply_llama3_rope_scaling(model: GPTModel, rope: Mapping) -> None:
@@ -23,10 +24,12 @@ def _apply_llama3_rope_scaling(model: GPTModel, rope: Mapping) -> None:
 
 
 def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
-              post_process: Optional[bool] = None, vp_stage: Optional[int] = None) -> GPTModel:
+              post_process: Optional[bool] = None, vp_stage: Optional[int] = None,
+              hf_config: Optional[Mapping] = None) -> GPTModel:
     """The GPTModel of this rank's pipeline stage, or of its model chunk `vp_stage` with the
     interleaved schedule (its layers, plus embedding / head when first / last). Parameters are
-    on the CPU when config.use_cpu_initialization, else on the GPU."""
+    on the CPU when config.use_cpu_initialization, else on the GPU. Vision-language families
+    (model/vision.py) need `hf_config` (the vision tower's config and image token)."""
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
                                                              vp_stage=vp_stage)
@@ -40,13 +43,16 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
         spec = hybrid_block_spec(shape.layer_types[first:first + layers], shape.num_experts)
     else:
         spec = block_spec(layers, shape.qk_layernorm, shape.num_experts)
-    model = GPTModel(
+    cls, extra = GPTModel, dict(position_embedding_type="rope")
+    if shape.model_type in VISION_TYPES:
+        cls, extra = VisionGPTModel, dict(position_embedding_type="mrope", hf_config=hf_config,
+                                          dtype=config.params_dtype)
+    model = cls(
         config, transformer_layer_spec=spec, rotary_percent=shape.rotary_percent,
         vocab_size=shape.padded_vocab_size, max_sequence_length=shape.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=shape.rope_theta, parallel_output=True,
-        vp_stage=vp_stage)
+        rotary_base=shape.rope_theta, parallel_output=True, vp_stage=vp_stage, **extra)
     if shape.rope_scaling:
         _apply_llama3_rope_scaling(model, shape.rope_scaling)
     if not config.use_cpu_initialization:
@@ -97,5 +103,6 @@ def build_chunks(hf_config: Mapping, dtype: torch.dtype, device: torch.device, *
         model_type=model_type, **config_overrides)
     shape = model_shape(hf_config, tp=tp, model_type=model_type)
     if vpp == 1:
-        return [build_gpt(cfg, shape)], cfg, shape
-    return [build_gpt(cfg, shape, vp_stage=stage) for stage in range(vpp)], cfg, shape
+        return [build_gpt(cfg, shape, hf_config=hf_config)], cfg, shape
+    return [build_gpt(cfg, shape, vp_stage=stage, hf_config=hf_config)
+            for stage in range(vpp)], cfg, shape

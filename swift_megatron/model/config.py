@@ -17,6 +17,8 @@ embeddings):
                    Qwen3_5ForConditionalGeneration config (`text_config`) or a text-only save.
   qwen3_5_moe      qwen3_5 with routed experts in every layer (softmax, top-k, always
                    renormalised) plus one shared expert scaled by a sigmoid gate
+  qwen2_5_vl       the qwen2 text stack with M-RoPE (contiguous `mrope_section`); the vision
+                   tower is transformers' module (model/vision.py)
 
 `text_config` flattens a multimodal config to its text stack (the top-level
 `tie_word_embeddings` decides tying, as transformers does); every reader of the HF config's
@@ -122,6 +124,10 @@ def _check_supported(hf: Mapping, model_type: str) -> None:
         raise UserError(f"config.json lacks {', '.join(missing)} (needed for a {model_type} "
                         f"model); is the checkpoint complete?")
     rope = rope_parameters(hf)
+    if model_type == "qwen2_5_vl":
+        if not rope.get("mrope_section"):
+            raise UserError("qwen2_5_vl config.json lacks rope mrope_section")
+        rope["rope_type"] = "default"   # 4.x checkpoints say "mrope"
     if rope["rope_type"] not in ("default", "llama3"):
         raise UserError(f"rope type '{rope['rope_type']}' is not supported (default, llama3)")
     if hf.get("sliding_window") and hf.get("use_sliding_window", model_type == "mistral"):
@@ -162,7 +168,7 @@ def model_shape(hf: Mapping, tp: int = 1, model_type: Optional[str] = None) -> M
 
 
 def _qkv_bias(hf: Mapping, model_type: str) -> bool:
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen2_5_vl"):
         return True
     return bool(hf.get("attention_bias", False))
 
@@ -244,6 +250,8 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         kwargs.update(_moe_kwargs(hf, model_type, ep, etp))
     if model_type in HYBRID_TYPES:
         kwargs.update(_hybrid_kwargs(hf))
+    if model_type == "qwen2_5_vl":
+        kwargs.update(mrope_section=list(rope_parameters(hf)["mrope_section"]))
     _check_moe_overrides(overrides, model_type)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -14,6 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from swift_megatron.model.vision import VISION_TYPES
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -57,10 +58,13 @@ class HFEngine:
 
     def __init__(self, hf_dir: str, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 64):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = AutoConfig.from_pretrained(hf_dir)
-        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+        # vision-language models without a causal-LM class (Qwen2.5-VL): the whole model
+        auto = AutoModelForImageTextToText if config.model_type in VISION_TYPES \
+            else AutoModelForCausalLM
+        self.model = auto.from_config(config, dtype=dtype).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device
         self.eos = list(eos_token_ids)
@@ -122,6 +126,10 @@ class HFEngine:
             name = "model." + name[len(_TEXT_STACK):]
         if name in self._params:
             return self._params[name]
+        # hub names of a vision-language model held whole (model.layers.*, visual.*)
+        for alias in (_TEXT_STACK + name[len("model."):], "model." + name):
+            if alias in self._params:
+                return self._params[alias]
         found = _EXPERT.match(name)
         if found is None:
             raise KeyError(f"the embedded engine's model has no parameter {name}")

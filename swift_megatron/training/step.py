@@ -2,7 +2,8 @@
 when PP > 1, interleaved over the model chunks with a virtual pipeline), and one optimizer step.
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
-function needs; a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
+function needs (a vision-language model's also `pixel_values` and `image_grid_thw`, passed to
+the model, with 3-D M-RoPE `position_ids` [3, b, s]); a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
 become megatron's THD PackedSeqParams. With context parallelism the model reads this CP rank's
 share of the positions (parallel/context.py) and `loss_fn` gets the logits of those positions.
 `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
@@ -19,6 +20,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from swift_megatron.model.vision import IMAGE_KEYS
 from swift_megatron.parallel.context import CPShare
 
 LossFn = Callable[[dict, torch.Tensor], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
@@ -41,8 +43,9 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
     share = CPShare.of(micro_batch)
     if share is not None:  # this CP rank's share of the sequence (parallel/context.py)
         tokens, positions = share.local(tokens, 1), share.local(positions, 1)
+    images = {key: micro_batch[key] for key in IMAGE_KEYS if key in micro_batch}
     output = model(tokens, positions, attention_mask=None,
-                   packed_seq_params=packed_seq_params(micro_batch))
+                   packed_seq_params=packed_seq_params(micro_batch), **images)
     return output, partial(_loss_adapter, loss_fn, micro_batch)
 
 

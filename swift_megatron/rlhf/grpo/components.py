@@ -31,6 +31,7 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
+from swift_megatron.model.vision import VISION_TYPES, freeze
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
@@ -181,6 +182,14 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     weights = base_weights(args, start)
     chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
     lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
+    if lora is None and bridge.shape.model_type in VISION_TYPES:
+        m = args.model
+        for chunk in chunks:
+            freeze(chunk, freeze_llm=m.freeze_llm, freeze_vit=m.freeze_vit,
+                   freeze_aligner=m.freeze_aligner)
+    elif args.model.freeze_llm and lora is None:
+        raise UserError("--freeze_llm true leaves nothing to train: this model has no vision "
+                        "tower")
     ddp = [wrap_ddp(chunk, config, args.parallel.use_distributed_optimizer) for chunk in chunks]
     optimizer = build_optimizer(ddp, config, settings)
     scheduler = build_scheduler(optimizer, settings)

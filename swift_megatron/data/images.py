@@ -1,0 +1,94 @@
+"""Images of ms-swift's multimodal rows, for Qwen2.5-VL: rows -> model inputs (pure helpers).
+
+A row's `images` column lists local paths, raw bytes, `{"bytes": ..., "path": ...}` dicts (the
+Hugging Face datasets Image feature) or PIL images; each `<image>` tag in the messages marks
+where one goes, in order, and tags are prepended to the first user message when a row has none
+(as ms-swift's template does). The model directory's image processor (`AutoImageProcessor`,
+Qwen2-VL's) turns images into `pixel_values` and `image_grid_thw`; each tag becomes
+`<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`, as the processor's
+chat template expands it; `mrope_position_ids` gives the 3-D M-RoPE ids with transformers' own
+`get_rope_index` (config only, no weights). Errors name the row (`RowError`).
+URLs are not fetched (no network in training jobs): they are refused with a clear error.
+"""
+import io
+import os
+from typing import Any, Dict, List, Sequence
+
+from swift_megatron.data.prompts import RowError
+
+IMAGE_TAG = "<image>"
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+
+
+def load_image(value: Any):
+    """An RGB PIL image from a path, bytes, a datasets Image dict or a PIL image."""
+    from PIL import Image
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        raise RowError(f"image {value!r}: URLs are not supported; download the images and list "
+                       "local paths")
+    if isinstance(value, str) and not os.path.isfile(value):
+        raise RowError(f"image {value!r} does not exist")
+    if not isinstance(value, (str, bytes)):
+        raise RowError(f"an image must be a path, bytes or a PIL image, got {type(value).__name__}")
+    try:
+        with Image.open(io.BytesIO(value) if isinstance(value, bytes) else value) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as error:
+        name = value if isinstance(value, str) else f"of {len(value)} bytes"
+        raise RowError(f"image {name} is unreadable: {error}") from None
+
+
+def tag_images(messages: List[Dict[str, Any]], count: int) -> List[Dict[str, Any]]:
+    """Messages with exactly `count` `<image>` tags: unchanged when they already have that many,
+    tags prepended to the first user message when they have none; RowError otherwise."""
+    tags = sum(str(m.get("content", "")).count(IMAGE_TAG) for m in messages)
+    if tags == count:
+        return messages
+    if tags:
+        raise RowError(f"its messages hold {tags} {IMAGE_TAG} tag(s) for {count} image(s)")
+    user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if user is None:
+        raise RowError(f"it has {count} image(s) but no user message to put them in")
+    tagged = [dict(m) for m in messages]
+    tagged[user]["content"] = IMAGE_TAG * count + tagged[user]["content"]
+    return tagged
+
+
+def expand_image_tags(text: str, image_grid_thw, merge_size: int) -> str:
+    """Each `<image>` of the rendered prompt -> vision start, one pad per merged patch, end."""
+    parts = text.split(IMAGE_TAG)
+    if len(parts) - 1 != len(image_grid_thw):
+        raise RowError(f"the rendered prompt holds {len(parts) - 1} {IMAGE_TAG} tag(s) for "
+                       f"{len(image_grid_thw)} image(s)")
+    out = parts[0]
+    for grid, rest in zip(image_grid_thw, parts[1:]):
+        tokens = int(grid[0] * grid[1] * grid[2]) // merge_size ** 2
+        out += VISION_START + IMAGE_PAD * tokens + VISION_END + rest
+    return out
+
+
+def process_images(processor: Any, images: Sequence[Any]) -> Dict[str, Any]:
+    """`pixel_values` [patches, C*T*P*P] and `image_grid_thw` [images, 3] of PIL images."""
+    out = processor(images=list(images), return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def mrope_position_ids(hf_config: Any, input_ids, image_token_id: int, image_grid_thw=None):
+    """[3, b, s] M-RoPE ids of token ids [b, s] holding images of `image_grid_thw`, from
+    transformers' Qwen2.5-VL `get_rope_index` on a meta-device model (no weights)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    config = hf_config if isinstance(hf_config, Qwen2_5_VLConfig) else \
+        Qwen2_5_VLConfig.from_dict(dict(hf_config))
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(config)
+    positions, _ = model.get_rope_index(input_ids, (input_ids == image_token_id).int(),
+                                        image_grid_thw=image_grid_thw)
+    return positions

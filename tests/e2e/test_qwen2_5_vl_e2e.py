@@ -1,0 +1,68 @@
+"""`megatron rlhf` GRPO on the tiny Qwen2.5-VL on CPU with text-only prompts and the embedded
+engine: the engine (transformers' whole vision-language model) samples from exactly the
+trainer's policy after weight sync, the step updates the language model, and the default
+--freeze_vit/--freeze_aligner keep every vision tensor of the export bit for bit; an unfrozen
+tower trains without breaking text-only steps; LoRA adapts the language model only; a dataset
+row with images is refused naming the row."""
+import json
+
+import pytest
+import torch
+
+from tests.e2e.test_rlhf_e2e import PLUGIN, logged, rlhf
+from tests.helpers import safetensors_of
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir, math_dataset_path):
+    return ["--model", tiny_model_dir("qwen2_5_vl"), "--dataset", math_dataset_path,
+            "--external_plugins", PLUGIN, "--reward_funcs", "digit_ratio", "contains_answer",
+            "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
+            "--max_completion_length", "16", "--report_to", "none", "--logging_steps", "1",
+            "--add_version", "false", "--train_iters", "2", "--check_weight_sync", "true"]
+
+
+def test_text_grpo_trains_the_language_model_only(base, tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    rlhf(*base, "--beta", "0.1", "--lr", "1e-3", "--output_dir", out)
+    rows = logged(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0 and rows[0]["grad_norm"] > 0
+    source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    assert sorted(exported) == sorted(source)
+    vision = [n for n in source if n.startswith("visual.")]
+    assert vision and all(torch.equal(exported[n], source[n]) for n in vision)
+    assert any(not torch.equal(exported[n], source[n]) for n in source if ".self_attn." in n)
+
+
+def test_image_rows_are_refused(base, tmp_path):
+    data = tmp_path / "img.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>Colour?"}],
+                                "images": ["red.png"], "solution": "red"}) + "\n")
+    proc = rlhf(*base, "--dataset", data, "--output_dir", tmp_path / "o", check=False)
+    assert proc.returncode == 2 and "row 1: it has images" in proc.stderr + proc.stdout
+
+
+def test_unfrozen_vision_tower_trains_on_text_without_changing(base, tiny_model_dir, tmp_path):
+    """--freeze_vit false --freeze_aligner false with text-only batches: the step runs, the
+    tower's gradient is zero, so (without weight decay, which would shrink it) it is exported
+    unchanged."""
+    out = tmp_path / "unfrozen"
+    rlhf(*base, "--freeze_vit", "false", "--freeze_aligner", "false", "--beta", "0",
+         "--lr", "1e-3", "--weight_decay", "0", "--train_iters", "1", "--output_dir", out)
+    source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith("visual."))
+    assert logged(out)[0]["grad_norm"] > 0
+
+
+def test_lora_adapts_the_language_model_only(base, tiny_model_dir, tmp_path):
+    out = tmp_path / "lora"
+    rlhf(*base, "--train_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--beta", "0",
+         "--lr", "5e-3", "--lora_dropout", "0", "--train_iters", "1", "--output_dir", out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in logged(out))
+    source, merged = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    changed = {k for k in source if not torch.equal(source[k], merged[k])}
+    assert changed and not any(k.startswith("visual.") for k in changed)
