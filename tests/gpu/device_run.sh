@@ -23,12 +23,13 @@
 #   lora_scaling      ours with --train_type lora on the trl_compare setup, 1 GPU then 2 GPUs
 #   grpo_server       `megatron rollout` on GPU 1, the trainer on GPU 0 (trl_compare setup,
 #                     ours only, NCCL weight push)
+#   async_server      grpo_server's setup twice on one server: --async_generate false, then true
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 # One GPU:
 #   lora_vs_full      ours on the trl_compare setup, --train_type full then lora (same run)
-#   long_context      benchmarks/long_context.py: one 16k / 32k-token sequence, CP=1 then CP=2
-#                     (2 GPUs), train-step time and peak memory
+#   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
+#                     32k at CP=2 (2 GPUs), train-step time and peak memory
 #   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler)
 #   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
 #                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
@@ -51,8 +52,8 @@ WORK=/tmp/gpu_bench
 GRPO="python3 benchmarks/grpo_step.py --work_dir $WORK --steps 4"
 VLLM="--use_vllm true --vllm_mode colocate --sleep_level 1"
 
-grpo_server() {
-    local work=/tmp/grpo_server port=8011 model pid status
+grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1)
+    local work=/tmp/grpo_server port=8011 model pid status=0 extra
     model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from grpo_step import \
 build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16'))") || return 1
     CUDA_VISIBLE_DEVICES=1 python3 -m swift_megatron.cli.main rollout --model "$model" \
@@ -62,10 +63,12 @@ build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16')
         kill -0 $pid 2>/dev/null || { echo "the rollout server exited"; return 1; }
         sleep 3
     done
-    CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --tool ours \
-        --rollout_batches 4 --work_dir $work -- --vllm_mode server \
-        --vllm_server_host 127.0.0.1 --vllm_server_port $port
-    status=$?
+    for extra in "$@"; do
+        echo "== trainer flags: $extra"
+        CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --tool ours \
+            --rollout_batches 5 --work_dir $work -- --vllm_mode server \
+            --vllm_server_host 127.0.0.1 --vllm_server_port $port $extra || status=1
+    done
     kill $pid; wait $pid 2>/dev/null
     return $status
 }
@@ -92,11 +95,10 @@ phase() {
         lora_vs_full) for mode in full lora; do python3 benchmarks/trl_compare.py \
                           --preset qwen2.5-1.5b --rollout_batches 4 --tool ours \
                           --work_dir /tmp/$mode -- --train_type $mode || return 1; done ;;
-        long_context) for seq in 16384 32768; do
-                          python3 benchmarks/long_context.py --seq $seq
-                          [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || continue
-                          python3 -m torch.distributed.run --nproc_per_node 2 \
-                              benchmarks/long_context.py --seq $seq --cp 2; done ;;
+        long_context) python3 benchmarks/long_context.py --seq 16384   # 32k at CP=1: OOM on an H200
+                      [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || return 0
+                      for seq in 16384 32768; do python3 -m torch.distributed.run --nproc_per_node 2 \
+                          benchmarks/long_context.py --seq $seq --cp 2; done ;;
         multi_turn) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 3 \
                         --tool ours --variable_length --work_dir /tmp/multi_turn -- \
                         --multi_turn_scheduler gym_scheduler --gym_env grid_world --max_turns 3 \
@@ -110,7 +112,8 @@ phase() {
         lora_scaling) for n in 1 2; do python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b \
                           --tool ours --nproc $n --rollout_batches 4 --work_dir /tmp/lora$n \
                           -- --train_type lora || return 1; done ;;
-        grpo_server) grpo_server ;;
+        grpo_server) grpo_server "" ;;
+        async_server) grpo_server "--async_generate false" "--async_generate true" ;;
         tp2_colocate) NPROC_PER_NODE=2 $GRPO --preset qwen2.5-1.5b --run_name tp2 -- $VLLM \
                           --vllm_gpu_memory_utilization 0.3 --tensor_model_parallel_size 2 ;;
         export_speed) python3 benchmarks/export_speed.py --preset qwen2.5-1.5b &&
