@@ -66,7 +66,7 @@ build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16')
     for extra in "$@"; do
         echo "== trainer flags: $extra"
         CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --tool ours \
-            --rollout_batches 5 --work_dir $work -- --vllm_mode server \
+            --rollout_batches 4 --work_dir $work -- --vllm_mode server \
             --vllm_server_host 127.0.0.1 --vllm_server_port $port $extra || status=1
     done
     kill $pid; wait $pid 2>/dev/null
