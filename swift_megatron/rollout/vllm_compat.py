@@ -24,7 +24,9 @@ What differs, and how it is handled here:
   - on the CPU, which repacks linear weights for its GEMM kernels and drops the originals;
     there `process_weights_after_loading` then runs for the whole model, to repack the tied
     lm_head (it shares the embedding weight, is never loaded itself and would keep the old
-    packed copy), and the MoE experts are prepacked again (`_repack_cpu_experts`);
+    packed copy), and the MoE experts are prepacked again (`_repack_cpu_experts`); the GDN
+    conv1d weights (Qwen3.5) that the CPU prepacks are kept out of that second pass
+    (`_cpu_conv_weights_kept`);
   - for MoE models on any platform (some CUDA MoE backends reorder or shuffle the experts).
 - Request errors: vLLM 0.26 raises ValueError subclasses for a request it cannot take; 0.32
   has its own `VLLMClientError` hierarchy (not ValueError): `is_request_error` knows both.
@@ -37,6 +39,7 @@ What differs, and how it is handled here:
   `release_engine` destroys them (not torch.distributed's world), so a process can build
   another engine.
 """
+import contextlib
 import dataclasses
 import difflib
 import gc
@@ -360,8 +363,26 @@ def finish_weight_update(worker) -> None:
     if on_cpu():
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        process_weights_after_loading(model, model_config, worker.device)
+        with _cpu_conv_weights_kept(model):
+            process_weights_after_loading(model, model_config, worker.device)
         _repack_cpu_experts(model)
+
+
+@contextlib.contextmanager
+def _cpu_conv_weights_kept(model):
+    """Keep the prepacked GDN conv1d weights (Qwen3.5) through a whole-model
+    `process_weights_after_loading`. On CPUs with bf16 dot products (AVX512-BF16, ARM bf16) the
+    CPU platform packs each [C, 1, 4] bf16 conv1d weight into a [C, 4] kernel layout when the
+    layer is processed (layerwise reload does that); processed again, the packed weight looks
+    like a linear's, and the GEMM dispatch replaces it with an empty one (decode then reads
+    garbage and the next update fails). The packed layers are the ones carrying the unpacked copy
+    (`_cpu_unpacked_conv_weight`); elsewhere nothing is packed and nothing is kept."""
+    kept = {module: module.weight for module in model.modules()
+            if getattr(module, "_cpu_unpacked_conv_weight", None) is not None}
+    yield
+    for module, weight in kept.items():
+        module.weight = weight
+        module.__dict__.pop("cpu_linear", None)
 
 
 def _repack_cpu_experts(model) -> None:
