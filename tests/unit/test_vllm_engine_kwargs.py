@@ -130,7 +130,8 @@ def failing_llm(monkeypatch):
         def llm(**kwargs):
             raise error
         monkeypatch.setattr(vllm_compat, "import_vllm", lambda: SimpleNamespace(LLM=llm))
-        monkeypatch.setattr(vllm_compat, "check_model_supported", lambda model: None)
+        monkeypatch.setattr(vllm_compat, "check_model_supported", lambda model, dtype=None: None)
+        monkeypatch.setattr(vllm_compat, "model_defaults", lambda model: {})
         monkeypatch.setattr(vllm_compat, "accepted_engine_keys", lambda: ["block_size"])
         monkeypatch.setattr(vllm_compat, "sleep_mode_available", lambda: False)
     return fail_with

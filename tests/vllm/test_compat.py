@@ -19,7 +19,8 @@ def failing_llm(monkeypatch):
         def llm(**kwargs):
             raise ValueError(message)
         monkeypatch.setattr(vllm, "LLM", llm)
-        monkeypatch.setattr(vllm_compat, "check_model_supported", lambda model: None)
+        monkeypatch.setattr(vllm_compat, "check_model_supported", lambda model, dtype=None: None)
+        monkeypatch.setattr(vllm_compat, "model_defaults", lambda model: {})
     return fail_with
 
 
