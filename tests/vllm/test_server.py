@@ -47,12 +47,12 @@ API_KEY = "test-key-0123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def start_server(model_dir, log_dir, replicas: int):
+def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32"):
     """(process, address, log file) of a `megatron rollout` subprocess that answers /health."""
     port = free_port()
     log = open(log_dir / "server.log", "w+")
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", model_dir,
-           "--torch_dtype", "float32", "--vllm_data_parallel_size", str(replicas), "--host",
+           "--torch_dtype", dtype, "--vllm_data_parallel_size", str(replicas), "--host",
            "127.0.0.1", "--port", str(port), "--vllm_enforce_eager", "true",
            "--vllm_max_model_len", "256", "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs",
            '{"max_num_batched_tokens": 1024}', "--api_key", API_KEY,
