@@ -37,14 +37,20 @@ for pkg in torchaudio torchcodec; do
         "$PYTHON" -m pip uninstall -y -q "$pkg"
     fi
 done
-stub="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/swift_megatron_torchvision_cpu.pth"
+site=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+stub="$site/swift_megatron_torchvision_cpu.pth"
 if ! failure=$("$PYTHON" -c "import torchvision" 2>&1); then
     case "$failure" in
         *"torchvision::nms does not exist"*) ;;
         *) echo "$failure" >&2; exit 1 ;;
     esac
     cat > "$stub" <<'PTH'
-import sys, types; sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))  # scripts/install_cpu_vllm.sh: the CUDA torchvision on the CPU torch
+import sys, types; sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 PTH
 fi
-"$PYTHON" -c "import vllm, transformers, torchvision; from transformers.models.qwen2_vl import image_processing_qwen2_vl; print('vllm', vllm.__version__, '| transformers', transformers.__version__, '| torchvision', torchvision.__version__)"
+"$PYTHON" - <<'PY'
+import torchvision, transformers, vllm
+from transformers.models.qwen2_vl import image_processing_qwen2_vl  # noqa: F401 (vLLM's Qwen3.5)
+print("vllm", vllm.__version__, "| transformers", transformers.__version__,
+      "| torchvision", torchvision.__version__)
+PY
