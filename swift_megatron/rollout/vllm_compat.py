@@ -279,7 +279,9 @@ def create_llm(settings: EngineSettings):
     check_engine_settings(settings)
     kwargs = engine_kwargs(settings, sleep_mode_available())
     for key, value in model_defaults(settings.model).items():
-        kwargs.setdefault(key, value)
+        if key not in kwargs:
+            logger.info(f"vLLM engine keyword for this model: {key}={value!r}")
+            kwargs[key] = value
     chosen = sorted(key for key in kwargs if key in settings.extra or key == "max_num_seqs")
     if chosen:
         logger.info("vLLM engine keywords from --vllm_max_num_seqs / --vllm_engine_kwargs: "

@@ -1,5 +1,6 @@
 """vllm_compat.create_llm without an engine: vLLM's start-up memory check becomes a UserError
-naming --vllm_gpu_memory_utilization; other errors pass through unchanged."""
+naming --vllm_gpu_memory_utilization; other errors pass through unchanged. The model-specific
+engine keywords (`model_defaults`: Qwen3.5 starts its language model only)."""
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -35,3 +36,10 @@ def test_other_errors_pass_through(failing_llm):
     failing_llm("unsupported architecture")
     with pytest.raises(ValueError, match="unsupported architecture"):
         vllm_compat.create_llm(vllm_compat.EngineSettings(model="m", dtype="bfloat16"))
+
+
+def test_qwen3_5_engines_start_their_language_model_only(tiny_model_dir):
+    """Qwen3.5 checkpoints carry a vision tower that text-only rollouts never use (nor sync)."""
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        assert vllm_compat.model_defaults(tiny_model_dir(family)) == {"language_model_only": True}
+    assert vllm_compat.model_defaults(tiny_model_dir("qwen3")) == {}
