@@ -58,14 +58,16 @@ class VisionGPTModel(GPTModel):
         """[s, b, h] token embeddings with the image embeddings merged in (sequence-parallel
         scattered when SP is on)."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
-        mask = (input_ids == self.image_token_id).transpose(0, 1)
+        mask = input_ids == self.image_token_id   # [b, s]
         if pixel_values is not None:
             visual = getattr(self, VISUAL)
             image = visual(pixel_values.to(visual.dtype), grid_thw=image_grid_thw).pooler_output
             if int(mask.sum()) != image.shape[0]:
                 raise UserError(f"the batch has {int(mask.sum())} image tokens but its images "
                                 f"give {image.shape[0]} embeddings")
-            emb = emb.masked_scatter(mask.unsqueeze(-1), image.to(emb.dtype))
+            # row by row (images are in row order), as transformers' [b, s, h] masked_scatter
+            emb = emb.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), image.to(emb.dtype))
+            emb = emb.transpose(0, 1).contiguous()
         elif bool(mask.any()):
             raise UserError("the batch has image tokens but no pixel_values")
         if self.config.sequence_parallel:
