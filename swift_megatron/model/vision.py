@@ -85,16 +85,19 @@ class VisionGPTModel(GPTModel):
                                decoder_input, *args, **kwargs)
 
 
+def vision_part(name: str) -> str:
+    """"aligner" (`visual.merger.*`), "vit" (the rest of `visual.*`) or "llm" (anything else),
+    for a Megatron parameter name or an exported hub tensor name (both use `visual.`)."""
+    if name.startswith(f"{VISUAL}.merger."):
+        return "aligner"
+    return "vit" if name.startswith(f"{VISUAL}.") else "llm"
+
+
 def freeze(model: torch.nn.Module, *, freeze_llm: bool, freeze_vit: bool,
            freeze_aligner: bool) -> None:
     """ms-swift's full-training freezing of a vision-language model: `visual.merger` is the
     aligner, the rest of `visual` the ViT, every other parameter the language model."""
+    frozen = {"aligner": freeze_aligner, "vit": freeze_vit, "llm": freeze_llm}
     for name, param in model.named_parameters():
-        if name.startswith(f"{VISUAL}.merger."):
-            frozen = freeze_aligner
-        elif name.startswith(f"{VISUAL}."):
-            frozen = freeze_vit
-        else:
-            frozen = freeze_llm
-        if frozen:
+        if frozen[vision_part(name)]:
             param.requires_grad_(False)

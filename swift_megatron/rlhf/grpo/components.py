@@ -32,7 +32,7 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
-from swift_megatron.model.vision import VISION_TYPES, freeze
+from swift_megatron.model.vision import VISION_TYPES, freeze, vision_part
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
@@ -300,6 +300,20 @@ def prompts(args: RlhfArguments, tok, hf_config: dict,
                            use_hf=args.model.use_hf, seed=args.training.seed)
     return prepare_prompts(flat, tok, max_position_embeddings=text_config(hf_config).get(
         "max_position_embeddings"), images=images)
+
+
+def sync_filter(args: RlhfArguments, pol: Policy) -> Optional[Callable[[str], bool]]:
+    """Which exported tensors a weight sync after the first one sends: without the frozen parts
+    of a vision tower (they never change; the first sync sends everything). None: all of them,
+    also when the colocated vLLM discards its weights while training (--sleep_level 2)."""
+    if pol.hf_config.get("model_type") not in VISION_TYPES or args.rollout.sleep_level == 2:
+        return None
+    m = args.model
+    frozen = {"vit": m.freeze_vit or pol.lora is not None,
+              "aligner": m.freeze_aligner or pol.lora is not None, "llm": False}
+    if not (frozen["vit"] or frozen["aligner"]):
+        return None
+    return lambda name: not frozen[vision_part(name)]
 
 
 def check_images(args: RlhfArguments, state: ParallelState, eng, prompts: List[Prompt]) -> None:

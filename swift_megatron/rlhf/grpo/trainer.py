@@ -74,6 +74,7 @@ class GRPOTrainer:
         self.teacher = build.teacher(args, self.state, self.policy, self.tokenizer)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
+        self.sync_filter, self.synced = build.sync_filter(args, self.policy), False
         build.check_images(args, self.state, self.engine, self.train_prompts + self.val_prompts)
         frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
@@ -305,10 +306,16 @@ class GRPOTrainer:
 
     def sync_weights(self) -> Dict[str, float]:
         """Stream the policy's weights into the engine (once the generation --async_generate
-        started is done: never while a request is in flight); with --check_weight_sync, verify."""
+        started is done: never while a request is in flight); after the first sync, without
+        the frozen parts of a vision tower (build.sync_filter); with --check_weight_sync,
+        verify."""
         if self.prefetch:
             self.prefetch.wait()
-        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks))
+        tensors = self.policy.bridge.export(self.policy.chunks)
+        if self.synced and self.sync_filter is not None:   # every rank runs the whole export
+            tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
+        self.engine.update_weights(tensors)
+        self.synced = True
         return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
 
     @torch.no_grad()
