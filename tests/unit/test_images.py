@@ -212,3 +212,26 @@ def test_micro_batch_positions_equal_transformers(vl, packed):
             got = micro["position_ids"][:, row, :n]
         assert torch.equal(got, expected), row
     assert bool((expected[0] == expected[1]).all())   # the text sample: equal axes
+
+
+def test_prompt_tokens_equal_the_models_own_processor(vl):
+    """Our expansion (image processor + tags) gives the token ids transformers' AutoProcessor
+    gives for the same text and images (it also builds a video processor: needs torchvision)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
+        pytest.skip(f"torchvision is not importable ({error})")
+    from transformers import AutoProcessor
+
+    model_dir, tok, encoder = vl
+    images = [_png(size=(112, 84)), _png((0, 0, 255))]
+    prompt = build_prompts([{"query": "<image> vs <image>?", "images": images}], tok,
+                           PromptSettings(max_prompt_length=200), images=encoder)[0]
+    one_pad = prompt.text
+    for grid in prompt.image_grid_thw:
+        one_pad = one_pad.replace("<|image_pad|>" * (grid[1] * grid[2] // 4), "<|image_pad|>", 1)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    theirs = processor(text=[one_pad], images=[load_image(i) for i in images],
+                       return_tensors="pt", add_special_tokens=False)
+    assert theirs["input_ids"][0].tolist() == prompt.input_ids
+    assert theirs["image_grid_thw"].tolist() == prompt.image_grid_thw
