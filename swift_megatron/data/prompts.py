@@ -144,7 +144,10 @@ def row_messages(row: Row, default_system: Optional[str] = None
 
 
 def row_images(row: Row) -> List[Any]:
-    """The row's `images` column as a list (a single value is one image; none: [])."""
+    """The row's `images` column as a list (a single value is one image; none: []). RowError
+    for a row with videos (not supported yet)."""
+    if row.get("videos"):
+        raise RowError("it has videos, which are not supported yet (docs/multimodal.md)")
     images = row.get("images")
     if images is None:
         return []

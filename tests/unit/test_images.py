@@ -139,7 +139,8 @@ def test_image_rows_become_prompts_with_expanded_tags(vl, tmp_path):
     ({"messages": [{"role": "user", "content": "<image>"}], "images": [b"junk"]}, "unreadable"),
     ({"messages": [{"role": "user", "content": "<image><image>"}], "images": [b"x"]},
      "2 <image> tag\\(s\\) for 1 image"),
-    ({"query": "q", "images": ["/nowhere.png"]}, "does not exist")])
+    ({"query": "q", "images": ["/nowhere.png"]}, "does not exist"),
+    ({"query": "<video>q", "videos": ["v.mp4"]}, "it has videos, which are not supported")])
 def test_bad_image_rows_name_the_row(vl, row, match):
     _, tok, encoder = vl
     rows = [{"query": "fine"}, row]
