@@ -57,6 +57,22 @@ def _download(url: str, timeout: float = 60.0) -> bytes:
         raise RowError(f"image {url!r} could not be downloaded: {error}") from None
 
 
+def one_pad_per_image(ids: Sequence[int], image_token_id: int) -> List[int]:
+    """Token ids with each run of image pads cut to one, the prompt form vLLM expands itself
+    (two images' runs are apart: each sits between its vision start and end tokens)."""
+    return [t for i, t in enumerate(ids) if not (t == image_token_id and i and
+                                                 ids[i - 1] == image_token_id)]
+
+
+def png_base64(image) -> str:
+    """A PIL image as base64 PNG text (lossless: the same pixels arrive), for JSON requests."""
+    import base64
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def tag_images(messages: List[Dict[str, Any]], count: int) -> List[Dict[str, Any]]:
     """Messages with exactly `count` `<image>` tags: unchanged when they already have that many,
     tags prepended to the first user message when they have none; RowError otherwise."""

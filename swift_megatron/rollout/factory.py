@@ -9,7 +9,7 @@ Every training rank calls it at the same point (the vLLM engines create process 
 Whether vLLM is used: `--use_vllm`, by default true in server mode and, in colocate mode, when
 vLLM is installed and training runs on CUDA (on a CPU, vLLM is opt-in with `--use_vllm true`).
 """
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -26,15 +26,15 @@ def engine_kind(args: RlhfArguments, device: torch.device) -> str:
     return args.rollout.vllm_mode
 
 
-def vision_engine_kwargs(args: RlhfArguments, model_dir: str) -> Dict[str, Any]:
+def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int],
+                         dummy_weights: bool) -> Dict[str, Any]:
     """vLLM engine arguments of a vision-language model (--vllm_engine_kwargs wins):
-    `mm_processor_kwargs` max_pixels as the trainer's (--max_pixels / MAX_PIXELS), and
-    `mm_device_do_normalize=False` where vLLM has it (0.32): the engine starts from dummy
-    weights, and that option's normalisation buffers (`visual.input_norm`) are no checkpoint
-    tensor, so no weight sync would ever fix their random values."""
+    `mm_processor_kwargs` max_pixels as the trainer's (--max_pixels / MAX_PIXELS), and with
+    `dummy_weights` (the colocated engine) `mm_device_do_normalize=False` where vLLM has it
+    (0.32): that option's normalisation buffers (`visual.input_norm`) are no checkpoint tensor,
+    so no weight sync would ever fix their random values."""
     import dataclasses
 
-    from swift_megatron.data.images import resolve_max_pixels
     from swift_megatron.model.config import load_hf_config
     from swift_megatron.model.vision import VISION_TYPES
 
@@ -43,10 +43,9 @@ def vision_engine_kwargs(args: RlhfArguments, model_dir: str) -> Dict[str, Any]:
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs: Dict[str, Any] = {}
-    max_pixels = resolve_max_pixels(args.data.max_pixels)
     if max_pixels is not None:
         kwargs["mm_processor_kwargs"] = {"max_pixels": max_pixels}
-    if "mm_device_do_normalize" in {f.name for f in dataclasses.fields(EngineArgs)}:
+    if dummy_weights and "mm_device_do_normalize" in {f.name for f in dataclasses.fields(EngineArgs)}:
         kwargs["mm_device_do_normalize"] = False
     return kwargs
 
@@ -63,13 +62,19 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
     if kind == "server":
         from swift_megatron.rollout.client import ServerEngine
 
+        from swift_megatron.model.config import load_hf_config
+
         return ServerEngine(args.rollout.server_addresses(), eos_token_ids,
                             timeout=args.rollout.vllm_server_timeout, bucket_bytes=bucket_bytes,
-                            device=device, api_key=args.rollout.vllm_server_api_key)
+                            device=device, api_key=args.rollout.vllm_server_api_key,
+                            image_token_id=load_hf_config(model_dir).get("image_token_id"))
     from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
 
     v = args.vllm
-    engine_kwargs = {**vision_engine_kwargs(args, model_dir), **(v.vllm_engine_kwargs or {})}
+    from swift_megatron.data.images import resolve_max_pixels
+
+    engine_kwargs = {**vision_engine_kwargs(model_dir, resolve_max_pixels(args.data.max_pixels),
+                                            dummy_weights=True), **(v.vllm_engine_kwargs or {})}
     settings = ColocateSettings(
         model_dir=model_dir, dtype=str(dtype).replace("torch.", ""), seed=args.training.seed,
         tensor_parallel_size=v.vllm_tensor_parallel_size,

@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from swift_megatron.data.images import one_pad_per_image
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.model.config import load_hf_config
@@ -68,13 +69,6 @@ def _tp_group(size: int):
         raise UserError(f"--vllm_tensor_parallel_size {size} must divide the world size {world}")
     group, _ = dist.new_subgroups(group_size=size, backend="gloo")
     return group
-
-
-def _one_pad_per_image(ids: List[int], image_token_id: int) -> List[int]:
-    """Token ids with each run of image pad tokens cut to one (runs of two images are apart:
-    each sits between its vision start and end tokens)."""
-    return [t for i, t in enumerate(ids) if not (t == image_token_id and i and
-                                                 ids[i - 1] == image_token_id)]
 
 
 class ColocateEngine:
@@ -127,8 +121,8 @@ class ColocateEngine:
         inputs = vllm_compat.prompt_inputs(all_prompts)
         for request, picture in zip(inputs, all_pictures):
             if picture:
-                request["prompt_token_ids"] = _one_pad_per_image(request["prompt_token_ids"],
-                                                                 self.image_token_id)
+                request["prompt_token_ids"] = one_pad_per_image(request["prompt_token_ids"],
+                                                                self.image_token_id)
                 request["multi_modal_data"] = {"image": picture}
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         return [Completion(*vllm_compat.completion_fields(out), self.weight_version)
