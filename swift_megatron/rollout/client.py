@@ -136,8 +136,6 @@ class ServerEngine:
     """The RolloutEngine of server mode (see the module docstring). `image_token_id`: a
     vision-language model's, for requests with images."""
 
-    accepts_images = True
-
     def __init__(self, addresses: Sequence[str], eos_token_ids: Sequence[int], *,
                  timeout: float, bucket_bytes: int, device: torch.device,
                  api_key: Optional[str] = None, image_token_id: Optional[int] = None):

@@ -60,8 +60,6 @@ def _processors(sampling: SamplingConfig, seeds: Sequence[int], device: torch.de
 class HFEngine:
     """A transformers causal LM that generates for this process's share of the requests."""
 
-    accepts_images = True
-
     def __init__(self, hf_dir: str, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 64):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText

@@ -74,8 +74,6 @@ def _tp_group(size: int):
 class ColocateEngine:
     """The RolloutEngine of colocate mode (see the module docstring)."""
 
-    accepts_images = True
-
     def __init__(self, settings: ColocateSettings, eos_token_ids: Sequence[int]):
         self.settings = settings
         self.eos = list(eos_token_ids)

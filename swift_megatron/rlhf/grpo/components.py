@@ -320,10 +320,6 @@ def check_images(args: RlhfArguments, state: ParallelState, eng, prompts: List[P
     """Refuse what prompts with images do not support yet (docs/multimodal.md)."""
     if not any(p.images for p in prompts):
         return
-    if not getattr(eng, "accepts_images", False):
-        raise UserError(f"the dataset has images, which the {engine_kind(args, state.device)} "
-                        f"rollout engine does not take yet; use the embedded engine "
-                        f"(--use_vllm false) (docs/multimodal.md)")
     if state.cp > 1:
         raise UserError("--context_parallel_size > 1 with images is not supported yet")
     if args.grpo.multi_turn_scheduler or getattr(eng, "server_scheduler", None):
