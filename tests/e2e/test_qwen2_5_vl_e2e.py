@@ -65,6 +65,21 @@ def test_image_grpo_engine_and_trainer_see_the_same_pixels(base, tiny_model_dir,
     assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith("visual."))
 
 
+def test_an_unfrozen_tower_trains_on_images_and_reaches_the_engine(base, tiny_model_dir, colours,
+                                                                   tmp_path):
+    """--freeze_vit false --freeze_aligner false with images: the tower's tensors change, and
+    every sync sends them (the check after step 2 samples from the updated tower)."""
+    out = tmp_path / "unfrozen_img"
+    rlhf(*base, "--dataset", colours, "--reward_funcs", "colour_parity", "--freeze_vit", "false",
+         "--freeze_aligner", "false", "--beta", "0", "--lr", "1e-2", "--max_completion_length",
+         "4", "--output_dir", out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in logged(out))
+    source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    changed = {n for n in source if not torch.equal(exported[n], source[n])}
+    assert any(n.startswith("visual.merger.") for n in changed)
+    assert any(n.startswith("visual.blocks.") for n in changed)
+
+
 def test_a_bad_image_row_exits_2_naming_the_row(base, colours, tmp_path):
     data = tmp_path / "bad.jsonl"
     good = open(colours).readline()
