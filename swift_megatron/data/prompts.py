@@ -22,7 +22,8 @@ The prompt text is `apply_chat_template(messages, tokenize=False, add_generation
 `add_special_tokens=False` (the template already holds any BOS). Prompts longer than
 `max_prompt_length` (= max_length - max_completion_length) keep their LAST tokens
 (--truncation_strategy left) or are dropped (delete); one warning counts them. A prompt with
-images is never cut (that would cut its image tokens): with `left` it is an error. Bad rows raise UserError naming the dataset and the 1-based row number.
+images is never cut (that would cut its image tokens): with `left` it is an error.
+Bad rows raise UserError naming the dataset and the 1-based row number.
 """
 import math
 from dataclasses import dataclass, field

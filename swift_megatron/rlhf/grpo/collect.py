@@ -256,8 +256,8 @@ class RolloutCollector:
 def attach_images(sample: Sample, inputs: Optional[dict]) -> Sample:
     """The sample with its prompt's images (an image_inputs entry; None: text only)."""
     if inputs is not None:
-        sample.pixel_values, sample.image_grid_thw = inputs["pixel_values"], inputs["image_grid_thw"]
-        sample.prompt_positions = inputs["positions"]
+        sample.pixel_values = inputs["pixel_values"]
+        sample.image_grid_thw, sample.prompt_positions = inputs["image_grid_thw"], inputs["positions"]
     return sample
 
 
