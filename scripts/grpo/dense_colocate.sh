@@ -3,7 +3,7 @@
 # GPUs, vLLM in colocate mode (a vLLM engine in every training process, asleep while Megatron
 # trains: --sleep_level 1 frees its KV cache and offloads its weights to host memory; the
 # training weights and optimizer state move to host memory while vLLM generates). The flags are
-# ms-swift's; ms-swift's version trains Qwen2.5-VL-3B on CLEVR (vision models: issue 12).
+# ms-swift's; ms-swift's version trains Qwen2.5-VL-3B on CLEVR: multimodal_colocate.sh.
 #
 #   bash scripts/grpo/dense_colocate.sh [extra megatron rlhf flags]
 #   MODEL=/path/to/hf_model DATASET=/path/to/data.jsonl bash scripts/grpo/dense_colocate.sh

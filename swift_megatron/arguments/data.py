@@ -35,6 +35,10 @@ class DataArguments:
     dataset_num_proc: int = arg(1, "Processes used to tokenize the dataset.")
     columns: Optional[Dict[str, str]] = arg(None, "Rename dataset columns, as JSON: "
                                             "'{\"question\": \"query\"}'.")
+    max_pixels: Optional[int] = arg(None, "Largest image, in pixels, after the image "
+                                    "processor's resize (a vision-language model): replaces the "
+                                    "model's preprocessor max_pixels. Default: the MAX_PIXELS "
+                                    "environment variable (ms-swift's), else the model's own.")
     dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed).")
     load_from_cache_file: bool = arg(False, "ms-swift's datasets cache of preprocessed rows.",
                                      no_effect="prompts are tokenized in memory at every start")
@@ -47,5 +51,7 @@ class DataArguments:
             raise UserError(f"--split_dataset_ratio must be in [0, 1), got {self.split_dataset_ratio}")
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"--max_length must be at least 2, got {self.max_length}")
+        if self.max_pixels is not None and self.max_pixels < 1:
+            raise UserError(f"--max_pixels must be >= 1, got {self.max_pixels}")
         if self.dataset_num_proc < 1:
             raise UserError(f"--dataset_num_proc must be >= 1, got {self.dataset_num_proc}")

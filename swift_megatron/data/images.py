@@ -8,13 +8,20 @@ Qwen2-VL's) turns images into `pixel_values` and `image_grid_thw`; each tag beco
 `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`, as the processor's
 chat template expands it; `mrope_position_ids` gives the 3-D M-RoPE ids with transformers' own
 `get_rope_index` (config only, no weights). Errors name the row (`RowError`).
-URLs are not fetched (no network in training jobs): they are refused with a clear error.
+`http(s)://` URLs are downloaded (as ms-swift does). `ImageEncoder` bundles these for the
+trainer: a prompt's images -> pixels, and its tokens -> 3-D positions.
+
+The image processor is transformers' `AutoImageProcessor`, not `AutoProcessor`: the latter also
+builds Qwen2-VL's video processor, which needs torchvision; the tag expansion here gives the
+token count the full processor's `<|image_pad|>` expansion gives (tested).
 """
 import io
 import os
-from typing import Any, Dict, List, Sequence
+import urllib.request
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from swift_megatron.data.prompts import RowError
+from swift_megatron.errors import UserError
 
 IMAGE_TAG = "<image>"
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -29,8 +36,7 @@ def load_image(value: Any):
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     if isinstance(value, str) and value.startswith(("http://", "https://")):
-        raise RowError(f"image {value!r}: URLs are not supported; download the images and list "
-                       "local paths")
+        value = _download(value)
     if isinstance(value, str) and not os.path.isfile(value):
         raise RowError(f"image {value!r} does not exist")
     if not isinstance(value, (str, bytes)):
@@ -41,6 +47,30 @@ def load_image(value: Any):
     except (OSError, ValueError) as error:
         name = value if isinstance(value, str) else f"of {len(value)} bytes"
         raise RowError(f"image {name} is unreadable: {error}") from None
+
+
+def _download(url: str, timeout: float = 60.0) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read()
+    except (OSError, ValueError) as error:
+        raise RowError(f"image {url!r} could not be downloaded: {error}") from None
+
+
+def one_pad_per_image(ids: Sequence[int], image_token_id: int) -> List[int]:
+    """Token ids with each run of image pads cut to one, the prompt form vLLM expands itself
+    (two images' runs are apart: each sits between its vision start and end tokens)."""
+    return [t for i, t in enumerate(ids) if not (t == image_token_id and i and
+                                                 ids[i - 1] == image_token_id)]
+
+
+def png_base64(image) -> str:
+    """A PIL image as base64 PNG text (lossless: the same pixels arrive), for JSON requests."""
+    import base64
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def tag_images(messages: List[Dict[str, Any]], count: int) -> List[Dict[str, Any]]:
@@ -78,9 +108,8 @@ def process_images(processor: Any, images: Sequence[Any]) -> Dict[str, Any]:
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-def mrope_position_ids(hf_config: Any, input_ids, image_token_id: int, image_grid_thw=None):
-    """[3, b, s] M-RoPE ids of token ids [b, s] holding images of `image_grid_thw`, from
-    transformers' Qwen2.5-VL `get_rope_index` on a meta-device model (no weights)."""
+def rope_index_model(hf_config: Any):
+    """transformers' Qwen2.5-VL model on the meta device (no weights): its `get_rope_index`."""
     import torch
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
@@ -88,7 +117,62 @@ def mrope_position_ids(hf_config: Any, input_ids, image_token_id: int, image_gri
     config = hf_config if isinstance(hf_config, Qwen2_5_VLConfig) else \
         Qwen2_5_VLConfig.from_dict(dict(hf_config))
     with torch.device("meta"):
-        model = Qwen2_5_VLModel(config)
+        return Qwen2_5_VLModel(config)
+
+
+def mrope_position_ids(hf_config: Any, input_ids, image_token_id: int, image_grid_thw=None, *,
+                       model=None):
+    """[3, b, s] M-RoPE ids of token ids [b, s] holding images of `image_grid_thw`, from
+    transformers' Qwen2.5-VL `get_rope_index` (`model`: a rope_index_model to reuse)."""
+    model = model if model is not None else rope_index_model(hf_config)
     positions, _ = model.get_rope_index(input_ids, (input_ids == image_token_id).int(),
                                         image_grid_thw=image_grid_thw)
     return positions
+
+
+def resolve_max_pixels(flag: Optional[int]) -> Optional[int]:
+    """--max_pixels, else the MAX_PIXELS environment variable (ms-swift's), else None (the
+    model's image processor keeps its own max_pixels)."""
+    if flag is not None:
+        return flag
+    env = os.environ.get("MAX_PIXELS")
+    if env is None or not env.strip():
+        return None
+    try:
+        return int(env)
+    except ValueError:
+        raise UserError(f"MAX_PIXELS={env!r} must be an integer number of pixels") from None
+
+
+class ImageEncoder:
+    """A vision-language model's image side for prompts: the model directory's image processor
+    (its max_pixels replaced by `max_pixels` when given) and the config's image token and 3-D
+    positions."""
+
+    def __init__(self, model_dir: str, hf_config: Mapping[str, Any],
+                 max_pixels: Optional[int] = None):
+        from transformers import AutoImageProcessor
+
+        extra = {} if max_pixels is None else {"max_pixels": int(max_pixels)}
+        self.processor = AutoImageProcessor.from_pretrained(model_dir, **extra)
+        self.merge_size = int(self.processor.merge_size)
+        self.image_token_id = int(hf_config["image_token_id"])
+        self._rope = rope_index_model(hf_config)
+
+    def encode(self, values: Sequence[Any]) -> Dict[str, Any]:
+        """`images` (RGB PIL), `pixel_values` and `image_grid_thw` of a row's image values."""
+        images = [load_image(value) for value in values]
+        return {"images": images, **process_images(self.processor, images)}
+
+    tag = staticmethod(tag_images)
+
+    def expand(self, text: str, image_grid_thw) -> str:
+        return expand_image_tags(text, image_grid_thw, self.merge_size)
+
+    def positions(self, input_ids: Sequence[int], image_grid_thw):
+        """[3, len(input_ids)] M-RoPE ids of one prompt."""
+        import torch
+
+        ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        return mrope_position_ids(None, ids, self.image_token_id, image_grid_thw,
+                                  model=self._rope)[:, 0]

@@ -6,6 +6,12 @@ A row gives its prompt as
   column, when present, is prepended as the system message;
 - or `query` / `prompt`: a string, with an optional `system` string column.
 A row without a system message gets `--system` (data/system.py), when given.
+A row may hold images (ms-swift's multimodal format, for a vision-language model):
+`images`, a list of paths, URLs, bytes or `{"bytes", "path"}` dicts, one per `<image>` tag of
+its messages (tags are prepended to the first user message when the row has none). The model's
+image encoder (data/images.py `ImageEncoder`) loads them, and each tag of the templated prompt
+becomes the processor's number of image tokens; the prompt keeps the image values and their
+`image_grid_thw` (pixels are computed again at rollout time, not held for the whole dataset).
 Other names (`question`, `problem`, ...) are not guessed: map them with `--columns`, which is
 applied first. Every remaining column (e.g. `solution`) is kept per prompt, unchanged, for the
 reward functions; prompts of one dataset (or of all `--dataset`s together) share one set of
@@ -15,7 +21,9 @@ The prompt text is `apply_chat_template(messages, tokenize=False, add_generation
 (plus `enable_thinking` when --enable_thinking is given), tokenized with
 `add_special_tokens=False` (the template already holds any BOS). Prompts longer than
 `max_prompt_length` (= max_length - max_completion_length) keep their LAST tokens
-(--truncation_strategy left) or are dropped (delete); one warning counts them. Bad rows raise UserError naming the dataset and the 1-based row number.
+(--truncation_strategy left) or are dropped (delete); one warning counts them. A prompt with
+images is never cut (that would cut its image tokens): with `left` it is an error.
+Bad rows raise UserError naming the dataset and the 1-based row number.
 """
 import math
 from dataclasses import dataclass, field
@@ -52,6 +60,8 @@ class Prompt:
     messages: List[Message]
     columns: Dict[str, Any] = field(default_factory=dict)
     truncated: bool = False
+    images: Optional[List[Any]] = None             # the row's image values (paths, bytes, ...)
+    image_grid_thw: Optional[List[List[int]]] = None   # per image, as the processor gives it
 
 
 class RowError(UserError):
@@ -105,9 +115,6 @@ def row_messages(row: Row, default_system: Optional[str] = None
                  ) -> Tuple[List[Message], Dict[str, Any]]:
     """The chat messages a row asks the model to answer, and its other columns. A row without a
     system message gets `default_system` (--system) when given."""
-    if row.get("images"):
-        raise RowError("it has images: datasets with images are not supported by GRPO yet "
-                       "(docs/multimodal.md)")
     system = row.get("system")
     if system is not None and not isinstance(system, str):
         raise RowError(f"'system' must be a string, got {type(system).__name__}")
@@ -135,6 +142,17 @@ def row_messages(row: Row, default_system: Optional[str] = None
         raise RowError(f"the column(s) {', '.join(map(repr, reserved))} clash with the names the "
                         f"trainer passes to reward functions; rename them with --columns")
     return messages, others
+
+
+def row_images(row: Row) -> List[Any]:
+    """The row's `images` column as a list (a single value is one image; none: []). RowError
+    for a row with videos (not supported yet)."""
+    if row.get("videos"):
+        raise RowError("it has videos, which are not supported yet (docs/multimodal.md)")
+    images = row.get("images")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _check_messages(messages: Any) -> List[Message]:
@@ -246,9 +264,10 @@ class PromptSettings:
 
 
 def build_prompts(rows: Sequence[Row], tokenizer: Any, settings: PromptSettings, *,
-                  spec: str = "dataset", first_id: int = 0) -> List[Prompt]:
+                  spec: str = "dataset", first_id: int = 0, images: Any = None) -> List[Prompt]:
     """One Prompt per row (prompt_id = first_id + row index), see the module docstring; with
     truncation_strategy delete, over-long prompts are left out (ids of the others unchanged).
+    `images`: the model's ImageEncoder (data/images.py), None for a text-only model.
 
     Raises UserError for a bad row (naming `spec` and the row number), an empty `rows`, or a
     tokenizer without chat template. Logs one warning counting the truncated/dropped prompts."""
@@ -257,12 +276,19 @@ def build_prompts(rows: Sequence[Row], tokenizer: Any, settings: PromptSettings,
     if not rows:
         raise UserError(f"dataset {spec} has no rows")
     check_chat_template(tokenizer)
-    conversations, others = [], []
+    conversations, others, values = [], [], []
     for number, row in enumerate(rows, 1):
         try:
             if not isinstance(row, dict):
                 raise RowError(f"a row must be an object, got {type(row).__name__}")
-            messages, extra = row_messages(rename_columns(row, settings.columns), settings.system)
+            row = rename_columns(row, settings.columns)
+            messages, extra = row_messages(row, settings.system)
+            values.append(row_images(row))
+            if values[-1]:
+                if images is None:
+                    raise RowError("it has images, but the model takes text only; use a "
+                                   "vision-language model (docs/multimodal.md)")
+                messages = images.tag(messages, len(values[-1]))
         except RowError as error:
             raise UserError(f"dataset {spec} row {number}: {error}") from None
         conversations.append(messages)
@@ -271,9 +297,24 @@ def build_prompts(rows: Sequence[Row], tokenizer: Any, settings: PromptSettings,
                             settings.template_kwargs())
     prompts = [Prompt(first_id + i, text, row_ids, messages, extra)
                for i, (text, row_ids, messages, extra) in enumerate(zip(texts, ids, conversations, others))]
+    for number, (prompt, row_values) in enumerate(zip(prompts, values), 1):
+        if row_values:
+            _add_images(prompt, row_values, tokenizer, images, f"dataset {spec} row {number}")
     prompts = _fit(prompts, tokenizer, settings, spec)
     align_columns(prompts)
     return prompts
+
+
+def _add_images(prompt: Prompt, values: List[Any], tokenizer: Any, images: Any,
+                where: str) -> None:
+    """Load and process the prompt's images: its tokens get the expanded image tags."""
+    try:
+        grid = images.encode(values)["image_grid_thw"]
+        prompt.text = images.expand(prompt.text, grid)
+    except RowError as error:
+        raise UserError(f"{where}: {error}") from None
+    prompt.input_ids = list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+    prompt.images, prompt.image_grid_thw = list(values), grid.tolist()
 
 
 def align_columns(prompts: Sequence[Prompt]) -> None:
@@ -295,6 +336,14 @@ def _fit(prompts: List[Prompt], tokenizer: Any, settings: PromptSettings,
     long = [p for p in prompts if len(p.input_ids) > budget]
     if not long:
         return prompts
+    with_images = [p for p in long if p.images]
+    if with_images and settings.truncation_strategy == "left":
+        first = with_images[0]
+        raise UserError(f"dataset {spec} row {first.prompt_id - prompts[0].prompt_id + 1}: its "
+                        f"prompt with images has {len(first.input_ids)} tokens, over max_length - "
+                        f"max_completion_length = {budget}, and image tokens cannot be cut; "
+                        f"raise --max_length, lower --max_pixels, or use --truncation_strategy "
+                        f"delete")
     action = ("were truncated from the left (their last tokens are kept)"
               if settings.truncation_strategy == "left" else "were dropped")
     logger.warning(f"dataset {spec}: {len(long)} of {len(prompts)} prompts were longer than "
@@ -315,15 +364,18 @@ def _fit(prompts: List[Prompt], tokenizer: Any, settings: PromptSettings,
 
 
 def load_prompts(specs: Sequence[str], tokenizer: Any, settings: PromptSettings, *,
-                 use_hf: bool = False, seed: int = 42, shuffle: bool = True) -> List[Prompt]:
+                 use_hf: bool = False, seed: int = 42, shuffle: bool = True,
+                 images: Any = None) -> List[Prompt]:
     """Load every spec in order and build its prompts; prompt ids run on across datasets.
-    `#N` samples come from one RandomState(seed) (--data_seed), without shuffle the first N."""
+    `#N` samples come from one RandomState(seed) (--data_seed), without shuffle the first N.
+    `images`: the model's ImageEncoder, None for a text-only model."""
     prompts: List[Prompt] = []
     state = np.random.RandomState(seed)
     for spec in specs:
         rows = load_rows(spec, use_hf=use_hf, num_proc=settings.num_proc, random_state=state,
                          shuffle=shuffle)
-        prompts.extend(build_prompts(rows, tokenizer, settings, spec=spec, first_id=len(prompts)))
+        prompts.extend(build_prompts(rows, tokenizer, settings, spec=spec, first_id=len(prompts),
+                                     images=images))
     align_columns(prompts)
     return prompts
 
@@ -345,19 +397,21 @@ def split_validation(prompts: List[Prompt], ratio: float,
     return train, val
 
 
-def prepare_prompts(args: Any, tokenizer: Any, *,
-                    max_position_embeddings: Optional[int] = None) -> Tuple[List[Prompt], List[Prompt]]:
+def prepare_prompts(args: Any, tokenizer: Any, *, max_position_embeddings: Optional[int] = None,
+                    images: Any = None) -> Tuple[List[Prompt], List[Prompt]]:
     """(train, val) prompts from the data flags: --dataset, --val_dataset or
     --split_dataset_ratio, --max_length, --max_completion_length, --columns, --dataset_num_proc,
     --system, --enable_thinking, --truncation_strategy, --data_seed, --dataset_shuffle,
-    --use_hf, --seed. `max_position_embeddings` is the default of --max_length."""
+    --use_hf, --seed. `max_position_embeddings` is the default of --max_length; `images`: the
+    model's ImageEncoder (data/images.py), None for a text-only model."""
     if not args.dataset:
         raise UserError("--dataset is required: a jsonl/json/csv/parquet file, a directory or a hub id")
     settings = PromptSettings(
         max_prompt_length(args.max_length, args.max_completion_length, max_position_embeddings),
         columns=args.columns, num_proc=args.dataset_num_proc, system=system_prompt(args.system),
         enable_thinking=args.enable_thinking, truncation_strategy=args.truncation_strategy)
-    common = dict(use_hf=args.use_hf, seed=args.data_seed, shuffle=args.dataset_shuffle)
+    common = dict(use_hf=args.use_hf, seed=args.data_seed, shuffle=args.dataset_shuffle,
+                  images=images)
     train = load_prompts(args.dataset, tokenizer, settings, **common)
     if args.val_dataset:
         return train, load_prompts(args.val_dataset, tokenizer, settings, **common)

@@ -58,14 +58,16 @@ class VisionGPTModel(GPTModel):
         """[s, b, h] token embeddings with the image embeddings merged in (sequence-parallel
         scattered when SP is on)."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
-        mask = (input_ids == self.image_token_id).transpose(0, 1)
+        mask = input_ids == self.image_token_id   # [b, s]
         if pixel_values is not None:
             visual = getattr(self, VISUAL)
             image = visual(pixel_values.to(visual.dtype), grid_thw=image_grid_thw).pooler_output
             if int(mask.sum()) != image.shape[0]:
                 raise UserError(f"the batch has {int(mask.sum())} image tokens but its images "
                                 f"give {image.shape[0]} embeddings")
-            emb = emb.masked_scatter(mask.unsqueeze(-1), image.to(emb.dtype))
+            # row by row (images are in row order), as transformers' [b, s, h] masked_scatter
+            emb = emb.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), image.to(emb.dtype))
+            emb = emb.transpose(0, 1).contiguous()
         elif bool(mask.any()):
             raise UserError("the batch has image tokens but no pixel_values")
         if self.config.sequence_parallel:
@@ -83,16 +85,19 @@ class VisionGPTModel(GPTModel):
                                decoder_input, *args, **kwargs)
 
 
+def vision_part(name: str) -> str:
+    """"aligner" (`visual.merger.*`), "vit" (the rest of `visual.*`) or "llm" (anything else),
+    for a Megatron parameter name or an exported hub tensor name (both use `visual.`)."""
+    if name.startswith(f"{VISUAL}.merger."):
+        return "aligner"
+    return "vit" if name.startswith(f"{VISUAL}.") else "llm"
+
+
 def freeze(model: torch.nn.Module, *, freeze_llm: bool, freeze_vit: bool,
            freeze_aligner: bool) -> None:
     """ms-swift's full-training freezing of a vision-language model: `visual.merger` is the
     aligner, the rest of `visual` the ViT, every other parameter the language model."""
+    frozen = {"aligner": freeze_aligner, "vit": freeze_vit, "llm": freeze_llm}
     for name, param in model.named_parameters():
-        if name.startswith(f"{VISUAL}.merger."):
-            frozen = freeze_aligner
-        elif name.startswith(f"{VISUAL}."):
-            frozen = freeze_vit
-        else:
-            frozen = freeze_llm
-        if frozen:
+        if frozen[vision_part(name)]:
             param.requires_grad_(False)

@@ -33,6 +33,7 @@ from swift_megatron.arguments.rollout import API_KEY_ENV
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.data import Prompt
+from swift_megatron.data.images import one_pad_per_image, png_base64
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
 from swift_megatron.rollout.multi_turn import MultiTurnSettings, Trajectory
 from swift_megatron.rollout.weight_sync import iter_buckets, open_communicator, pack
@@ -132,12 +133,14 @@ def _proportional_split(count: int, weights: Sequence[int]) -> List[slice]:
 
 
 class ServerEngine:
-    """The RolloutEngine of server mode (see the module docstring)."""
+    """The RolloutEngine of server mode (see the module docstring). `image_token_id`: a
+    vision-language model's, for requests with images."""
 
     def __init__(self, addresses: Sequence[str], eos_token_ids: Sequence[int], *,
                  timeout: float, bucket_bytes: int, device: torch.device,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, image_token_id: Optional[int] = None):
         self.eos = list(eos_token_ids)
+        self.image_token_id = image_token_id
         self.bucket_bytes = bucket_bytes
         self.device = device
         self.weight_version = 0
@@ -181,9 +184,17 @@ class ServerEngine:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+                 seeds: Optional[Sequence[int]] = None,
+                 images: Optional[Sequence[Optional[dict]]] = None) -> List[Completion]:
+        """`images`: per request None or its encoded images (data/images.py); the request then
+        carries them as base64 PNGs with one image pad per image in its tokens."""
         seeds = list(seeds) if seeds is not None else default_seeds(sampling, len(prompts))
-        return self._collective((list(map(list, prompts)), seeds),
+        requests = [(list(p), None) for p in prompts]
+        for index, encoded in enumerate(images or []):
+            if encoded is not None:
+                requests[index] = (one_pad_per_image(requests[index][0], self.image_token_id),
+                                   [png_base64(image) for image in encoded["images"]])
+        return self._collective((requests, seeds),
                                 lambda server, requests, seeds_: self._request_generate(
                                     server, requests, seeds_, sampling))
 
@@ -224,10 +235,13 @@ class ServerEngine:
 
     def _request_generate(self, server: ServerConnection, prompts, seeds,
                           sampling: SamplingConfig) -> List[Completion]:
-        payload = dict(prompts=prompts, seeds=seeds, max_tokens=sampling.max_tokens,
+        payload = dict(prompts=[ids for ids, _ in prompts], seeds=seeds,
+                       max_tokens=sampling.max_tokens,
                        temperature=sampling.temperature, top_p=sampling.top_p,
                        top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
                        stop_token_ids=self.eos)
+        if any(pictures for _, pictures in prompts):
+            payload["images"] = [pictures for _, pictures in prompts]
         answer = server.request("/generate", payload)
         return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], self.weight_version)
                 for c in answer["completions"]]

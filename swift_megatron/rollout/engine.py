@@ -50,10 +50,14 @@ class RolloutEngine(Protocol):
     weight_version: int
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+                 seeds: Optional[Sequence[int]] = None,
+                 images: Optional[Sequence[Optional[dict]]] = None) -> List[Completion]:
         """One completion per prompt (prompts repeat for several samples of one prompt).
         `seeds`, one per request, make each sample depend on its seed alone (not on how
-        requests are batched or split over processes); None derives them from sampling.seed."""
+        requests are batched or split over processes); None derives them from sampling.seed.
+        `images`: per request None or the prompt's encoded images (data/images.py
+        `ImageEncoder.encode`: PIL images, pixel_values, image_grid_thw) for a
+        vision-language model; the prompt's tokens hold its expanded image pads."""
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors (the bridge's export stream) and bump weight_version."""

@@ -9,7 +9,7 @@ Every training rank calls it at the same point (the vLLM engines create process 
 Whether vLLM is used: `--use_vllm`, by default true in server mode and, in colocate mode, when
 vLLM is installed and training runs on CUDA (on a CPU, vLLM is opt-in with `--use_vllm true`).
 """
-from typing import Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -26,6 +26,30 @@ def engine_kind(args: RlhfArguments, device: torch.device) -> str:
     return args.rollout.vllm_mode
 
 
+def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int],
+                         dummy_weights: bool) -> Dict[str, Any]:
+    """vLLM engine arguments of a vision-language model (--vllm_engine_kwargs wins):
+    `mm_processor_kwargs` max_pixels as the trainer's (--max_pixels / MAX_PIXELS), and with
+    `dummy_weights` (the colocated engine) `mm_device_do_normalize=False` where vLLM has it
+    (0.32): that option's normalisation buffers (`visual.input_norm`) are no checkpoint tensor,
+    so no weight sync would ever fix their random values."""
+    import dataclasses
+
+    from swift_megatron.model.config import load_hf_config
+    from swift_megatron.model.vision import VISION_TYPES
+
+    if load_hf_config(model_dir).get("model_type") not in VISION_TYPES:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs: Dict[str, Any] = {}
+    if max_pixels is not None:
+        kwargs["mm_processor_kwargs"] = {"max_pixels": max_pixels}
+    if dummy_weights and "mm_device_do_normalize" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        kwargs["mm_device_do_normalize"] = False
+    return kwargs
+
+
 def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: Sequence[int], pad_token_id: int) -> RolloutEngine:
     """The engine the flags ask for (see the module docstring)."""
@@ -38,12 +62,19 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
     if kind == "server":
         from swift_megatron.rollout.client import ServerEngine
 
+        from swift_megatron.model.config import load_hf_config
+
         return ServerEngine(args.rollout.server_addresses(), eos_token_ids,
                             timeout=args.rollout.vllm_server_timeout, bucket_bytes=bucket_bytes,
-                            device=device, api_key=args.rollout.vllm_server_api_key)
+                            device=device, api_key=args.rollout.vllm_server_api_key,
+                            image_token_id=load_hf_config(model_dir).get("image_token_id"))
     from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
 
     v = args.vllm
+    from swift_megatron.data.images import resolve_max_pixels
+
+    engine_kwargs = {**vision_engine_kwargs(model_dir, resolve_max_pixels(args.data.max_pixels),
+                                            dummy_weights=True), **(v.vllm_engine_kwargs or {})}
     settings = ColocateSettings(
         model_dir=model_dir, dtype=str(dtype).replace("torch.", ""), seed=args.training.seed,
         tensor_parallel_size=v.vllm_tensor_parallel_size,
@@ -51,5 +82,5 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         max_model_len=v.vllm_max_model_len or args.data.max_length,
         max_num_seqs=v.vllm_max_num_seqs, enforce_eager=v.vllm_enforce_eager,
         enable_prefix_caching=v.vllm_enable_prefix_caching, sleep_level=args.rollout.sleep_level,
-        bucket_bytes=bucket_bytes, engine_kwargs=dict(v.vllm_engine_kwargs or {}))
+        bucket_bytes=bucket_bytes, engine_kwargs=engine_kwargs)
     return ColocateEngine(settings, eos_token_ids)

@@ -8,9 +8,13 @@ Logprobs are of softmax(logits / temperature), as vLLM reports them.
 Sampling is Gumbel-max with one random stream per request: each request's sample depends only
 on its seed, never on the batch it shares or the process that generates it, so rollouts are
 reproducible across parallel layouts.
+
+A vision-language model (Qwen2.5-VL) takes images: `generate(..., images=[...])` gives each
+request None or its prompt's `pixel_values` / `image_grid_thw` (data/images.py
+`ImageEncoder.encode`), and transformers computes the 3-D positions itself.
 """
 import re
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,20 +75,35 @@ class HFEngine:
         self.pad = pad_token_id
         self.max_batch_size = max_batch_size
         self.weight_version = 0
+        self.image_token_id = getattr(config, "image_token_id", None)
         self._params = dict(self.model.named_parameters())
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+                 seeds: Optional[Sequence[int]] = None,
+                 images: Optional[Sequence[Optional[Mapping]]] = None) -> List[Completion]:
         if seeds is None:
             seeds = default_seeds(sampling, len(prompts))
+        images = [None] * len(prompts) if images is None else list(images)
         completions: List[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
             stop = start + self.max_batch_size
-            completions += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop])
+            completions += self._generate_batch(prompts[start:stop], sampling, seeds[start:stop],
+                                                images[start:stop])
         return completions
 
-    def _generate_batch(self, prompts, sampling: SamplingConfig, seeds) -> List[Completion]:
+    def _image_kwargs(self, ids: torch.Tensor, images: Sequence[Optional[Mapping]]) -> dict:
+        """generate()'s image inputs of a batch: pixels and grids in row order, and the image
+        token mask transformers computes the 3-D positions from."""
+        rows = [i for i in images if i is not None]
+        if not rows:
+            return {}
+        return dict(pixel_values=torch.cat([r["pixel_values"] for r in rows]).to(self.device),
+                    image_grid_thw=torch.cat([r["image_grid_thw"] for r in rows]).to(self.device),
+                    mm_token_type_ids=(ids == self.image_token_id).int())
+
+    def _generate_batch(self, prompts, sampling: SamplingConfig, seeds,
+                        images: Sequence[Optional[Mapping]]) -> List[Completion]:
         from transformers import GenerationConfig
 
         width = max(len(p) for p in prompts)
@@ -96,9 +115,11 @@ class HFEngine:
         config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_tokens,
                                   eos_token_id=self.eos, pad_token_id=self.pad,
                                   return_dict_in_generate=True, output_logits=True)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+        ids = ids.to(self.device)
+        out = self.model.generate(input_ids=ids, attention_mask=mask.to(self.device),
                                   generation_config=config,
-                                  logits_processor=_processors(sampling, seeds, self.device))
+                                  logits_processor=_processors(sampling, seeds, self.device),
+                                  **self._image_kwargs(ids, images))
         new_tokens = out.sequences[:, width:].cpu()
         steps = torch.stack(out.logits, dim=1).float() / sampling.temperature  # [B, T, V]
         logprobs = torch.log_softmax(steps, dim=-1).gather(

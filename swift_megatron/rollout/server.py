@@ -10,7 +10,9 @@ to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
 
     GET  /health              {"status": "ok", "world_size", "weight_version"}
     GET  /get_world_size      {"world_size": T x D}
-    POST /generate            prompts (token ids or text), per-request seeds, sampling params
+    POST /generate            prompts (token ids or text), per-request seeds, sampling params,
+                              optionally per-request images (base64 image files; the prompt
+                              holds one image pad per image, vLLM expands it)
                               -> token ids, logprobs, finish reasons
     POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token"};
                               the trainer then joins a weight-sync group with every worker
@@ -70,10 +72,16 @@ class ReplicaEngine:
         self.llm = vllm_compat.create_llm(settings)
 
     def generate(self, prompts: List, sampling: Dict[str, Any], seeds: List[Optional[int]],
-                 stop_token_ids: List[int], logprobs: bool) -> List[dict]:
+                 stop_token_ids: List[int], logprobs: bool,
+                 images: Optional[List[Optional[list]]] = None) -> List[dict]:
+        """`images`: per prompt None or its PIL images (`multi_modal_data`)."""
         params = [vllm_compat.sampling_params(seed=seed, stop_token_ids=stop_token_ids,
                                               logprobs=logprobs, **sampling) for seed in seeds]
-        outputs = self.llm.generate(vllm_compat.prompt_inputs(prompts), params, use_tqdm=False)
+        inputs = vllm_compat.prompt_inputs(prompts)
+        for request, pictures in zip(inputs, images or []):
+            if pictures:
+                request["multi_modal_data"] = {"image": pictures}
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
         fields = [vllm_compat.completion_fields(out) for out in outputs]
         return [{"token_ids": t, "logprobs": lp, "finish_reason": r} for t, lp, r in fields]
 
@@ -311,6 +319,7 @@ def _models():
         repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
         stop_token_ids: List[Annotated[StrictInt, Field(ge=0)]] = []
         logprobs: StrictBool = True
+        images: Optional[List[Optional[List[StrictStr]]]] = None   # base64 image files
 
     class InitCommunicatorRequest(Strict):
         port: Optional[StrictInt] = Field(None, gt=0, lt=65536)
@@ -357,6 +366,31 @@ def _check_generate(request, vocab_size: int) -> None:
     if bad is not None:
         raise HTTPException(400, f"stop_token_ids: {bad} is outside the vocabulary "
                                  f"[0, {vocab_size})")
+    if request.images is not None and len(request.images) != len(request.prompts):
+        raise HTTPException(400, f"images: {len(request.images)} given for "
+                                 f"{len(request.prompts)} prompts")
+
+
+def _decode_images(request) -> Optional[List[Optional[list]]]:
+    """The request's images as PIL images; 400 naming the first one that does not decode."""
+    import base64
+    import binascii
+
+    from fastapi import HTTPException
+
+    from swift_megatron.data.images import load_image
+    from swift_megatron.data.prompts import RowError
+
+    if request.images is None:
+        return None
+    decoded = []
+    for index, pictures in enumerate(request.images):
+        try:
+            decoded.append(None if not pictures else
+                           [load_image(base64.b64decode(p, validate=True)) for p in pictures])
+        except (binascii.Error, RowError) as exc:
+            raise HTTPException(400, f"images[{index}]: {exc}") from None
+    return decoded
 
 
 def _check_bucket(request) -> None:
@@ -385,15 +419,18 @@ def _sampling(request) -> Dict[str, Any]:
 
 
 def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str, Any],
-                          seeds: list, stop_token_ids: List[int], logprobs: bool) -> List[dict]:
-    """`prompts` split over the replicas, generated concurrently, in order."""
+                          seeds: list, stop_token_ids: List[int], logprobs: bool,
+                          images: Optional[list] = None) -> List[dict]:
+    """`prompts` (and their `images`) split over the replicas, generated concurrently, in
+    order."""
     from fastapi import HTTPException
 
     slices = _split(len(prompts), len(state.replicas))
     parts = [(r, s) for r, s in zip(state.replicas, slices) if s.stop > s.start]
     with ThreadPoolExecutor(max(len(parts), 1)) as pool:
         futures = [pool.submit(replica.call, "generate", prompts=prompts[s], sampling=sampling,
-                               seeds=seeds[s], stop_token_ids=stop_token_ids, logprobs=logprobs)
+                               seeds=seeds[s], stop_token_ids=stop_token_ids, logprobs=logprobs,
+                               images=None if images is None else images[s])
                    for replica, s in parts]
         try:
             results = [f.result() for f in futures]
@@ -406,7 +443,8 @@ def _generate(state: ServerState, request) -> dict:
     _check_generate(request, state.vocab_size)
     seeds = request.seeds or [None] * len(request.prompts)
     completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
-                                        request.stop_token_ids, request.logprobs)
+                                        request.stop_token_ids, request.logprobs,
+                                        _decode_images(request))
     return {"completions": completions, "weight_version": state.weight_version}
 
 
@@ -458,6 +496,8 @@ def _rollout(state: ServerState, request) -> dict:
         raise HTTPException(409, "this server runs no multi-turn scheduler: start it with "
                                  "--multi_turn_scheduler, or send /generate requests")
     _check_generate(request, state.vocab_size)
+    if request.images:
+        raise HTTPException(400, "images: multi-turn rollouts with images are not supported")
     count = len(request.prompts)
     columns = request.columns or [{}] * count
     row_ids = request.row_ids or list(range(count))
@@ -709,7 +749,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
     """The replicas' engine settings from the flags (RolloutCommandArguments): the checkpoint's
-    real weights, vLLM's default seed; --vllm_engine_kwargs adds to them (the flags win)."""
+    real weights, vLLM's default seed; a vision-language model's images capped by MAX_PIXELS
+    (set it as for the trainer); --vllm_engine_kwargs adds to them (the flags win)."""
+    from swift_megatron.data.images import resolve_max_pixels
+    from swift_megatron.rollout.factory import vision_engine_kwargs
     from swift_megatron.rollout.weight_sync import WORKER_EXTENSION
 
     engine = args.vllm
@@ -720,7 +763,9 @@ def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
         max_model_len=engine.vllm_max_model_len, max_num_seqs=engine.vllm_max_num_seqs,
         enforce_eager=engine.vllm_enforce_eager,
         enable_prefix_caching=engine.vllm_enable_prefix_caching,
-        worker_extension_cls=WORKER_EXTENSION, extra=dict(engine.vllm_engine_kwargs or {}))
+        worker_extension_cls=WORKER_EXTENSION,
+        extra={**vision_engine_kwargs(model_dir, resolve_max_pixels(None), dummy_weights=False),
+               **(engine.vllm_engine_kwargs or {})})
 
 
 def _exit_on_signal(signum, frame) -> None:

@@ -20,6 +20,11 @@ and change nothing.
 
     engine = ColocateEngine(ColocateSettings(model_dir, dtype="float32", ...), eos_token_ids=[...])
     engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
+
+Images (a vision-language model): `generate(..., images=[...])` gives each request None or its
+prompt's encoded images (data/images.py); vLLM gets the PIL images as `multi_modal_data` and
+runs its own processor on them, with the prompt's tokens holding ONE `<|image_pad|>` per image:
+vLLM expands each pad itself (given our already expanded run it expands the first pad again).
 """
 import dataclasses
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -27,8 +32,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from swift_megatron.data.images import one_pad_per_image
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
+from swift_megatron.model.config import load_hf_config
 from swift_megatron.rollout import vllm_compat
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
 from swift_megatron.rollout.weight_sync import WORKER_EXTENSION, iter_buckets
@@ -76,6 +83,7 @@ class ColocateEngine:
                             "processes (launch with NPROC_PER_NODE)")
         self.group = _tp_group(settings.tensor_parallel_size) if dist.is_initialized() else None
         self.llm = self._build()
+        self.image_token_id = load_hf_config(settings.model_dir).get("image_token_id")
         self._asleep: List[str] = []  # memory kinds released by sleep(): "weights", "kv_cache"
 
     def _build(self):
@@ -97,28 +105,38 @@ class ColocateEngine:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 seeds: Optional[Sequence[int]] = None) -> List[Completion]:
+                 seeds: Optional[Sequence[int]] = None,
+                 images: Optional[Sequence[Optional[dict]]] = None) -> List[Completion]:
         seeds = list(seeds) if seeds is not None else default_seeds(sampling, len(prompts))
-        all_prompts, all_seeds, mine = self._gather(list(map(list, prompts)), seeds)
+        pictures = [None if i is None else i["images"] for i in images or [None] * len(prompts)]
+        all_prompts, all_seeds, all_pictures, mine = self._gather(list(map(list, prompts)), seeds,
+                                                                  pictures)
         if not all_prompts:
             return []
         params = [vllm_compat.sampling_params(
             sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
             sampling.repetition_penalty, seed, self.eos) for seed in all_seeds]
-        outputs = self.llm.generate(vllm_compat.prompt_inputs(all_prompts), params, use_tqdm=False)
+        inputs = vllm_compat.prompt_inputs(all_prompts)
+        for request, picture in zip(inputs, all_pictures):
+            if picture:
+                request["prompt_token_ids"] = one_pad_per_image(request["prompt_token_ids"],
+                                                                self.image_token_id)
+                request["multi_modal_data"] = {"image": picture}
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
         return [Completion(*vllm_compat.completion_fields(out), self.weight_version)
                 for out in outputs[mine]]
 
-    def _gather(self, prompts: List[List[int]], seeds: List[int]
-                ) -> Tuple[List[List[int]], List[int], slice]:
-        """Every request of this rank's vLLM TP group, and the slice that is this rank's."""
+    def _gather(self, prompts: List[List[int]], seeds: List[int], pictures: List
+                ) -> Tuple[List[List[int]], List[int], List, slice]:
+        """Every request (prompt, seed, images) of this rank's vLLM TP group, and the slice that
+        is this rank's."""
         if self.group is None:
-            return prompts, seeds, slice(0, len(prompts))
+            return prompts, seeds, pictures, slice(0, len(prompts))
         parts = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, (prompts, seeds), group=self.group)
-        start = sum(len(p) for p, _ in parts[:dist.get_rank(self.group)])
-        return ([p for part, _ in parts for p in part], [s for _, part in parts for s in part],
-                slice(start, start + len(prompts)))
+        dist.all_gather_object(parts, (prompts, seeds, pictures), group=self.group)
+        start = sum(len(part[0]) for part in parts[:dist.get_rank(self.group)])
+        return ([p for part in parts for p in part[0]], [s for part in parts for s in part[1]],
+                [i for part in parts for i in part[2]], slice(start, start + len(prompts)))
 
     # ---- weights ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -2,13 +2,16 @@
 engine: the engine (transformers' whole vision-language model) samples from exactly the
 trainer's policy after weight sync, the step updates the language model, and the default
 --freeze_vit/--freeze_aligner keep every vision tensor of the export bit for bit; an unfrozen
-tower trains without breaking text-only steps; LoRA adapts the language model only; a dataset
-row with images is refused naming the row."""
+tower trains without breaking text-only steps; LoRA adapts the language model only. With
+images (the colour task of fixtures/dataset.py): the engine's and the trainer's logprobs agree
+(padded and packed micro-batches), rewards get the row's `solution`, and a bad image row exits
+with status 2 naming the row."""
 import json
 
 import pytest
 import torch
 
+from swift_megatron.fixtures import build_colour_dataset
 from tests.e2e.test_rlhf_e2e import PLUGIN, logged, rlhf
 from tests.helpers import safetensors_of
 
@@ -38,12 +41,54 @@ def test_text_grpo_trains_the_language_model_only(base, tiny_model_dir, tmp_path
     assert any(not torch.equal(exported[n], source[n]) for n in source if ".self_attn." in n)
 
 
-def test_image_rows_are_refused(base, tmp_path):
-    data = tmp_path / "img.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>Colour?"}],
-                                "images": ["red.png"], "solution": "red"}) + "\n")
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory):
+    return build_colour_dataset(str(tmp_path_factory.mktemp("colours") / "colours.jsonl"), 32)
+
+
+@pytest.mark.parametrize("padding_free", ["false", "true"])
+def test_image_grpo_engine_and_trainer_see_the_same_pixels(base, tiny_model_dir, colours,
+                                                           tmp_path, padding_free):
+    """The colour task (images, no <image> tags, `solution` for the reward): every step's
+    weight-sync check compares the engine's logprobs of sampled completions of image prompts
+    with the trainer's (same pixels, 3-D positions), after syncs that skip the frozen tower."""
+    out = tmp_path / "img"
+    rlhf(*base, "--dataset", colours, "--reward_funcs", "colour_parity",
+         "--padding_free", padding_free, "--beta", "0.1", "--lr", "1e-3",
+         "--max_completion_length", "4", "--output_dir", out)
+    rows = logged(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)
+    assert all(0.0 < r["reward/mean"] < 1.0 for r in rows)   # the solution column reached it
+    assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] > 0
+    source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith("visual."))
+
+
+def test_an_unfrozen_tower_trains_on_images_and_reaches_the_engine(base, tiny_model_dir, colours,
+                                                                   tmp_path):
+    """--freeze_vit false --freeze_aligner false with images: the tower's tensors change, and
+    every sync sends them (the check after step 2 samples from the updated tower)."""
+    out = tmp_path / "unfrozen_img"
+    rlhf(*base, "--dataset", colours, "--reward_funcs", "colour_parity", "--freeze_vit", "false",
+         "--freeze_aligner", "false", "--beta", "0", "--lr", "1e-2", "--max_completion_length",
+         "4", "--output_dir", out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in logged(out))
+    source, exported = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    changed = {n for n in source if not torch.equal(exported[n], source[n])}
+    assert any(n.startswith("visual.merger.") for n in changed)
+    assert any(n.startswith("visual.blocks.") for n in changed)
+
+
+def test_a_bad_image_row_exits_2_naming_the_row(base, colours, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    good = open(colours).readline()
+    data.write_text(good + json.dumps({"messages": [{"role": "user", "content": "Colour?"}],
+                                       "images": [str(tmp_path / "missing.png")]}) + "\n")
     proc = rlhf(*base, "--dataset", data, "--output_dir", tmp_path / "o", check=False)
-    assert proc.returncode == 2 and "row 1: it has images" in proc.stderr + proc.stdout
+    output = proc.stderr + proc.stdout
+    assert proc.returncode == 2 and "row 2: image" in output and "does not exist" in output
+    assert "Traceback" not in output
 
 
 def test_unfrozen_vision_tower_trains_on_text_without_changing(base, tiny_model_dir, tmp_path):

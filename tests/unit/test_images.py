@@ -1,16 +1,24 @@
-"""ms-swift multimodal rows -> Qwen2.5-VL inputs (data/images.py): image loading from paths,
-bytes and datasets dicts, `<image>` tags (added when missing, counted), expansion to the
-processor's number of image tokens, and 3-D positions equal to transformers'."""
+"""ms-swift multimodal rows -> Qwen2.5-VL inputs (data/images.py, data/prompts.py): image loading
+from paths, bytes, datasets dicts and URLs (a local HTTP server), `<image>` tags (added when
+missing, counted), expansion to the processor's number of image tokens, 3-D positions equal to
+transformers', GRPO prompts built from image rows (errors name the row), --max_pixels /
+MAX_PIXELS, and the micro-batch's 3-D positions (padded and packed) equal to transformers'
+for prompt + completion."""
+import http.server
 import io
 import json
+import threading
+from functools import partial
 
 import pytest
 import torch
 from PIL import Image
 
-from swift_megatron.data.images import (expand_image_tags, load_image, mrope_position_ids,
-                                        process_images, tag_images)
-from swift_megatron.data.prompts import RowError, build_prompts
+from swift_megatron.data.images import (ImageEncoder, expand_image_tags, load_image,
+                                        mrope_position_ids, process_images, resolve_max_pixels,
+                                        tag_images)
+from swift_megatron.data.prompts import PromptSettings, RowError, build_prompts
+from swift_megatron.errors import UserError
 
 
 def _png(color=(255, 0, 0), size=(60, 50)) -> bytes:
@@ -30,7 +38,7 @@ def test_images_load_from_path_bytes_and_dict(tmp_path):
 
 @pytest.mark.parametrize("value,match", [("/nowhere/x.png", "does not exist"),
                                          (b"not an image", "unreadable"),
-                                         ("https://x/y.png", "URLs are not supported"),
+                                         ("http://127.0.0.1:9/y.png", "could not be downloaded"),
                                          (3, "must be a path")])
 def test_bad_images_are_refused(value, match):
     with pytest.raises(RowError, match=match):
@@ -74,11 +82,157 @@ def test_expansion_and_positions_follow_the_processor(tiny_model_dir):
     assert int(ours.max()) < ids.shape[1] - 1   # images advance positions by their grid only
 
 
-def test_grpo_refuses_image_rows_naming_the_row():
-    from swift_megatron.data.prompts import PromptSettings
+def test_a_text_model_refuses_image_rows_naming_the_row():
     from swift_megatron.fixtures import load_tokenizer
 
     rows = [{"messages": [{"role": "user", "content": "hi"}]},
             {"messages": [{"role": "user", "content": "<image>hi"}], "images": ["a.png"]}]
-    with pytest.raises(Exception, match="row 2: it has images"):
+    with pytest.raises(Exception, match="row 2: it has images, but the model takes text only"):
         build_prompts(rows, load_tokenizer(), PromptSettings(max_prompt_length=64), spec="d.jsonl")
+
+
+def test_urls_are_downloaded(tmp_path):
+    (tmp_path / "red.png").write_bytes(_png())
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        image = load_image(f"http://127.0.0.1:{server.server_address[1]}/red.png")
+    finally:
+        server.shutdown()
+    assert image.size == (60, 50) and image.getpixel((0, 0)) == (255, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(model dir, tokenizer, ImageEncoder) of the tiny Qwen2.5-VL."""
+    from transformers import AutoTokenizer
+
+    from swift_megatron.fixtures import build_tiny_model
+
+    model_dir = build_tiny_model("qwen2_5_vl", str(tmp_path_factory.mktemp("vl") / "m"))
+    config = json.load(open(f"{model_dir}/config.json"))
+    return model_dir, AutoTokenizer.from_pretrained(model_dir), ImageEncoder(model_dir, config)
+
+
+def test_image_rows_become_prompts_with_expanded_tags(vl, tmp_path):
+    model_dir, tok, encoder = vl
+    path = tmp_path / "a.png"
+    path.write_bytes(_png(size=(112, 112)))
+    rows = [{"messages": [{"role": "user", "content": "Colour?"}], "images": [str(path)],
+             "solution": "red"},
+            {"messages": [{"role": "user", "content": "<image> and <image>?"}],
+             "images": [{"bytes": _png(), "path": None}, _png((0, 0, 255))], "solution": "x"},
+            {"query": "text only", "solution": "y"}]
+    prompts = build_prompts(rows, tok, PromptSettings(max_prompt_length=200), images=encoder)
+    pad = encoder.image_token_id
+    assert prompts[0].messages[-1]["content"] == "<image>Colour?"   # the tag is prepended
+    assert prompts[0].image_grid_thw == [[1, 8, 8]] and prompts[0].input_ids.count(pad) == 16
+    assert prompts[1].image_grid_thw == [[1, 4, 4], [1, 4, 4]] and prompts[1].input_ids.count(pad) == 8
+    assert prompts[2].images is None and pad not in prompts[2].input_ids
+    assert [p.columns["solution"] for p in prompts] == ["red", "x", "y"]   # for the rewards
+    assert prompts[0].input_ids == tok(prompts[0].text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"messages": [{"role": "user", "content": "<image>"}], "images": [b"junk"]}, "unreadable"),
+    ({"messages": [{"role": "user", "content": "<image><image>"}], "images": [b"x"]},
+     "2 <image> tag\\(s\\) for 1 image"),
+    ({"query": "q", "images": ["/nowhere.png"]}, "does not exist"),
+    ({"query": "<video>q", "videos": ["v.mp4"]}, "it has videos, which are not supported")])
+def test_bad_image_rows_name_the_row(vl, row, match):
+    _, tok, encoder = vl
+    rows = [{"query": "fine"}, row]
+    with pytest.raises(UserError, match=f"dataset d.jsonl row 2: .*{match}"):
+        build_prompts(rows, tok, PromptSettings(max_prompt_length=200), spec="d.jsonl",
+                      images=encoder)
+
+
+def test_image_prompts_are_never_cut(vl):
+    _, tok, encoder = vl
+    rows = [{"query": "q", "images": [_png(size=(112, 112))]}]
+    with pytest.raises(UserError, match="row 1: .*image tokens cannot be cut"):
+        build_prompts(rows, tok, PromptSettings(max_prompt_length=10), images=encoder)
+    kept = build_prompts(rows + [{"query": "q"}], tok,
+                         PromptSettings(max_prompt_length=10, truncation_strategy="delete"),
+                         images=encoder)
+    assert len(kept) == 1 and kept[0].images is None
+
+
+def test_max_pixels_flag_and_environment(vl, monkeypatch):
+    model_dir, _, encoder = vl
+    monkeypatch.delenv("MAX_PIXELS", raising=False)
+    assert resolve_max_pixels(None) is None and resolve_max_pixels(3136) == 3136
+    monkeypatch.setenv("MAX_PIXELS", "3136")
+    assert resolve_max_pixels(None) == 3136 and resolve_max_pixels(6000) == 6000
+    monkeypatch.setenv("MAX_PIXELS", "big")
+    with pytest.raises(UserError, match="MAX_PIXELS='big'"):
+        resolve_max_pixels(None)
+    big = [_png(size=(112, 112))]
+    assert encoder.encode(big)["image_grid_thw"].tolist() == [[1, 8, 8]]
+    small = ImageEncoder(model_dir, json.load(open(f"{model_dir}/config.json")), 56 * 56)
+    assert small.encode(big)["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_micro_batch_positions_equal_transformers(vl, packed):
+    """Two samples (image prompt, text prompt) with completions: the micro-batch's 3-D ids
+    equal get_rope_index of each whole sequence (what transformers' generation uses)."""
+    from swift_megatron.rlhf.grpo.batch import Sample, collate, unpack
+    from swift_megatron.rlhf.grpo.collect import attach_images
+
+    _, tok, encoder = vl
+    prompts = build_prompts([{"query": "Colour?", "images": [_png(size=(112, 84))]},
+                             {"query": "Just text, a bit longer than the other"}], tok,
+                            PromptSettings(max_prompt_length=200), images=encoder)
+    samples = []
+    for prompt, completion in zip(prompts, ([5, 6, 7, 8], [9, 10])):
+        sample = Sample(group_id=0, prompt_id=0, prompt_ids=prompt.input_ids,
+                        completion_ids=completion, rollout_logprobs=None, finish_reason="stop",
+                        rewards=[])
+        if prompt.images:
+            inputs = encoder.encode(prompt.images)
+            inputs["positions"] = encoder.positions(prompt.input_ids, inputs["image_grid_thw"])
+            attach_images(sample, inputs)
+        samples.append(sample)
+    micro = collate(samples, pad_id=0, packed=packed, pad_to_multiple=8)
+    assert torch.equal(micro["image_grid_thw"], samples[0].image_grid_thw)
+    assert torch.equal(micro["pixel_values"], samples[0].pixel_values)
+    for row, sample in enumerate(samples):
+        ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
+        grid = sample.image_grid_thw
+        expected = mrope_position_ids(None, ids, encoder.image_token_id, grid,
+                                      model=encoder._rope)[:, 0, :-1]
+        n = expected.shape[1]
+        if packed:
+            start = int(micro["cu_seqlens"][row])
+            got = micro["position_ids"][:, 0, start:start + n]
+            assert torch.equal(micro["tokens"][0, start:start + n], ids[0, :-1])
+        else:
+            got = micro["position_ids"][:, row, :n]
+        assert torch.equal(got, expected), row
+    assert bool((expected[0] == expected[1]).all())   # the text sample: equal axes
+
+
+def test_prompt_tokens_equal_the_models_own_processor(vl):
+    """Our expansion (image processor + tags) gives the token ids transformers' AutoProcessor
+    gives for the same text and images (it also builds a video processor: needs torchvision)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
+        pytest.skip(f"torchvision is not importable ({error})")
+    from transformers import AutoProcessor
+
+    model_dir, tok, encoder = vl
+    images = [_png(size=(112, 84)), _png((0, 0, 255))]
+    prompt = build_prompts([{"query": "<image> vs <image>?", "images": images}], tok,
+                           PromptSettings(max_prompt_length=200), images=encoder)[0]
+    one_pad = prompt.text
+    for grid in prompt.image_grid_thw:
+        one_pad = one_pad.replace("<|image_pad|>" * (grid[1] * grid[2] // 4), "<|image_pad|>", 1)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    theirs = processor(text=[one_pad], images=[load_image(i) for i in images],
+                       return_tensors="pt", add_special_tokens=False)
+    assert theirs["input_ids"][0].tolist() == prompt.input_ids
+    assert theirs["image_grid_thw"].tolist() == prompt.image_grid_thw

@@ -1,5 +1,6 @@
 """Qwen2.5-VL config reading (M-RoPE sections, q/k/v bias, both transformers config styles) and
-ms-swift's freezing of the vision tower, aligner and language model (model/vision.py)."""
+ms-swift's freezing of the vision tower, aligner and language model (model/vision.py), and
+weight syncs without the frozen vision parts (rlhf/grpo/components.py `sync_filter`)."""
 import pytest
 import torch
 
@@ -59,3 +60,26 @@ def test_freeze_as_ms_swift(llm, vit, aligner):
     expected = {name for name, frozen in (("decoder", llm), ("blocks", vit), ("merger", aligner))
                 if not frozen}
     assert trainable == expected
+
+
+@pytest.mark.parametrize("vit,aligner,lora,sleep_level,sent", [
+    (True, True, False, 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"}),
+    (False, True, False, 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
+                             "visual.blocks.0.attn.qkv.weight"}),
+    (False, False, False, 0, None), (True, True, False, 2, None),
+    (False, False, True, 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"})])
+def test_weight_syncs_skip_the_frozen_vision_parts(vit, aligner, lora, sleep_level, sent):
+    """After the first sync only trained tensors go to the engine; all of them when nothing is
+    frozen or when colocated vLLM discards its weights (--sleep_level 2)."""
+    from types import SimpleNamespace
+
+    from swift_megatron.rlhf.grpo.components import sync_filter
+
+    args = SimpleNamespace(model=SimpleNamespace(freeze_vit=vit, freeze_aligner=aligner),
+                           rollout=SimpleNamespace(sleep_level=sleep_level))
+    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl"}, lora=object() if lora else None)
+    keep = sync_filter(args, policy)
+    names = {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
+             "visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"}
+    assert (keep is None) if sent is None else ({n for n in names if keep(n)} == sent)
+    assert sync_filter(args, SimpleNamespace(hf_config={"model_type": "qwen2"}, lora=None)) is None

@@ -18,6 +18,12 @@ What the model reads, two layouts:
   No padding token is computed; logprobs are gathered back into [B, S] (`unpack`). With
   `sequence_multiple` > 1 (context parallelism: 2 x CP) each sequence is padded at its end to
   a multiple of it, so that every sequence splits into 2 x CP equal chunks.
+Images (a vision-language model): samples whose prompt holds images carry the processor's
+`pixel_values` / `image_grid_thw` and the prompt's 3-D M-RoPE ids [3, P]; a micro-batch with any
+of them gets `pixel_values` / `image_grid_thw` (concatenated in sample order, which is the
+order of their image tokens in the rows) and 3-D `position_ids` [3, B, S'] or [3, 1, T]
+(completion tokens continue the prompt's last position on all three axes, as transformers'
+generation does; text-only samples get the same id on the three axes).
 `length` (the interleaved pipeline, whose stages exchange activations of one fixed shape): the
 model's row length, [B, length] padded or [1, length] packed, at least what the samples need.
 """
@@ -43,6 +49,9 @@ class Sample:
     loss_mask: Optional[List[int]] = None   # multi-turn: 1 on the model's tokens, 0 on the
     #                                         scheduler's (tool/environment) tokens
     rollout_infos: Optional[Dict] = None    # multi-turn: the trajectory's metadata
+    pixel_values: Optional[torch.Tensor] = None     # the prompt's images, as the engine saw them
+    image_grid_thw: Optional[torch.Tensor] = None   # [images, 3]
+    prompt_positions: Optional[torch.Tensor] = None  # [3, P] M-RoPE ids of the prompt
 
     @property
     def truncated(self) -> bool:
@@ -86,7 +95,36 @@ def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
     if packed:
         micro.update(pack(tokens, targets, lengths, pad_id, pad_to_multiple, sequence_multiple,
                           length))
+    if any(s.pixel_values is not None for s in samples):
+        micro.update(image_inputs(samples, micro))
     return micro
+
+
+def image_inputs(samples: Sequence[Sample], micro: Dict[str, torch.Tensor]) -> dict:
+    """pixel_values, image_grid_thw and 3-D position_ids of a micro-batch of `samples` whose
+    (padded or packed) model inputs are `micro` (module docstring)."""
+    with_images = [s for s in samples if s.pixel_values is not None]
+    if "cu_seqlens" in micro:
+        segments = (micro["cu_seqlens"][1:] - micro["cu_seqlens"][:-1]).tolist()
+        positions = torch.cat([sample_positions(samples[r] if r < len(samples) else None, n)
+                               for r, n in enumerate(segments)], dim=1).unsqueeze(1)
+    else:
+        width = micro["tokens"].shape[1]
+        positions = torch.stack([sample_positions(s, width) for s in samples], dim=1)
+    return dict(pixel_values=torch.cat([s.pixel_values for s in with_images]),
+                image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]),
+                position_ids=positions)
+
+
+def sample_positions(sample: Optional[Sample], count: int) -> torch.Tensor:
+    """[3, count] M-RoPE ids of the first `count` positions of a sample's tokens: its prompt's,
+    then one more per position on all three axes (None or a text-only sample: 0, 1, ...)."""
+    if sample is None or sample.prompt_positions is None:
+        return torch.arange(count).expand(3, count)
+    prompt = sample.prompt_positions.long()
+    if count <= prompt.shape[1]:
+        return prompt[:, :count]
+    return torch.cat([prompt, prompt[:, -1:] + torch.arange(1, count - prompt.shape[1] + 1)], dim=1)
 
 
 def _at_least(needed: int, length: int, multiple: int) -> int:

@@ -11,6 +11,10 @@ tensor, keyed by group id, so nothing depends on rank order.
 With a multi-turn scheduler (--multi_turn_scheduler, or the rollout servers') each request is a
 whole conversation (rollout/multi_turn): the sample holds every token after the prompt with a
 loss mask, rewards score the model's last answer, and multi_turn/ metrics are gathered.
+
+Prompts with images (a vision-language model, `images`: its ImageEncoder): each distinct prompt's
+images are encoded once per call; the engine gets them with the requests and each sample keeps
+the same pixels, grids and the prompt's 3-D positions for the training passes.
 """
 import dataclasses
 import math
@@ -61,8 +65,9 @@ class RolloutCollector:
     def __init__(self, engine: RolloutEngine, reward_funcs: Sequence[Tuple[str, Callable]],
                  tokenizer, settings: CollectSettings, mp_group, dp_group,
                  resample_source: Callable[[int], List[Prompt]], device: torch.device,
-                 scheduler: Optional[MultiTurnScheduler] = None):
+                 scheduler: Optional[MultiTurnScheduler] = None, images: Any = None):
         self.engine, self.reward_funcs, self.tokenizer = engine, list(reward_funcs), tokenizer
+        self.images = images
         self.settings, self.mp_group, self.dp_group = settings, mp_group, dp_group
         self.resample_source, self.device = resample_source, device
         self.scheduler = scheduler
@@ -89,10 +94,11 @@ class RolloutCollector:
         seeds). `generated`: this rank's completions of the same call, started earlier by
         start_generation (--async_generate)."""
         mine, seeds = self._requests(prompts, group_ids, seed, num_generations)
+        requested = [prompts[i] for i, _ in mine]
+        inputs = self.image_inputs(requested)
         completions = generated.result() if generated is not None \
-            else self._generate([prompts[i] for i, _ in mine], seeds)
-        local = self._score([prompts[i] for i, _ in mine], [group_ids[i] for i, _ in mine],
-                            completions)
+            else self._generate(requested, seeds, inputs)
+        local = self._score(requested, [group_ids[i] for i, _ in mine], completions, inputs)
         parts: List[List[Sample]] = [None] * dist.get_world_size(self.mp_group)
         dist.all_gather_object(parts, local, group=self.mp_group)
         return [s for part in parts for s in part]
@@ -105,7 +111,8 @@ class RolloutCollector:
         if self.multi_turn:
             raise ValueError("start_generation: multi-turn rollouts run turn by turn")
         mine, seeds = self._requests(prompts, group_ids, seed)
-        return executor.submit(self._generate, [prompts[i] for i, _ in mine], seeds)
+        requested = [prompts[i] for i, _ in mine]
+        return executor.submit(self._generate, requested, seeds, self.image_inputs(requested))
 
     def _requests(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
                   num_generations: Optional[int] = None) -> Tuple[List[Tuple[int, int]], List[int]]:
@@ -115,21 +122,39 @@ class RolloutCollector:
         mine = requests[self._share(len(requests))]
         return mine, [_request_seed(seed, group_ids[i], k) for i, k in mine]
 
-    def _generate(self, prompts: List[Prompt], seeds: List[int]) -> list:
+    def image_inputs(self, prompts: Sequence[Prompt]) -> Optional[List[Optional[dict]]]:
+        """Per request: None, or its prompt's encoded images plus `positions` (the prompt's
+        [3, P] M-RoPE ids); each distinct prompt is encoded once. None when no prompt has
+        images."""
+        if not any(p.images for p in prompts):
+            return None
+        encoded: Dict[int, dict] = {}
+        for prompt in prompts:
+            if prompt.images and id(prompt) not in encoded:
+                inputs = self.images.encode(prompt.images)
+                inputs["positions"] = self.images.positions(prompt.input_ids,
+                                                            inputs["image_grid_thw"])
+                encoded[id(prompt)] = inputs
+        return [encoded.get(id(p)) for p in prompts]
+
+    def _generate(self, prompts: List[Prompt], seeds: List[int],
+                  inputs: Optional[List[Optional[dict]]] = None) -> list:
         """One completion per prompt: a single engine call, or with a scheduler one multi-turn
         Trajectory each (every rank runs the same number of turns: the engines are
-        collective), or the servers' trajectories."""
+        collective), or the servers' trajectories. `inputs`: image_inputs(prompts)."""
         if self.server_scheduler is not None:
             return self.engine.rollout(prompts, self.settings.sampling, seeds,
                                        self.settings.multi_turn)
         if self.scheduler is None:
+            extra = {} if inputs is None else {"images": inputs}
             return self.engine.generate([p.input_ids for p in prompts], self.settings.sampling,
-                                        seeds)
+                                        seeds, **extra)
         return run_episodes(self.engine, self.tokenizer, self.scheduler, prompts,
                             self.settings.sampling, seeds, self.settings.multi_turn,
                             keep_going=lambda active: self._reduce(active, dist.ReduceOp.MAX) > 0)
 
-    def _score(self, prompts: List[Prompt], group_ids: List[int], completions) -> List[Sample]:
+    def _score(self, prompts: List[Prompt], group_ids: List[int], completions,
+               inputs: Optional[List[Optional[dict]]] = None) -> List[Sample]:
         if not prompts:
             return []
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions],
@@ -152,6 +177,7 @@ class RolloutCollector:
                 weight_version=completion.weight_version, completion_text=texts[row],
                 loss_mask=completion.loss_mask if multi else None,
                 rollout_infos=completion.rollout_infos if multi else None))
+            attach_images(samples[-1], None if inputs is None else inputs[row])
         return samples
 
     # ---- dynamic sampling (DAPO) ---------------------------------------------------------
@@ -225,6 +251,14 @@ class RolloutCollector:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
         dist.all_reduce(tensor, op=op, group=group)
         return int(tensor.item())
+
+
+def attach_images(sample: Sample, inputs: Optional[dict]) -> Sample:
+    """The sample with its prompt's images (an image_inputs entry; None: text only)."""
+    if inputs is not None:
+        sample.pixel_values = inputs["pixel_values"]
+        sample.image_grid_thw, sample.prompt_positions = inputs["image_grid_thw"], inputs["positions"]
+    return sample
 
 
 def reward_columns(prompts: Sequence[Prompt], group_ids: Sequence[int], completions,

@@ -23,6 +23,7 @@ from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, loa
 from swift_megatron.checkpoint.start import Start
 from swift_megatron.compat.ms_swift import flat_args
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
+from swift_megatron.data.images import ImageEncoder, resolve_max_pixels
 from swift_megatron.errors import UserError
 from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
 from swift_megatron.logging.metrics import SinkSettings
@@ -31,7 +32,7 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
-from swift_megatron.model.vision import VISION_TYPES, freeze
+from swift_megatron.model.vision import VISION_TYPES, freeze, vision_part
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
@@ -285,11 +286,44 @@ def eos_token_ids(model_dir: str, tok) -> List[int]:
     return sorted(ids)
 
 
-def prompts(args: RlhfArguments, tok, hf_config: dict) -> Tuple[List[Prompt], List[Prompt]]:
+def image_encoder(args: RlhfArguments, model_dir: str, hf_config: dict) -> Optional[ImageEncoder]:
+    """A vision-language model's image processor (--max_pixels / MAX_PIXELS); None for a text
+    model."""
+    if hf_config.get("model_type") not in VISION_TYPES:
+        return None
+    return ImageEncoder(model_dir, hf_config, resolve_max_pixels(args.data.max_pixels))
+
+
+def prompts(args: RlhfArguments, tok, hf_config: dict,
+            images: Optional[ImageEncoder] = None) -> Tuple[List[Prompt], List[Prompt]]:
     flat = SimpleNamespace(**vars(args.data), max_completion_length=args.grpo.max_completion_length,
                            use_hf=args.model.use_hf, seed=args.training.seed)
     return prepare_prompts(flat, tok, max_position_embeddings=text_config(hf_config).get(
-        "max_position_embeddings"))
+        "max_position_embeddings"), images=images)
+
+
+def sync_filter(args: RlhfArguments, pol: Policy) -> Optional[Callable[[str], bool]]:
+    """Which exported tensors a weight sync after the first one sends: without the frozen parts
+    of a vision tower (they never change; the first sync sends everything). None: all of them,
+    also when the colocated vLLM discards its weights while training (--sleep_level 2)."""
+    if pol.hf_config.get("model_type") not in VISION_TYPES or args.rollout.sleep_level == 2:
+        return None
+    m = args.model
+    frozen = {"vit": m.freeze_vit or pol.lora is not None,
+              "aligner": m.freeze_aligner or pol.lora is not None, "llm": False}
+    if not (frozen["vit"] or frozen["aligner"]):
+        return None
+    return lambda name: not frozen[vision_part(name)]
+
+
+def check_images(args: RlhfArguments, state: ParallelState, eng, prompts: List[Prompt]) -> None:
+    """Refuse what prompts with images do not support yet (docs/multimodal.md)."""
+    if not any(p.images for p in prompts):
+        return
+    if state.cp > 1:
+        raise UserError("--context_parallel_size > 1 with images is not supported yet")
+    if args.grpo.multi_turn_scheduler or getattr(eng, "server_scheduler", None):
+        raise UserError("multi-turn rollouts with images are not supported yet")
 
 
 def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,
@@ -390,8 +424,8 @@ def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict, server_sched
 
 
 def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
-              fresh: Callable[[int], List[Prompt]], hf_config: Optional[dict] = None
-              ) -> RolloutCollector:
+              fresh: Callable[[int], List[Prompt]], hf_config: Optional[dict] = None,
+              images: Optional[ImageEncoder] = None) -> RolloutCollector:
     g = args.grpo
     multi_turn, turn_settings = multi_turn_scheduler(
         args, tok, hf_config or {}, getattr(eng, "server_scheduler", None))
@@ -405,7 +439,7 @@ def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
         max_resample_times=g.max_resample_times, advantage_estimator=g.advantage_estimator,
         kl_beta=g.beta if g.kl_in_reward else 0.0, multi_turn=turn_settings)
     return RolloutCollector(eng, reward_funcs, tok, settings, state.mp_group, state.dp_group,
-                            fresh, state.device, scheduler=multi_turn)
+                            fresh, state.device, scheduler=multi_turn, images=images)
 
 
 def loss_settings(args: RlhfArguments, pol: Policy) -> LossSettings:

@@ -36,6 +36,7 @@ from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_batches, to_device
+from swift_megatron.rlhf.grpo.collect import attach_images
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
@@ -63,7 +64,9 @@ class GRPOTrainer:
         model_dir = build.model_dir(args, start)
         hf_config = load_hf_config(model_dir)
         self.tokenizer = build.tokenizer(model_dir, hf_config)
-        self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config)
+        images = build.image_encoder(args, model_dir, hf_config)
+        self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config,
+                                                             images)
         self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
         self.policy = build.policy(args, self.state, model_dir, self.train_iters, start)
@@ -71,11 +74,13 @@ class GRPOTrainer:
         self.teacher = build.teacher(args, self.state, self.policy, self.tokenizer)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
+        self.sync_filter, self.synced = build.sync_filter(args, self.policy), False
+        build.check_images(args, self.state, self.engine, self.train_prompts + self.val_prompts)
         frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
         self.reward_funcs = build.rewards(args, self.state.device)
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
-                                         self.reward_funcs, fresh, hf_config)
+                                         self.reward_funcs, fresh, hf_config, images)
         self.collector.trainer_state.max_steps = self.train_iters
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
@@ -301,10 +306,16 @@ class GRPOTrainer:
 
     def sync_weights(self) -> Dict[str, float]:
         """Stream the policy's weights into the engine (once the generation --async_generate
-        started is done: never while a request is in flight); with --check_weight_sync, verify."""
+        started is done: never while a request is in flight); after the first sync, without
+        the frozen parts of a vision tower (build.sync_filter); with --check_weight_sync,
+        verify."""
         if self.prefetch:
             self.prefetch.wait()
-        self.engine.update_weights(self.policy.bridge.export(self.policy.chunks))
+        tensors = self.policy.bridge.export(self.policy.chunks)
+        if self.synced and self.sync_filter is not None:   # every rank runs the whole export
+            tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
+        self.engine.update_weights(tensors)
+        self.synced = True
         return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
 
     @torch.no_grad()
@@ -314,12 +325,15 @@ class GRPOTrainer:
         --check_weight_sync_atol. Every rank asks the same requests with the same seeds."""
         prompts = self.train_prompts[:SYNC_CHECK_PROMPTS]
         sampling = SamplingConfig(max_tokens=SYNC_CHECK_TOKENS, temperature=1.0)
+        inputs = self.collector.image_inputs(prompts)
         with self.generating():
             completions = self.engine.generate([p.input_ids for p in prompts], sampling,
-                                               list(range(len(prompts))))
-        samples = [Sample(group_id=i, prompt_id=p.prompt_id, prompt_ids=list(p.input_ids),
-                          completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
-                          finish_reason=c.finish_reason, rewards=[])
+                                               list(range(len(prompts))),
+                                               **({} if inputs is None else {"images": inputs}))
+        samples = [attach_images(Sample(group_id=i, prompt_id=p.prompt_id,
+                                        prompt_ids=list(p.input_ids), completion_ids=c.token_ids,
+                                        rollout_logprobs=c.logprobs, finish_reason=c.finish_reason,
+                                        rewards=[]), None if inputs is None else inputs[i])
                    for i, (p, c) in enumerate(zip(prompts, completions))]
         micro = self.micro_batches(samples, micro_batch_size=len(samples))
         settings = dataclasses.replace(self.loss_settings, temperature=1.0)

