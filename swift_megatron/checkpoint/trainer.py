@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from swift_megatron.checkpoint.dist import save_strategy, sharded_state_dict, unwrap
+from swift_megatron.checkpoint.dist import save_strategy, sharded_state_dict
 from swift_megatron.checkpoint.layout import load_model_dir, write_model_dir
 
 LATEST = "latest_checkpointed_iteration.txt"

@@ -16,7 +16,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from swift_megatron.bridge import dims_of
 from swift_megatron.bridge.families.common import attention, dense_mlp, moe_mlp
 from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GatedQKV, GateUp, Mapping,
                                            RowParallel, Segmented, Shard)

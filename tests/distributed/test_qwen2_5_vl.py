@@ -13,7 +13,6 @@
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from swift_megatron.fixtures import build_tiny_model

@@ -179,7 +179,7 @@ def test_max_pixels_flag_and_environment(vl, monkeypatch):
 def test_micro_batch_positions_equal_transformers(vl, packed):
     """Two samples (image prompt, text prompt) with completions: the micro-batch's 3-D ids
     equal get_rope_index of each whole sequence (what transformers' generation uses)."""
-    from swift_megatron.rlhf.grpo.batch import Sample, collate, unpack
+    from swift_megatron.rlhf.grpo.batch import Sample, collate
     from swift_megatron.rlhf.grpo.collect import attach_images
 
     _, tok, encoder = vl

@@ -13,7 +13,7 @@ from swift_megatron.arguments.commands import RolloutCommandArguments  # noqa: E
 from swift_megatron.arguments.parser import parse_command  # noqa: E402
 from swift_megatron.errors import UserError  # noqa: E402
 from swift_megatron.fixtures.tokenizer import load_tokenizer  # noqa: E402
-from swift_megatron.rollout.multi_turn import (MultiTurnScheduler, Turn,  # noqa: E402
+from swift_megatron.rollout.multi_turn import (MultiTurnScheduler,  # noqa: E402
                                                build_scheduler)
 from swift_megatron.rollout.server import MultiTurnService, ServerState, build_app  # noqa: E402
 
