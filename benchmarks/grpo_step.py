@@ -6,9 +6,15 @@ does not change the work done), a synthetic math dataset, runs `megatron rlhf` f
 optimizer steps, then prints one JSON line per step and one with the averages over the steps
 after the first (rollout, old/ref logprobs, train, weight sync, tokens/s).
 
+The vision-language presets (qwen2.5-vl-3b, tiny-vl) build a Qwen2.5-VL checkpoint with the
+fixtures' image processor and vision tokens, and the colour-square image task instead
+(fixtures `build_colour_dataset`, `colour_parity` reward of swift_megatron/demo/rewards.py);
+qwen2.5-vl-3b's 448x448 images are 256 image tokens each, through the 32-block tower.
+
     python benchmarks/grpo_step.py --preset qwen2.5-0.5b --steps 6            # embedded engine
     python benchmarks/grpo_step.py --preset qwen2.5-0.5b -- --use_vllm true --sleep_level 1
     python benchmarks/grpo_step.py --preset tiny --steps 2 -- --device cpu
+    python benchmarks/grpo_step.py --preset qwen2.5-vl-3b -- --use_vllm true --sleep_level 1
     NPROC_PER_NODE=2 python benchmarks/grpo_step.py --preset qwen2.5-1.5b -- --train_type lora \
         --tensor_model_parallel_size 2
 Arguments after `--` go to `megatron rlhf` unchanged.
@@ -23,6 +29,9 @@ import sys
 
 from swift_megatron.fixtures.shapes import REAL_SHAPES
 
+PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "swift_megatron",
+                      "demo", "rewards.py")
+# image_size: the colour images' side in pixels, for the vision-language presets only
 PRESETS = {
     "qwen2.5-0.5b": REAL_SHAPES["qwen2.5-0.5b"],
     "qwen2.5-1.5b": REAL_SHAPES["qwen2.5-1.5b"],
@@ -31,18 +40,43 @@ PRESETS = {
     "qwen3.5-9b-4l": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5"),
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "qwen2.5-vl-3b": dict(REAL_SHAPES["qwen2.5-vl-3b"], image_size=448),
+    # the fixture's two-block tower; head_dim 32, vLLM's CPU minimum. The real vocab size makes
+    # a sampled <|image_pad|> rare (1 in 151936 tokens): the trainer counts every image pad of
+    # a sequence, completions' included, against the images' embeddings and stops on a mismatch
+    "tiny-vl": dict(model_type="qwen2_5_vl", vocab_size=151936, hidden_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                    initializer_range=0.1, image_size=56, rope_parameters={
+                        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}),
 }
 PHASES = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
           "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "rollout/completion_tokens",
-          "rollout/logprob_abs_diff_mean", "perf/max_memory_allocated_gib")
+          "rollout/logprob_abs_diff_mean", "sync/logprob_abs_diff_mean", "reward/mean",
+          "perf/max_memory_allocated_gib")
 
 
 def build_model(preset: str, out_dir: str, dtype: str) -> str:
     from swift_megatron.fixtures import build_tiny_model
 
     family = PRESETS[preset]["model_type"]
-    overrides = {k: v for k, v in PRESETS[preset].items() if k != "model_type"}
+    overrides = {k: v for k, v in PRESETS[preset].items() if k not in ("model_type", "image_size")}
+    if "image_size" in PRESETS[preset]:
+        overrides["max_pixels"] = PRESETS[preset]["image_size"] ** 2
     return build_tiny_model(family, out_dir, dtype=dtype, **overrides)
+
+
+def build_task(preset: str, work_dir: str) -> list:
+    """The dataset (built under `work_dir`) and reward flags of `preset`'s task."""
+    from swift_megatron.fixtures import build_colour_dataset, build_math_dataset
+
+    size = PRESETS[preset].get("image_size")
+    if size is None:
+        return ["--dataset", build_math_dataset(os.path.join(work_dir, "math.jsonl"), num_rows=512),
+                "--reward_funcs", "accuracy"]
+    path = os.path.join(work_dir, f"colours_{size}", "colours.jsonl")
+    return ["--dataset", build_colour_dataset(path, num_rows=512, size=size),
+            "--external_plugins", os.path.normpath(PLUGIN), "--reward_funcs", "colour_parity"]
 
 
 def main():
@@ -55,14 +89,12 @@ def main():
     parser.add_argument("--run_name", default="run", help="output directory under --work_dir")
     parser.add_argument("rlhf_args", nargs="*")
     a = parser.parse_args()
-    from swift_megatron.fixtures import build_math_dataset
-
     model = build_model(a.preset, os.path.join(a.work_dir, a.preset), a.dtype)
-    dataset = build_math_dataset(os.path.join(a.work_dir, "math.jsonl"), num_rows=512)
+    task = build_task(a.preset, a.work_dir)
     out = os.path.join(a.work_dir, a.run_name)
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
-           "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations", "8",
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model, *task,
+           "--num_generations", "8",
            "--micro_batch_size", "8", "--global_batch_size", "64", "--steps_per_generation", "2",
            "--max_completion_length", str(a.completion_length), "--beta", "0.04",
            "--train_iters", str(a.steps), "--report_to", "none", "--logging_steps", "1",
