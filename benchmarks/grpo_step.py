@@ -106,10 +106,10 @@ def main():
         rows = [json.loads(line) for line in f]
     for row in rows:
         print(json.dumps({"name": "grpo_step", "step": row["step"],
-                          **{k: round(row[k], 4) for k in PHASES if k in row}}))
+                          **{k: float(f"{row[k]:.4g}") for k in PHASES if k in row}}))
     later = rows[1:] or rows
     print(json.dumps({"name": "grpo_step/mean_after_first", "preset": a.preset, "run": a.run_name,
-                      **{k: round(statistics.mean(r[k] for r in later), 4)
+                      **{k: float(f"{statistics.mean(r[k] for r in later):.4g}")
                          for k in PHASES if k in later[0]}}))
 
 

@@ -33,6 +33,10 @@
 #   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler)
 #   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
 #                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
+#   qwen3_5_vllm      GRPO on the Qwen3.5 9B-layer-shape 4-layer model, vLLM colocate with sleep
+#                     level 1, weight-sync check (engine-vs-trainer logprob gap), bf16
+#   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
+#                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check
 #   profile_lora      the profile phase with --train_type lora ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -105,6 +109,11 @@ phase() {
                         --use_gym_env true ;;
         qwen3_5) python3 -m pytest tests/gpu/test_bridge_gpu.py -q -s -k qwen3_5 &&
                  $GRPO --preset qwen3.5-9b-4l --run_name qwen3_5 -- --use_vllm false ;;
+        qwen3_5_vllm) $GRPO --preset qwen3.5-9b-4l --run_name qwen3_5_vllm -- $VLLM \
+                          --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
+                          --torch_dtype bfloat16 ;;
+        vl_grpo) $GRPO --preset qwen2.5-vl-3b --run_name vl_grpo -- $VLLM \
+                     --vllm_gpu_memory_utilization 0.35 --check_weight_sync true ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
