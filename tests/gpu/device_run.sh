@@ -34,9 +34,11 @@
 #   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
 #                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
 #   qwen3_5_vllm      GRPO on the Qwen3.5 9B-layer-shape 4-layer model, vLLM colocate with sleep
-#                     level 1, weight-sync check (engine-vs-trainer logprob gap), bf16
+#                     level 1, weight-sync check (engine-vs-trainer logprob gap), bf16,
+#                     --offload_optimizer (to fit an H100)
 #   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
-#                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check
+#                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check,
+#                     --offload_optimizer and micro batch 2 (to fit an H100)
 #   profile_lora      the profile phase with --train_type lora ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -109,11 +111,15 @@ phase() {
                         --use_gym_env true ;;
         qwen3_5) python3 -m pytest tests/gpu/test_bridge_gpu.py -q -s -k qwen3_5 &&
                  $GRPO --preset qwen3.5-9b-4l --run_name qwen3_5 -- --use_vllm false ;;
+        # the dry run's estimates (H100, 79.2 GiB): trainer 52 / 58 GiB resident while vLLM's
+        # 27.7 GiB generate: over the card without --offload_optimizer (it frees 31 / 35 GiB);
+        # training 62 / 64 GiB (micro batch 2 for the VL model, 70 GiB at 4), 15% low measured
         qwen3_5_vllm) $GRPO --preset qwen3.5-9b-4l --run_name qwen3_5_vllm -- $VLLM \
                           --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
-                          --torch_dtype bfloat16 ;;
+                          --torch_dtype bfloat16 --offload_optimizer true ;;
         vl_grpo) $GRPO --preset qwen2.5-vl-3b --run_name vl_grpo -- $VLLM \
-                     --vllm_gpu_memory_utilization 0.35 --check_weight_sync true ;;
+                     --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
+                     --offload_optimizer true --micro_batch_size 2 ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
