@@ -222,6 +222,29 @@ def test_dtype_and_overrides(tmp_path):
         tiny_hf_config("gpt2")
 
 
+def test_vision_language_real_vocab_and_tower_overrides(tmp_path):
+    """A larger vocab_size (a real shape's) keeps the vision tokens at the tokenizer's ids, and
+    vision_config / max_pixels reach the tower and the image processor (benchmarks/grpo_step.py
+    qwen2.5-vl-3b)."""
+    model_dir = build_tiny_model("qwen2_5_vl", str(tmp_path / "vl"), vocab_size=1024,
+                                 max_pixels=448 * 448,
+                                 vision_config=dict(depth=3, fullatt_block_indexes=[2]))
+    config = AutoConfig.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert config.text_config.vocab_size == 1024 and config.vision_config.depth == 3
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size == 64
+    ids = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                     "<|video_pad|>"])
+    assert ids == [config.vision_start_token_id, config.vision_end_token_id,
+                   config.image_token_id, config.video_token_id] == [504, 505, 506, 507]
+    with open(os.path.join(model_dir, "preprocessor_config.json")) as f:
+        size = json.load(f)["size"]
+    assert size == {"longest_edge": 448 * 448, "shortest_edge": 56 * 56}
+    tensors = safetensors_of(model_dir)
+    assert not any(k.startswith("model.visual.blocks.3.") or k.startswith("visual.blocks.3.")
+                   for k in tensors) and any(".blocks.2." in k for k in tensors)
+
+
 def test_importing_fixtures_does_not_import_torch():
     code = "import sys, swift_megatron.fixtures; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
