@@ -5,7 +5,7 @@ tensor parallelism (every TP rank computes it in full).
 `VisionGPTModel.forward` takes, besides GPTModel's arguments, `pixel_values` and
 `image_grid_thw` (as the Qwen2-VL image processor returns them). On the first stage it embeds
 the tokens without the sequence-parallel scatter, writes the merged image embeddings over the
-`image_token_id` positions (as transformers' `masked_scatter`), and only then scatters the
+`image_token_id` positions of the prompts (as transformers' `masked_scatter`), then scatters the
 sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s] (text-only batches,
 where the three axes are equal) are broadcast to the three axes.
 """
@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from swift_megatron.errors import UserError
 
 VISION_TYPES = ("qwen2_5_vl",)
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # micro-batch entries the model takes
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask")  # micro-batch entries it takes
 VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
 
@@ -54,12 +54,17 @@ class VisionGPTModel(GPTModel):
             self.embedding.word_embeddings.reduce_scatter_embeddings = False
 
     def embed(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
-              image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
-        """[s, b, h] token embeddings with the image embeddings merged in (sequence-parallel
-        scattered when SP is on)."""
+              image_grid_thw: Optional[torch.Tensor],
+              prompt_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[s, b, h] token embeddings with the image embeddings merged in at the image tokens
+        (of the prompts only, where `prompt_mask` [b, s] says which positions those are: a
+        completion may sample the image token id, which then is a plain token, as in vLLM and
+        transformers' generation); sequence-parallel scattered when SP is on."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
-        mask = input_ids == self.image_token_id   # [b, s]
         if pixel_values is not None:
+            mask = input_ids == self.image_token_id   # [b, s]
+            if prompt_mask is not None:
+                mask &= prompt_mask.to(mask.device)
             visual = getattr(self, VISUAL)
             image = visual(pixel_values.to(visual.dtype), grid_thw=image_grid_thw).pooler_output
             if int(mask.sum()) != image.shape[0]:
@@ -68,8 +73,6 @@ class VisionGPTModel(GPTModel):
             # row by row (images are in row order), as transformers' [b, s, h] masked_scatter
             emb = emb.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), image.to(emb.dtype))
             emb = emb.transpose(0, 1).contiguous()
-        elif bool(mask.any()):
-            raise UserError("the batch has image tokens but no pixel_values")
         if self.config.sequence_parallel:
             emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
             if self.config.clone_scatter_output_in_embedding:
@@ -78,9 +81,10 @@ class VisionGPTModel(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: Optional[torch.Tensor] = None,
-                image_grid_thw: Optional[torch.Tensor] = None, **kwargs):
+                image_grid_thw: Optional[torch.Tensor] = None,
+                prompt_mask: Optional[torch.Tensor] = None, **kwargs):
         if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, prompt_mask)
         return super().forward(input_ids, mrope_positions(position_ids), attention_mask,
                                decoder_input, *args, **kwargs)
 

@@ -2,9 +2,10 @@
 when PP > 1, interleaved over the model chunks with a virtual pipeline), and one optimizer step.
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] plus whatever the loss
-function needs (a vision-language model's also `pixel_values` and `image_grid_thw`, passed to
-the model, with 3-D M-RoPE `position_ids` [3, b, s]); a packed one (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which
-become megatron's THD PackedSeqParams. With context parallelism the model reads this CP rank's
+function needs (a vision-language model's also `pixel_values`, `image_grid_thw` and
+`prompt_mask`, passed to the model, with 3-D M-RoPE `position_ids` [3, b, s]); a packed one
+(rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which become megatron's THD
+PackedSeqParams. With context parallelism the model reads this CP rank's
 share of the positions (parallel/context.py) and `loss_fn` gets the logits of those positions.
 `loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
 `(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP

@@ -3,7 +3,8 @@ colour-task rows (images loaded, tags added and expanded), completions sampled b
 engine with each prompt's pixels (an image-less prompt in the same batch), and the trainer's
 logprobs of those tokens through the micro-batch path (pixels, grids, 3-D positions; padded and
 packed; PP=1 and PP=2 with the vision tower on stage 0) equal the engine's in float32; with the
-two images' pixels swapped they do not (the image rows change, the text row does not)."""
+two images' pixels swapped they do not (the image rows change, the text row does not); a
+completion that samples the image token id trains as a plain token (it used to stop the step)."""
 import json
 
 import pytest
@@ -29,6 +30,7 @@ def check(result):
         assert got["max_abs_diff"] <= ATOL, layout
         assert got["control_swapped_pixels"] > 1e-3, layout
         assert got["text_row_swapped"] == 0.0, layout
+        assert got["image_token_in_completion"] <= ATOL, layout
 
 
 def test_engine_and_trainer_logprobs_agree_with_images(vl, tmp_path):

@@ -205,13 +205,18 @@ def test_micro_batch_positions_equal_transformers(vl, packed):
         expected = mrope_position_ids(None, ids, encoder.image_token_id, grid,
                                       model=encoder._rope)[:, 0, :-1]
         n = expected.shape[1]
+        prompt = torch.arange(n) < len(sample.prompt_ids)
         if packed:
             start = int(micro["cu_seqlens"][row])
             got = micro["position_ids"][:, 0, start:start + n]
             assert torch.equal(micro["tokens"][0, start:start + n], ids[0, :-1])
+            assert torch.equal(micro["prompt_mask"][0, start:start + n], prompt)
         else:
             got = micro["position_ids"][:, row, :n]
+            assert torch.equal(micro["prompt_mask"][row, :n], prompt)
+            assert not micro["prompt_mask"][row, n:].any()   # right padding
         assert torch.equal(got, expected), row
+    assert micro["prompt_mask"].shape == micro["tokens"].shape
     assert bool((expected[0] == expected[1]).all())   # the text sample: equal axes
 
 

@@ -21,7 +21,9 @@ What the model reads, two layouts:
 Images (a vision-language model): samples whose prompt holds images carry the processor's
 `pixel_values` / `image_grid_thw` and the prompt's 3-D M-RoPE ids [3, P]; a micro-batch with any
 of them gets `pixel_values` / `image_grid_thw` (concatenated in sample order, which is the
-order of their image tokens in the rows) and 3-D `position_ids` [3, B, S'] or [3, 1, T]
+order of their image tokens in the rows), `prompt_mask` (the prompt positions, in the layout
+of `tokens`: only there do image tokens take image embeddings) and 3-D `position_ids`
+[3, B, S'] or [3, 1, T]
 (completion tokens continue the prompt's last position on all three axes, as transformers'
 generation does; text-only samples get the same id on the three axes).
 `length` (the interleaved pipeline, whose stages exchange activations of one fixed shape): the
@@ -108,12 +110,22 @@ def image_inputs(samples: Sequence[Sample], micro: Dict[str, torch.Tensor]) -> d
         segments = (micro["cu_seqlens"][1:] - micro["cu_seqlens"][:-1]).tolist()
         positions = torch.cat([sample_positions(samples[r] if r < len(samples) else None, n)
                                for r, n in enumerate(segments)], dim=1).unsqueeze(1)
+        prompt = torch.cat([sample_prompt_mask(samples[r] if r < len(samples) else None, n)
+                            for r, n in enumerate(segments)]).unsqueeze(0)
     else:
         width = micro["tokens"].shape[1]
         positions = torch.stack([sample_positions(s, width) for s in samples], dim=1)
+        prompt = torch.stack([sample_prompt_mask(s, width) for s in samples])
     return dict(pixel_values=torch.cat([s.pixel_values for s in with_images]),
                 image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]),
-                position_ids=positions)
+                position_ids=positions, prompt_mask=prompt)
+
+
+def sample_prompt_mask(sample: Optional[Sample], count: int) -> torch.Tensor:
+    """[count] bool: which of a sample's first `count` positions are its prompt's (a completion
+    may sample the image token id: only the prompt's image tokens take image embeddings)."""
+    length = 0 if sample is None else len(sample.prompt_ids)
+    return torch.arange(count) < length
 
 
 def sample_positions(sample: Optional[Sample], count: int) -> torch.Tensor:

@@ -6,10 +6,13 @@ Builds prompts from the first red and blue rows of a colour dataset (fixtures
 the trainer's logprobs of those tokens with the Megatron model through the micro-batch path
 (collate: pixel values, grids and 3-D positions; padded and packed; megatron's schedule). Reports
 the max |engine - trainer| over completion tokens, and the same with the two images' pixels
-swapped in the micro-batch (control: the logprobs depend on the pixels). Writes
+swapped in the micro-batch (control: the logprobs depend on the pixels), and how much the
+logprobs of a completion change when it samples the image token id once more (it must stay a
+plain token: nothing before it changes). Writes
 {out_dir}/rank{R}.json.
 """
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -96,10 +99,19 @@ def main():
         swapped = dict(micro, pixel_values=torch.cat([inputs[1]["pixel_values"],
                                                       inputs[0]["pixel_values"]]))
         other = trainer_logprobs(loaded, state, swapped, vocab)
+        # a completion that samples the image token id: a plain token, not an image slot
+        extra = [dataclasses.replace(samples[0], completion_ids=samples[0].completion_ids
+                                     + [hf_config["image_token_id"]],
+                                     rollout_logprobs=samples[0].rollout_logprobs + [0.0])]
+        with_token = trainer_logprobs(loaded, state, collate(
+            extra + samples[1:], pad_id=engine.pad, packed=packed, pad_to_multiple=4), vocab)
         if state.is_last_stage:
+            n = len(samples[0].prompt_ids) + len(samples[0].completion_ids) - 1
             result[layout] = {"max_abs_diff": max_diff(ours, micro),
                               "control_swapped_pixels": max_diff(other, micro),
-                              "text_row_swapped": float((other[2] - ours[2]).abs().max())}
+                              "text_row_swapped": float((other[2] - ours[2]).abs().max()),
+                              "image_token_in_completion": float(
+                                  (with_token[0, :n] - ours[0, :n]).abs().max())}
     with open(os.path.join(args.out_dir, f"rank{state.rank}.json"), "w") as f:
         json.dump(result, f)
 
