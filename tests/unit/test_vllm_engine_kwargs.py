@@ -24,7 +24,15 @@ def rlhf(*argv):
 
 
 @pytest.fixture
-def colocate_settings(monkeypatch):
+def model_dir(tmp_path):
+    """A model directory as far as the engine settings read it (the model type decides the
+    model-specific engine keywords: none for qwen2)."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    return str(tmp_path)
+
+
+@pytest.fixture
+def colocate_settings(monkeypatch, model_dir):
     """Build the trainer's colocate engine with a stand-in LLM; returns the EngineSettings the
     engine asked vLLM for."""
     from swift_megatron.rollout import factory
@@ -35,18 +43,18 @@ def colocate_settings(monkeypatch):
 
     def build(*argv):
         args = rlhf("--use_vllm", "true", "--vllm_mode", "colocate", *argv)
-        factory.build_engine(args, model_dir="/models/m", device=torch.device("cpu"),
+        factory.build_engine(args, model_dir=model_dir, device=torch.device("cpu"),
                              dtype=torch.float32, eos_token_ids=[2], pad_token_id=0)
         return seen["settings"]
 
     return build
 
 
-def test_colocate_engine_gets_both_flags(colocate_settings):
+def test_colocate_engine_gets_both_flags(colocate_settings, model_dir):
     settings = colocate_settings("--vllm_max_num_seqs", "16", "--vllm_engine_kwargs", KWARGS,
                                  "--seed", "3", "--max_length", "512")
     assert engine_kwargs(settings, sleep_mode_available=False) == dict(
-        model="/models/m", dtype="float32", seed=3, tensor_parallel_size=1,
+        model=model_dir, dtype="float32", seed=3, tensor_parallel_size=1,
         gpu_memory_utilization=0.9, max_model_len=512, max_num_seqs=16, enforce_eager=False,
         enable_prefix_caching=True, load_format="dummy", disable_log_stats=True,
         max_num_batched_tokens=1024, block_size=32, logprobs_mode="processed_logprobs",
@@ -58,14 +66,14 @@ def test_without_the_flags_vllm_keeps_its_defaults(colocate_settings):
     assert "max_num_seqs" not in kwargs and "max_num_batched_tokens" not in kwargs
 
 
-def test_rollout_server_replicas_get_both_flags():
+def test_rollout_server_replicas_get_both_flags(model_dir):
     from swift_megatron.rollout.server import engine_settings
 
     args = parse_command(RolloutCommandArguments,
                          ["--model", "m", "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs",
                           KWARGS], "megatron rollout")
-    kwargs = engine_kwargs(engine_settings(args, "/models/m"), sleep_mode_available=True)
-    assert kwargs == dict(model="/models/m", tensor_parallel_size=1, gpu_memory_utilization=0.9,
+    kwargs = engine_kwargs(engine_settings(args, model_dir), sleep_mode_available=True)
+    assert kwargs == dict(model=model_dir, tensor_parallel_size=1, gpu_memory_utilization=0.9,
                           max_num_seqs=8, enforce_eager=False, enable_prefix_caching=True,
                           load_format="auto", disable_log_stats=True,
                           max_num_batched_tokens=1024, block_size=32,
