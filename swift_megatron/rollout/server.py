@@ -3,10 +3,10 @@
     megatron rollout --model Qwen/Qwen3-0.6B --vllm_tensor_parallel_size 1 \
         --vllm_data_parallel_size 2 --host 0.0.0.0 --port 8000
 
-`--vllm_data_parallel_size D` engine replicas run in one process each (replica r on GPUs
-r*T .. r*T+T-1 of the visible ones, `--vllm_tensor_parallel_size T`); the HTTP process (FastAPI +
-uvicorn, which come with vLLM) splits every generate request over them and sends weight updates
-to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
+`--vllm_data_parallel_size D` engine replicas run in one process each (rollout/replicas.py;
+replica r on GPUs r*T .. r*T+T-1 of the visible ones, `--vllm_tensor_parallel_size T`); the HTTP
+process (FastAPI + uvicorn, which come with vLLM) splits every generate request over them and
+sends weight updates to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
 
     GET  /health              {"status": "ok", "world_size", "weight_version"}
     GET  /get_world_size      {"world_size": T x D}
@@ -49,217 +49,12 @@ from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Unio
 from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
+from swift_megatron.rollout.replicas import Replica, ReplicaError, start_replicas, stop_all
 
 logger = get_logger(__name__)
 
 INT32_MAX = 2 ** 31 - 1   # vLLM's token counts are int32
 REPLICA_POLL_S = 1.0      # how often the server checks that its replicas are alive
-
-
-# ---- replica processes -----------------------------------------------------------------------
-class ReplicaError(Exception):
-    """An exception raised inside a replica; `bad_input` when vLLM rejected the request."""
-
-    def __init__(self, kind: str, message: str, bad_input: bool):
-        super().__init__(f"{kind}: {message}")
-        self.bad_input = bad_input
-
-
-class ReplicaEngine:
-    """What runs in a replica process: one vLLM engine, driven by named commands."""
-
-    def __init__(self, settings):
-        self.llm = vllm_compat.create_llm(settings)
-
-    def generate(self, prompts: List, sampling: Dict[str, Any], seeds: List[Optional[int]],
-                 stop_token_ids: List[int], logprobs: bool,
-                 images: Optional[List[Optional[list]]] = None) -> List[dict]:
-        """`images`: per prompt None or its PIL images (`multi_modal_data`)."""
-        params = [vllm_compat.sampling_params(seed=seed, stop_token_ids=stop_token_ids,
-                                              logprobs=logprobs, **sampling) for seed in seeds]
-        inputs = vllm_compat.prompt_inputs(prompts)
-        for request, pictures in zip(inputs, images or []):
-            if pictures:
-                request["multi_modal_data"] = {"image": pictures}
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        fields = [vllm_compat.completion_fields(out) for out in outputs]
-        return [{"token_ids": t, "logprobs": lp, "finish_reason": r} for t, lp, r in fields]
-
-    def open_communicator(self, **kwargs) -> None:
-        self.llm.collective_rpc("weight_sync_open", kwargs=kwargs)
-
-    def receive(self, specs: List[dict], src: int, last: bool) -> None:
-        self.llm.collective_rpc("weight_sync_receive", args=(specs, src, last))
-        if last:
-            self.llm.reset_prefix_cache()
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-    def close_communicator(self) -> None:
-        self.llm.collective_rpc("weight_sync_close")
-
-
-def _replica_main(conn, settings, cuda_devices: Optional[str]) -> None:
-    """Entry point of a replica process: build the engine, then serve commands until told to
-    stop or the HTTP process goes away."""
-    if cuda_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
-    try:
-        engine = ReplicaEngine(settings)
-    except Exception as exc:  # reported to the HTTP process, which exits with it
-        conn.send(("error", type(exc).__name__, str(exc), False))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            name, kwargs = conn.recv()
-        except (EOFError, OSError):
-            return
-        if name == "shutdown":
-            return
-        try:
-            conn.send(("ok", getattr(engine, name)(**kwargs)))
-        except Exception as exc:  # a failed command must not end the replica
-            logger.warning(f"replica command {name} failed: {type(exc).__name__}: {exc}")
-            conn.send(("error", type(exc).__name__, str(exc), vllm_compat.is_request_error(exc)))
-
-
-class Replica:
-    """The HTTP process's handle on one replica process. Commands run one at a time, in order;
-    `submit` returns at once (the reply is awaited in a thread that holds the replica until it
-    comes), for commands that wait on the trainer's side of the communicator."""
-
-    def __init__(self, index: int, process, conn):
-        self.index, self.process, self.conn = index, process, conn
-        self.lock = threading.Lock()
-
-    def _gone(self) -> ReplicaError:
-        return ReplicaError("ReplicaGone", f"rollout replica {self.index} exited", False)
-
-    def _send(self, name: str, kwargs: dict) -> None:
-        try:
-            self.conn.send((name, kwargs))
-        except OSError:
-            raise self._gone() from None
-
-    def _reply(self):
-        try:
-            reply = self.conn.recv()
-        except (EOFError, OSError):   # the replica process died mid-command
-            raise self._gone() from None
-        if reply[0] == "error":
-            raise ReplicaError(*reply[1:])
-        return reply[1]
-
-    def call(self, name: str, **kwargs):
-        with self.lock:
-            self._send(name, kwargs)
-            return self._reply()
-
-    def submit(self, name: str, on_done: Callable[[Optional[ReplicaError]], None],
-               **kwargs) -> None:
-        """Send a command and return; `on_done(error or None)` runs when its reply comes, before
-        the replica takes its next command."""
-        self.lock.acquire()
-        try:
-            self._send(name, kwargs)
-        except ReplicaError:
-            self.lock.release()
-            raise
-        threading.Thread(target=self._await_reply, args=(on_done,), daemon=True).start()
-
-    def _await_reply(self, on_done) -> None:
-        try:
-            error = None
-            try:
-                self._reply()
-            except ReplicaError as exc:
-                error = exc
-            on_done(error)
-        finally:
-            self.lock.release()
-
-    def request_stop(self) -> None:
-        try:
-            self.conn.send(("shutdown", {}))
-        except OSError:  # the process is gone already
-            pass
-
-    def join(self) -> None:
-        """Wait for the process to stop, escalating to SIGTERM then SIGKILL (a wedged engine),
-        and kill what it started (vLLM's engine-core processes) so that nothing outlives us."""
-        children = _descendants(self.process.pid)
-        self.process.join(timeout=30)
-        for stop in (self.process.terminate, self.process.kill):
-            if not self.process.is_alive():
-                break
-            stop()
-            self.process.join(timeout=5)
-        for child in children:
-            try:
-                child.kill()
-            except Exception:   # gone already (psutil.NoSuchProcess) or not ours
-                pass
-
-
-def _descendants(pid: int) -> list:
-    try:
-        import psutil   # installed with vLLM
-
-        return psutil.Process(pid).children(recursive=True)
-    except Exception:
-        return []
-
-
-def _gpu_slices(replicas: int, tp: int) -> List[Optional[str]]:
-    """CUDA_VISIBLE_DEVICES of each replica (None everywhere on a machine without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return [None] * replicas
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if replicas * tp > len(ids):
-        raise UserError(f"--vllm_data_parallel_size {replicas} x --vllm_tensor_parallel_size {tp} "
-                        f"needs {replicas * tp} GPUs; {len(ids)} visible")
-    return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(replicas)]
-
-
-def start_replicas(settings, replicas: int) -> List[Replica]:
-    """Start the replica processes and wait until every engine is ready."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    handles = []
-    for index, devices in enumerate(_gpu_slices(replicas, settings.tensor_parallel_size)):
-        parent, child = context.Pipe()
-        process = context.Process(target=_replica_main, args=(child, settings, devices),
-                                  name=f"rollout-replica-{index}")
-        process.start()
-        handles.append(Replica(index, process, parent))
-    for handle in handles:
-        _wait_ready(handle, handles)
-    return handles
-
-
-def _wait_ready(handle: Replica, handles: List[Replica]) -> None:
-    while not handle.conn.poll(1.0):
-        if not handle.process.is_alive():
-            _stop_all(handles)
-            raise UserError(f"rollout replica {handle.index} exited while starting (see its "
-                            "log above)")
-    reply = handle.conn.recv()
-    if reply[0] != "ready":
-        _stop_all(handles)
-        raise UserError(f"rollout replica {handle.index} failed to start: {reply[1]}: {reply[2]}")
-
-
-def _stop_all(handles: List[Replica]) -> None:
-    for handle in handles:
-        handle.request_stop()
-    for handle in handles:
-        handle.join()
 
 
 # ---- the HTTP application ----------------------------------------------------------------------
@@ -824,7 +619,7 @@ def serve(args) -> None:
                          daemon=True).start()
         server.run()
     finally:
-        _stop_all(replicas)
+        stop_all(replicas)
     if died:
         raise ServiceFailure(f"rollout replica {died[0]} exited (see its log above); the server "
                              "stopped")
