@@ -6,7 +6,8 @@
 `--vllm_data_parallel_size D` engine replicas run in one process each (rollout/replicas.py;
 replica r on GPUs r*T .. r*T+T-1 of the visible ones, `--vllm_tensor_parallel_size T`); the HTTP
 process (FastAPI + uvicorn, which come with vLLM) splits every generate request over them and
-sends weight updates to all of them. Endpoints (JSON; docs/rollout.md has request/response examples):
+sends weight updates to all of them. Endpoints (JSON; docs/rollout.md has request/response
+examples):
 
     GET  /health              {"status": "ok", "world_size", "weight_version"}
     GET  /get_world_size      {"world_size": T x D}
