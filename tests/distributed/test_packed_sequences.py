@@ -39,7 +39,8 @@ def test_packed_equals_padded(ranks, model):
         assert padded["grad_norm"] > 0 and padded["loss"] != 0  # the step really did something
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("ranks,model", [(1, "dense"), (1, "moe"), (2, "dense"), (2, "moe")],
+                         indirect=["ranks"], ids=["tp1-dense", "tp1-moe", "tp2_sp-dense", "tp2_sp-moe"])
 def test_token_budget_gives_the_same_step(ranks, model):
     for rank in ranks:
         padded, budget = rank[model]["padded"], rank[model]["budget"]
