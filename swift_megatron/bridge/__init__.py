@@ -8,7 +8,7 @@ rank's place in the TP/PP/EP grid and offers:
 `model` is this stage's model, or the list of its model chunks (the interleaved schedule);
 - `save_hf(model, out_dir, source_dir)`: write a loadable HF checkpoint from `export`, plus the
   source checkpoint's tensors outside the Megatron model that the family passes through
-  (Qwen3.5's vision tower and MTP head), copied unchanged.
+  (Qwen3.5's MTP head), copied unchanged.
 The mapping classes (mapping.py) own every scatter/gather; bridge/ never imports rollout/.
 """
 from typing import Iterator, Optional, Tuple

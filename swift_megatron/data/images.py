@@ -1,4 +1,5 @@
-"""Images of ms-swift's multimodal rows, for Qwen2.5-VL: rows -> model inputs (pure helpers).
+"""Images of ms-swift's multimodal rows, for Qwen2.5-VL and Qwen3.5: rows -> model inputs (pure
+helpers).
 
 A row's `images` column lists local paths, raw bytes, `{"bytes": ..., "path": ...}` dicts (the
 Hugging Face datasets Image feature) or PIL images; each `<image>` tag in the messages marks
@@ -6,8 +7,8 @@ where one goes, in order, and tags are prepended to the first user message when 
 (as ms-swift's template does). The model directory's image processor (`AutoImageProcessor`,
 Qwen2-VL's) turns images into `pixel_values` and `image_grid_thw`; each tag becomes
 `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`, as the processor's
-chat template expands it; `mrope_position_ids` gives the 3-D M-RoPE ids with transformers' own
-`get_rope_index` (config only, no weights). Errors name the row (`RowError`).
+chat template expands it; `mrope_position_ids` gives the 3-D M-RoPE ids with the family's own
+transformers `get_rope_index` (config only, no weights). Errors name the row (`RowError`).
 `http(s)://` URLs are downloaded (as ms-swift does). `ImageEncoder` bundles these for the
 trainer: a prompt's images -> pixels, and its tokens -> 3-D positions.
 
@@ -109,21 +110,21 @@ def process_images(processor: Any, images: Sequence[Any]) -> Dict[str, Any]:
 
 
 def rope_index_model(hf_config: Any):
-    """transformers' Qwen2.5-VL model on the meta device (no weights): its `get_rope_index`."""
+    """transformers' model of the family (Qwen2_5_VLModel, Qwen3_5Model, ...) on the meta device
+    (no weights): its `get_rope_index`. `hf_config`: a config.json dict or config object."""
     import torch
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-    config = hf_config if isinstance(hf_config, Qwen2_5_VLConfig) else \
-        Qwen2_5_VLConfig.from_dict(dict(hf_config))
+    from swift_megatron.model.vision import full_hf_config, hf_class
+
+    config = full_hf_config(hf_config)
     with torch.device("meta"):
-        return Qwen2_5_VLModel(config)
+        return hf_class(config.model_type, 3)(config)
 
 
 def mrope_position_ids(hf_config: Any, input_ids, image_token_id: int, image_grid_thw=None, *,
                        model=None):
     """[3, b, s] M-RoPE ids of token ids [b, s] holding images of `image_grid_thw`, from
-    transformers' Qwen2.5-VL `get_rope_index` (`model`: a rope_index_model to reuse)."""
+    the family's transformers `get_rope_index` (`model`: a rope_index_model to reuse)."""
     model = model if model is not None else rope_index_model(hf_config)
     positions, _ = model.get_rope_index(input_ids, (input_ids == image_token_id).int(),
                                         image_grid_thw=image_grid_thw)

@@ -10,7 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from swift_megatron.model import compat  # noqa: F401  (megatron-core fixes, applied on import)
 from swift_megatron.model.config import ModelShape, model_shape, transformer_config
 from swift_megatron.model.spec import block_spec, hybrid_block_spec
-from swift_megatron.model.vision import VISION_TYPES, VisionGPTModel
+from swift_megatron.model.vision import VisionGPTModel, has_vision
 
 
 def _apply_llama3_rope_scaling(model: GPTModel, rope: Mapping) -> None:
@@ -29,7 +29,8 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     """The GPTModel of this rank's pipeline stage, or of its model chunk `vp_stage` with the
     interleaved schedule (its layers, plus embedding / head when first / last). Parameters are
     on the CPU when config.use_cpu_initialization, else on the GPU. Vision-language families
-    (model/vision.py) need `hf_config` (the vision tower's config and image token)."""
+    (model/vision.py) need `hf_config` (the vision tower's config and image token); without
+    it, or for a config without `vision_config`, the model is text-only."""
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
                                                              vp_stage=vp_stage)
@@ -44,7 +45,7 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     else:
         spec = block_spec(layers, shape.qk_layernorm, shape.num_experts)
     cls, extra = GPTModel, dict(position_embedding_type="rope")
-    if shape.model_type in VISION_TYPES:
+    if hf_config is not None and has_vision(hf_config):
         cls, extra = VisionGPTModel, dict(position_embedding_type="mrope", hf_config=hf_config,
                                           dtype=config.params_dtype)
     model = cls(

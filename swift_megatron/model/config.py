@@ -14,7 +14,9 @@ embeddings):
                    GatedDeltaNet, `linear_*` sizes) and full attention with an output gate,
                    partial rotary (`partial_rotary_factor`) and zero-centred q/k norms; every
                    decoder norm is zero-centred ("1 + w"). The text stack of a
-                   Qwen3_5ForConditionalGeneration config (`text_config`) or a text-only save.
+                   Qwen3_5ForConditionalGeneration config (`text_config`) or a text-only save;
+                   with a `vision_config`, M-RoPE with interleaved sections (`mrope_section`,
+                   transformers' default [11, 11, 10]) and the vision tower (model/vision.py)
   qwen3_5_moe      qwen3_5 with routed experts in every layer (softmax, top-k, always
                    renormalised) plus one shared expert scaled by a sigmoid gate
   qwen2_5_vl       the qwen2 text stack with M-RoPE (contiguous `mrope_section`); the vision
@@ -37,6 +39,7 @@ from megatron.core.transformer import TransformerConfig
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
 from swift_megatron.model.text_config import HYBRID_TYPES, MOE_TYPES, text_config
+from swift_megatron.model.vision import QWEN3_5_MROPE_SECTION, VISION_TYPES
 from swift_megatron.parallel.layout import num_experts
 
 SUPPORTED = SUPPORTED_MODEL_TYPES
@@ -250,8 +253,9 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         kwargs.update(_moe_kwargs(hf, model_type, ep, etp))
     if model_type in HYBRID_TYPES:
         kwargs.update(_hybrid_kwargs(hf))
-    if model_type == "qwen2_5_vl":
-        kwargs.update(mrope_section=list(rope_parameters(hf)["mrope_section"]))
+    if model_type in VISION_TYPES:   # M-RoPE, used when a vision tower is built (model/vision.py)
+        kwargs.update(mrope_section=list(rope_parameters(hf).get("mrope_section")
+                                         or QWEN3_5_MROPE_SECTION))
     _check_moe_overrides(overrides, model_type)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

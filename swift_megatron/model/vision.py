@@ -1,6 +1,12 @@
-"""Qwen2.5-VL on megatron-core: the language model is a GPTModel with M-RoPE, the vision tower
-plus merger is transformers' own module, held by the first pipeline stage and replicated over
-tensor parallelism (every TP rank computes it in full).
+"""Vision-language models on megatron-core: the language model is a GPTModel with M-RoPE, the
+vision tower plus merger is transformers' own module, held by the first pipeline stage and
+replicated over tensor parallelism (every TP rank computes it in full).
+
+Families (`TOWERS`): Qwen2.5-VL (`qwen2_5_vl`, contiguous M-RoPE sections, megatron-core's
+MultimodalRotaryEmbedding) and Qwen3.5 with its vision tower (`qwen3_5`, `qwen3_5_moe`: a
+Qwen3_5ForConditionalGeneration config with `vision_config`; the frequency channels of its
+M-RoPE cycle t, h, w, t, h, w... (`InterleavedMRoPE`)). A Qwen3.5 config without a
+`vision_config` (a text-only save) builds a plain GPTModel (`has_vision`).
 
 `VisionGPTModel.forward` takes, besides GPTModel's arguments, `pixel_values` and
 `image_grid_thw` (as the Qwen2-VL image processor returns them). On the first stage it embeds
@@ -9,28 +15,88 @@ the tokens without the sequence-parallel scatter, writes the merged image embedd
 sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s] (text-only batches,
 where the three axes are equal) are broadcast to the three axes.
 """
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import \
+    MultimodalRotaryEmbedding
+from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.gpt import GPTModel
 
 from swift_megatron.errors import UserError
 
-VISION_TYPES = ("qwen2_5_vl",)
+# model_type -> (transformers config class, modeling module, vision tower class, model class
+# whose `get_rope_index` gives the 3-D positions)
+TOWERS = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "qwen2_5_vl.modeling_qwen2_5_vl",
+                   "Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLModel"),
+    "qwen3_5": ("Qwen3_5Config", "qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel",
+                "Qwen3_5Model"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "qwen3_5_moe.modeling_qwen3_5_moe",
+                    "Qwen3_5MoeVisionModel", "Qwen3_5MoeModel"),
+}
+VISION_TYPES = tuple(TOWERS)
+INTERLEAVED_MROPE = ("qwen3_5", "qwen3_5_moe")
+QWEN3_5_MROPE_SECTION = [11, 11, 10]  # transformers' default when rope_parameters has none
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask")  # micro-batch entries it takes
 VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
 
-def vision_tower(hf_config: Mapping[str, Any]) -> torch.nn.Module:
-    """transformers' Qwen2.5-VL vision transformer + merger, built from config.json's
-    `vision_config` (random init; the bridge loads its weights)."""
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import \
-        Qwen2_5_VisionTransformerPretrainedModel
+def has_vision(hf_config: Mapping[str, Any]) -> bool:
+    """Whether an HF config.json describes a model with a vision tower this project builds."""
+    return hf_config.get("model_type") in TOWERS and bool(hf_config.get("vision_config"))
 
-    vision = Qwen2_5_VLConfig(vision_config=dict(hf_config.get("vision_config") or {})).vision_config
-    return Qwen2_5_VisionTransformerPretrainedModel._from_config(vision)
+
+def hf_class(model_type: str, which: int):
+    """transformers' class number `which` of TOWERS[model_type] (0: config, 2: tower, 3: model)."""
+    import importlib
+
+    entry = TOWERS[model_type]
+    if which == 0:
+        import transformers
+
+        return getattr(transformers, entry[0])
+    return getattr(importlib.import_module(f"transformers.models.{entry[1]}"), entry[which])
+
+
+def full_hf_config(hf_config: Any):
+    """The transformers config object of a config.json dict (or the object itself)."""
+    cls = hf_class(hf_config["model_type"] if isinstance(hf_config, Mapping) else
+                   hf_config.model_type, 0)
+    return hf_config if isinstance(hf_config, cls) else cls.from_dict(dict(hf_config))
+
+
+def vision_tower(hf_config: Mapping[str, Any]) -> torch.nn.Module:
+    """The family's transformers vision transformer + merger, built from config.json's
+    `vision_config` (random init; the bridge loads its weights)."""
+    model_type = hf_config["model_type"]
+    vision = hf_class(model_type, 0)(vision_config=dict(hf_config.get("vision_config") or {}))
+    return hf_class(model_type, 2)._from_config(vision.vision_config)
+
+
+class InterleavedMRoPE(MultimodalRotaryEmbedding):
+    """M-RoPE whose frequency channels cycle t, h, w, t, h, w... (channel 3k+1 takes the height
+    position and 3k+2 the width position while k < the axis's section; all others the temporal
+    one), as Qwen3.5's `recomposition_frequencies`; megatron-core's own takes contiguous
+    sections (Qwen2-VL)."""
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: List[int],
+                cp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
+        """[s, b, 1, 2 * dim] rotary angles of [3, b, s] position ids."""
+        seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        if self.seq_len_interpolation_factor is not None:
+            seq = seq / self.seq_len_interpolation_factor
+        freqs = seq[..., None].float() * self.inv_freq   # [3, b, s, dim]
+        mixed = freqs[0].clone()
+        for axis in (1, 2):
+            channels = slice(axis, 3 * mrope_section[axis], 3)
+            mixed[..., channels] = freqs[axis, ..., channels]
+        emb = torch.cat((mixed, mixed), dim=-1)[..., None, :].transpose(0, 1).contiguous()
+        cp_group = self.cp_group if cp_group is None else cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+        return emb
 
 
 def mrope_positions(position_ids: torch.Tensor) -> torch.Tensor:
@@ -45,6 +111,11 @@ class VisionGPTModel(GPTModel):
 
     def __init__(self, config, *, hf_config: Mapping[str, Any], dtype: torch.dtype, **kwargs):
         super().__init__(config, **kwargs)
+        if hf_config["model_type"] in INTERLEAVED_MROPE:
+            self.rotary_pos_emb = InterleavedMRoPE(
+                kv_channels=config.kv_channels, rotary_percent=kwargs.get("rotary_percent", 1.0),
+                rotary_base=kwargs.get("rotary_base", 10000),
+                seq_len_interpolation_factor=kwargs.get("seq_len_interpolation_factor"))
         self.image_token_id = int(hf_config["image_token_id"])
         if self.pre_process:
             setattr(self, VISUAL, vision_tower(hf_config).to(dtype))
@@ -91,7 +162,10 @@ class VisionGPTModel(GPTModel):
 
 def vision_part(name: str) -> str:
     """"aligner" (`visual.merger.*`), "vit" (the rest of `visual.*`) or "llm" (anything else),
-    for a Megatron parameter name or an exported hub tensor name (both use `visual.`)."""
+    for a Megatron parameter name or an exported hub tensor name (`visual.`, or Qwen3.5's
+    `model.visual.`)."""
+    if name.startswith(f"model.{VISUAL}."):
+        name = name[len("model."):]
     if name.startswith(f"{VISUAL}.merger."):
         return "aligner"
     return "vit" if name.startswith(f"{VISUAL}.") else "llm"

@@ -36,9 +36,9 @@ def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int],
     import dataclasses
 
     from swift_megatron.model.config import load_hf_config
-    from swift_megatron.model.vision import VISION_TYPES
+    from swift_megatron.model.vision import has_vision
 
-    if load_hf_config(model_dir).get("model_type") not in VISION_TYPES:
+    if not has_vision(load_hf_config(model_dir)):
         return {}
     from vllm.engine.arg_utils import EngineArgs
 

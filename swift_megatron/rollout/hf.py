@@ -9,7 +9,7 @@ Sampling is Gumbel-max with one random stream per request: each request's sample
 on its seed, never on the batch it shares or the process that generates it, so rollouts are
 reproducible across parallel layouts.
 
-A vision-language model (Qwen2.5-VL) takes images: `generate(..., images=[...])` gives each
+A vision-language model (Qwen2.5-VL, Qwen3.5 with its vision tower) takes images: `generate(..., images=[...])` gives each
 request None or its prompt's `pixel_values` / `image_grid_thw` (data/images.py
 `ImageEncoder.encode`), and transformers computes the 3-D positions itself.
 """
@@ -18,7 +18,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from swift_megatron.model.vision import VISION_TYPES
+from swift_megatron.model.vision import has_vision
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -65,8 +65,8 @@ class HFEngine:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = AutoConfig.from_pretrained(hf_dir)
-        # vision-language models without a causal-LM class (Qwen2.5-VL): the whole model
-        auto = AutoModelForImageTextToText if config.model_type in VISION_TYPES \
+        # vision-language models (Qwen2.5-VL, Qwen3.5 with its tower): the whole model
+        auto = AutoModelForImageTextToText if has_vision(config.to_dict()) \
             else AutoModelForCausalLM
         self.model = auto.from_config(config, dtype=dtype).to(device).eval()
         self.model.requires_grad_(False)
@@ -155,6 +155,8 @@ class HFEngine:
         if found is None:
             raise KeyError(f"the embedded engine's model has no parameter {name}")
         prefix, expert, kind = found.group(1), int(found.group(2)), found.group(3)
+        if f"{prefix}.down_proj" not in self._params:   # a multimodal model held whole
+            prefix = _TEXT_STACK + prefix[len("model."):]
         if kind == "down":
             return self._params[f"{prefix}.down_proj"][expert]
         fused = self._params[f"{prefix}.gate_up_proj"][expert]

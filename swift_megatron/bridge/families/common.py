@@ -1,11 +1,15 @@
 """Building blocks of the family tables: the Megatron <-> HF names every decoder-only family
-shares (embeddings, attention, dense SwiGLU MLP, routed experts), in export order. `model` is
+shares (embeddings, attention, dense SwiGLU MLP, routed experts), in export order, and the
+vision tower of vision-language families. `model` is
 the HF prefix of the decoder ("model." for causal LMs, "model.language_model." for the text
 stack of a multimodal checkpoint)."""
 from typing import List
 
+import torch
+
 from swift_megatron.bridge.mapping import (QKV, GateUp, Mapping, Replicated, RowParallel,
                                            VocabParallel)
+from swift_megatron.model.vision import VISUAL, vision_tower
 
 L = "decoder.layers.{layer}."   # Megatron layer prefix
 MODEL = "model."                # HF decoder prefix of causal LMs
@@ -65,3 +69,12 @@ def moe_mlp(model: str = MODEL) -> List[Mapping]:
                hf_expert + "up_proj.weight"),
         RowParallel(expert + "linear_fc2.weight", hf_expert + "down_proj.weight"),
     ]
+
+
+def vision(hf: dict, prefix: str) -> List[Mapping]:
+    """One replicated mapping per parameter of the transformers vision tower (held unchanged as
+    `visual` in the Megatron model; names read off a meta-device build), stored under `prefix`
+    in the checkpoint."""
+    with torch.device("meta"):
+        names = [name for name, _ in vision_tower(hf).named_parameters()]
+    return [Replicated(f"{VISUAL}.{name}", prefix + name) for name in names]

@@ -9,22 +9,12 @@ holding the in-memory layout (`model.language_model.*`, `model.visual.*`) load t
 """
 from typing import List
 
-import torch
-
-from swift_megatron.bridge.families.common import attention, dense_mlp, embeddings
-from swift_megatron.bridge.mapping import Mapping, Replicated
-from swift_megatron.model.vision import VISUAL, vision_tower
+from swift_megatron.bridge.families.common import attention, dense_mlp, embeddings, vision
+from swift_megatron.bridge.mapping import Mapping
 
 LOAD_ALIASES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 
 
-def vision(hf: dict) -> List[Mapping]:
-    """One replicated mapping per vision-tower parameter (names read off a meta-device build)."""
-    with torch.device("meta"):
-        names = [name for name, _ in vision_tower(hf).named_parameters()]
-    return [Replicated(f"{VISUAL}.{name}", f"visual.{name}") for name in names]
-
-
 def mappings(hf: dict) -> List[Mapping]:
     return (embeddings(bool(hf.get("tie_word_embeddings", False))) + attention(qkv_bias=True)
-            + dense_mlp() + vision(hf))
+            + dense_mlp() + vision(hf, "visual."))

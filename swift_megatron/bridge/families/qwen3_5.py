@@ -7,24 +7,31 @@ dt_bias split by value head; the gated output norm is replicated. Full-attention
 HF's per-head [q; gate] q_proj with k and v per query group (GatedQKV). Every decoder norm is
 zero-centred in both HF and Megatron (ZeroCenteredRMSNorm), so norms map unchanged.
 
-Checkpoints: transformers saves the text stack under `model.language_model.`, from
-Qwen3_5ForConditionalGeneration and from a text-only Qwen3_5ForCausalLM alike (model_type
-`qwen3_5_text`); exports use that prefix. Checkpoints with the text stack under `model.` (other
-tools' text-only saves) load too (LOAD_ALIASES).
-The vision tower (`model.visual.`) and the multi-token-prediction head (`mtp.`) are not part
-of the Megatron model: `PASSTHROUGH` names them so that writing an HF checkpoint copies them
-from the source checkpoint unchanged.
+A Qwen3_5ForConditionalGeneration config (with `vision_config`) adds the vision tower, held
+unchanged by the Megatron model as `visual` (model/vision.py): every vision tensor maps one to
+one, replicated over TP.
+
+Checkpoints: transformers saves the text stack under `model.language_model.` and the tower
+under `model.visual.`, from Qwen3_5ForConditionalGeneration and from a text-only
+Qwen3_5ForCausalLM alike (model_type `qwen3_5_text`, no tower); exports use these prefixes.
+Checkpoints with the text stack under `model.` (other tools' text-only saves) or the tower
+under `visual.` load too (LOAD_ALIASES).
+The multi-token-prediction head (`mtp.`) is not part of the Megatron model: `PASSTHROUGH`
+names it so that writing an HF checkpoint copies it from the source checkpoint unchanged.
 """
 from typing import List
 
 from swift_megatron.bridge.families.common import (L, attention, dense_mlp, embeddings,
-                                                   layer_prefix)
+                                                   layer_prefix, vision)
 from swift_megatron.bridge.mapping import (ColumnParallel, GatedQKV, Mapping, Replicated,
                                            RowParallel, Segmented)
 
-PASSTHROUGH = ("model.visual.", "mtp.")
+from swift_megatron.model.vision import has_vision
+
+PASSTHROUGH = ("mtp.",)
 DECODER = "model.language_model."
-LOAD_ALIASES = ((DECODER, "model."),)
+VISION = "model.visual."
+LOAD_ALIASES = ((DECODER, "model."), (VISION, "visual."))
 
 
 def gated_attention(model: str) -> List[Mapping]:
@@ -59,5 +66,10 @@ def mixers(hf: dict) -> List[Mapping]:
     return embeddings(tied, DECODER) + gated_attention(DECODER) + gated_delta_net(DECODER)
 
 
+def tower(hf: dict) -> List[Mapping]:
+    """The vision tower's tensors, when the config has one."""
+    return vision(hf, VISION) if has_vision(hf) else []
+
+
 def mappings(hf: dict) -> List[Mapping]:
-    return mixers(hf) + dense_mlp(DECODER)
+    return mixers(hf) + dense_mlp(DECODER) + tower(hf)

@@ -1,9 +1,11 @@
 """Qwen3.5-MoE: the qwen3_5 hybrid text stack with, in every layer, routed experts (stored per
-expert in the hub format) plus one shared expert whose output a sigmoid gate scales."""
+expert in the hub format) plus one shared expert whose output a sigmoid gate scales; the vision
+tower as qwen3_5's."""
 from typing import List
 
 from swift_megatron.bridge.families.common import L, layer_prefix, moe_mlp
-from swift_megatron.bridge.families.qwen3_5 import DECODER, LOAD_ALIASES, PASSTHROUGH, mixers
+from swift_megatron.bridge.families.qwen3_5 import (DECODER, LOAD_ALIASES, PASSTHROUGH, mixers,
+                                                    tower)
 from swift_megatron.bridge.mapping import GateUp, Mapping, Replicated, RowParallel
 
 __all__ = ["LOAD_ALIASES", "PASSTHROUGH", "mappings"]
@@ -20,4 +22,4 @@ def shared_expert(model: str) -> List[Mapping]:
 
 
 def mappings(hf: dict) -> List[Mapping]:
-    return mixers(hf) + moe_mlp(DECODER) + shared_expert(DECODER)
+    return mixers(hf) + moe_mlp(DECODER) + shared_expert(DECODER) + tower(hf)

@@ -32,7 +32,7 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
-from swift_megatron.model.vision import VISION_TYPES, freeze, vision_part
+from swift_megatron.model.vision import freeze, has_vision, vision_part
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
@@ -183,7 +183,7 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     weights = base_weights(args, start)
     chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
     lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
-    if lora is None and bridge.shape.model_type in VISION_TYPES:
+    if lora is None and has_vision(hf_config):
         m = args.model
         for chunk in chunks:
             freeze(chunk, freeze_llm=m.freeze_llm, freeze_vit=m.freeze_vit,
@@ -289,7 +289,7 @@ def eos_token_ids(model_dir: str, tok) -> List[int]:
 def image_encoder(args: RlhfArguments, model_dir: str, hf_config: dict) -> Optional[ImageEncoder]:
     """A vision-language model's image processor (--max_pixels / MAX_PIXELS); None for a text
     model."""
-    if hf_config.get("model_type") not in VISION_TYPES:
+    if not has_vision(hf_config):
         return None
     return ImageEncoder(model_dir, hf_config, resolve_max_pixels(args.data.max_pixels))
 
@@ -306,7 +306,7 @@ def sync_filter(args: RlhfArguments, pol: Policy) -> Optional[Callable[[str], bo
     """Which exported tensors a weight sync after the first one sends: without the frozen parts
     of a vision tower (they never change; the first sync sends everything). None: all of them,
     also when the colocated vLLM discards its weights while training (--sleep_level 2)."""
-    if pol.hf_config.get("model_type") not in VISION_TYPES or args.rollout.sleep_level == 2:
+    if not has_vision(pol.hf_config) or args.rollout.sleep_level == 2:
         return None
     m = args.model
     frozen = {"vit": m.freeze_vit or pol.lora is not None,

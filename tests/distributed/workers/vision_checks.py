@@ -1,18 +1,20 @@
-"""Worker: the tiny Qwen2.5-VL on Megatron (model/vision.py) against transformers, with images.
+"""Worker: tiny vision-language models on Megatron (model/vision.py) against transformers, with
+images: Qwen2.5-VL and Qwen3.5 with its vision tower (one result per `--hf_dir`, by model_type).
 
-Loads the HF checkpoint through the bridge in the given layout (TP, PP, sequence parallelism),
+Loads each HF checkpoint through the bridge in the given layout (TP, PP, sequence parallelism),
 exports it back and compares every tensor with the original bit for bit, then runs both models
 on two sequences holding one image each (random pixels, seeded) at different places (the
-Megatron model through the trainer's micro-batch path) and reports the float32 logit differences; controls: the same Megatron model with 1-D positions on all
-three M-RoPE axes, and with other pixels. With --alias_dir it also loads a copy of the checkpoint
-saved in transformers' in-memory layout (model.language_model.*, model.visual.*) and exports it.
-Writes {out_dir}/rank{R}.json.
+Megatron model through the trainer's micro-batch path) and reports the float32 logit
+differences; controls: the same Megatron model with 1-D positions on all three M-RoPE axes,
+with other pixels, and (Qwen3.5) with megatron-core's contiguous M-RoPE sections instead of the
+interleaved ones. With --alias_dir (one per --hf_dir) it also loads a copy of each checkpoint
+saved in the other prefix layout and exports it. Writes {out_dir}/rank{R}.json.
 """
 import argparse
 import json
 import os
 
-IMAGE_GRID = (1, 4, 4)   # 56x56 pixels in 14-pixel patches: 16 patches, 4 tokens after merging
+IMAGE_GRID = (1, 4, 4)   # 16 patches (56x56 or 64x64 pixels in 14- or 16-pixel ones): 4 tokens
 SEQ = 32
 
 
@@ -62,30 +64,39 @@ def diff(a, b) -> float:
     return float((a - b).abs().max())
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--hf_dir", required=True)
-    parser.add_argument("--alias_dir", default=None)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--sp", action="store_true")
-    args = parser.parse_args()
+def contiguous_mrope_logits(loaded, state, ids, positions, pixels, grid):
+    """Logits with megatron-core's own (contiguous-section) M-RoPE in place of the interleaved
+    one (the Qwen3.5 control; None for families that use the contiguous one)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import \
+        MultimodalRotaryEmbedding
 
+    from swift_megatron.model.vision import InterleavedMRoPE
+
+    rotary = loaded.model.rotary_pos_emb
+    if not isinstance(rotary, InterleavedMRoPE):
+        return None
+    rotary.__class__ = MultimodalRotaryEmbedding
+    try:
+        return megatron_logits(loaded, state, ids, positions, pixels, grid)
+    finally:
+        rotary.__class__ = InterleavedMRoPE
+
+
+def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
+    """(model_type, its report) of one checkpoint."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from swift_megatron.export import load_mcore_model
-    from swift_megatron.model.config import load_hf_config
-    from swift_megatron.parallel.state import ParallelState
+    from swift_megatron.model.config import load_hf_config, model_shape
     from tests.distributed.workers.bridge_layouts import compare_export
 
-    state = ParallelState.initialize(tp=args.tp, pp=args.pp, device="cpu", seed=0)
-    hf_config = load_hf_config(args.hf_dir)
-    loaded = load_mcore_model(hf_config, "qwen2_5_vl", torch.float32, state,
-                              hf_dir=args.hf_dir, sequence_parallel=args.sp)
-    result = {"export": compare_export(loaded, args.hf_dir)}
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
+    hf_config = load_hf_config(hf_dir)
+    model_type = model_shape(hf_config).model_type
+    loaded = load_mcore_model(hf_config, model_type, torch.float32, state, hf_dir=hf_dir,
+                              sequence_parallel=sp)
+    result = {"export": compare_export(loaded, hf_dir)}
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids, pixels, grid, types = inputs(hf_config)
     with torch.no_grad():
         reference = hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
@@ -101,10 +112,32 @@ def main():
                                      reference),
         "control_other_pixels": diff(megatron_logits(loaded, state, ids, positions,
                                                      pixels.flip(0), grid), reference)}
-    if args.alias_dir:
-        aliased = load_mcore_model(hf_config, "qwen2_5_vl", torch.float32, state,
-                                   hf_dir=args.alias_dir)
-        result["alias_export"] = compare_export(aliased, args.hf_dir)
+    contiguous = contiguous_mrope_logits(loaded, state, ids, positions, pixels, grid)
+    if contiguous is not None:
+        result["logits"]["control_contiguous_mrope"] = diff(contiguous, reference)
+    if alias_dir:
+        aliased = load_mcore_model(hf_config, model_type, torch.float32, state,
+                                   hf_dir=alias_dir)
+        result["alias_export"] = compare_export(aliased, hf_dir)
+    return model_type, result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--hf_dir", nargs="+", required=True)
+    parser.add_argument("--alias_dir", nargs="+", default=None)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--sp", action="store_true")
+    args = parser.parse_args()
+
+    from swift_megatron.parallel.state import ParallelState
+
+    state = ParallelState.initialize(tp=args.tp, pp=args.pp, device="cpu", seed=0)
+    aliases = args.alias_dir or [None] * len(args.hf_dir)
+    result = dict(check_family(hf_dir, alias, state, args.sp)
+                  for hf_dir, alias in zip(args.hf_dir, aliases))
     with open(os.path.join(args.out_dir, f"rank{state.rank}.json"), "w") as f:
         json.dump(result, f)
 
