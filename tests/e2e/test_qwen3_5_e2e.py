@@ -1,19 +1,22 @@
 """`megatron rlhf` GRPO on the tiny Qwen3.5 (hybrid Gated DeltaNet) model on CPU with the embedded
 engine, full (dense and MoE; packed micro-batches, the default) and LoRA (padded): the engine samples from
 exactly the trainer's policy (weight sync), the first step's KL is 0 and the step updates; the
-final HF export keeps the vision tower and MTP tensors of the source bit for bit; LoRA adapts
-the Gated DeltaNet projections too, only adapted linears change, and peft reproduces the merged
-export from the adapter."""
+final HF export keeps the vision tower (frozen by default) and MTP tensors of the source bit for
+bit; LoRA adapts the Gated DeltaNet projections too, only adapted linears change, and peft
+reproduces the merged export from the adapter. With images (the colour task, packed
+micro-batches): the engine's and the trainer's logprobs of image prompts agree after every
+sync, and rewards get the row's `solution`."""
 import json
 
 import pytest
 import torch
 
+from swift_megatron.fixtures import build_colour_dataset
 from tests.e2e.test_rlhf_e2e import PLUGIN, logged, rlhf
 from tests.helpers import safetensors_of
 
 pytestmark = pytest.mark.slow
-PASSTHROUGH = ("model.visual.", "mtp.")
+UNTOUCHED = ("model.visual.", "mtp.")   # the frozen vision tower, the MTP head (copied through)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,9 @@ def test_full_grpo_trains_and_exports_the_untouched_parts(base, tiny_model_dir, 
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0 and rows[0]["grad_norm"] > 0
     source, exported = safetensors_of(tiny_model_dir(family)), safetensors_of(out / "final_hf")
     assert sorted(exported) == sorted(source)
-    outside = [n for n in source if n.startswith(PASSTHROUGH)]
+    outside = [n for n in source if n.startswith(UNTOUCHED)]
     assert outside and all(torch.equal(exported[n], source[n]) for n in outside)
-    trained = [n for n in source if not n.startswith(PASSTHROUGH)
+    trained = [n for n in source if not n.startswith(UNTOUCHED)
                and not torch.equal(exported[n], source[n])]
     assert any(".linear_attn." in n for n in trained) and any(".self_attn." in n for n in trained)
 
@@ -70,3 +73,20 @@ def test_lora_grpo_adapts_gated_deltanet_and_peft_reproduces_the_merge(base, tin
     with torch.no_grad():
         diff = (peft_model(input_ids=tokens).logits - merged_model(input_ids=tokens).logits)
     assert diff.abs().max().item() < 1e-5
+
+
+def test_image_grpo_engine_and_trainer_see_the_same_pixels(base, tiny_model_dir, tmp_path):
+    """The colour task (images, `solution` for the reward) on Qwen3.5 with its vision tower:
+    every step's weight-sync check compares the engine's logprobs of sampled completions of
+    image prompts with the trainer's (same pixels, 3-D interleaved M-RoPE positions)."""
+    colours = build_colour_dataset(str(tmp_path / "colours.jsonl"), 32)
+    out = tmp_path / "img"
+    rlhf(*base, "--dataset", colours, "--reward_funcs", "colour_parity", "--beta", "0.1",
+         "--lr", "1e-3", "--max_completion_length", "4", "--output_dir", out)
+    rows = logged(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)
+    assert all(0.0 < r["reward/mean"] < 1.0 for r in rows)   # the solution column reached it
+    assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] > 0
+    source, exported = safetensors_of(tiny_model_dir("qwen3_5")), safetensors_of(out / "final_hf")
+    assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith(UNTOUCHED))

@@ -55,17 +55,21 @@ def test_tags_are_added_when_missing_and_counted_otherwise():
         tag_images(tagged, 2)
 
 
-def test_expansion_and_positions_follow_the_processor(tiny_model_dir):
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+@pytest.mark.parametrize("family, patch, grids", [
+    ("qwen2_5_vl", 14, [[1, 4, 4], [1, 8, 8]]),
+    ("qwen3_5", 16, [[1, 4, 4], [1, 6, 6]])])   # 16-pixel patches: 112x112 -> 96x96
+def test_expansion_and_positions_follow_the_processor(tiny_model_dir, family, patch, grids):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model_dir = tiny_model_dir("qwen2_5_vl")
+    model_dir = tiny_model_dir(family)
     processor = AutoImageProcessor.from_pretrained(model_dir)
     images = [load_image(_png(size=(60, 50))), load_image(_png((0, 0, 255), size=(112, 112)))]
     inputs = process_images(processor, images)
-    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 8, 8]]
-    assert inputs["pixel_values"].shape == (16 + 64, 3 * 2 * 14 * 14)
+    assert inputs["image_grid_thw"].tolist() == grids
+    patches = sum(t * h * w for t, h, w in grids)
+    assert inputs["pixel_values"].shape == (patches, 3 * 2 * patch * patch)
     text = expand_image_tags("A<image>B<image>C", inputs["image_grid_thw"], 2)
-    assert text.count("<|image_pad|>") == 4 + 16 and text.startswith("A<|vision_start|>")
+    assert text.count("<|image_pad|>") == patches // 4 and text.startswith("A<|vision_start|>")
     with pytest.raises(RowError, match="1 <image> tag"):
         expand_image_tags("A<image>", inputs["image_grid_thw"], 2)
 
@@ -73,9 +77,10 @@ def test_expansion_and_positions_follow_the_processor(tiny_model_dir):
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids
     pad = config["image_token_id"]
-    assert int((ids == pad).sum()) == 20
+    assert int((ids == pad).sum()) == patches // 4
     ours = mrope_position_ids(config, ids, pad, inputs["image_grid_thw"])
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir)
+    hf = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert type(hf).__name__.lower().startswith(family)   # the family's own class
     theirs, _ = hf.model.get_rope_index(ids, (ids == pad).int(),
                                         image_grid_thw=inputs["image_grid_thw"])
     assert ours.shape == (3, 1, ids.shape[1]) and torch.equal(ours, theirs)

@@ -1,8 +1,10 @@
-"""Worker: GRPO's image path on the tiny Qwen2.5-VL, from dataset rows to the trainer's logprobs.
+"""Worker: GRPO's image path on tiny vision-language models (Qwen2.5-VL, Qwen3.5 with its vision
+tower; one result per `--hf_dir`, by model_type), from dataset rows to the trainer's logprobs.
 
-Builds prompts from the first red and blue rows of a colour dataset (fixtures
+For each model, builds prompts from the first red and blue rows of a colour dataset (fixtures
 `build_colour_dataset`) plus a text-only prompt, samples completions with the embedded engine
-(transformers' whole model, given each prompt's pixels, in one left-padded batch), and computes
+(transformers' whole model, given each prompt's pixels, in one left-padded batch; weights pushed
+from the bridge's export, as the trainer does), and computes
 the trainer's logprobs of those tokens with the Megatron model through the micro-batch path
 (collate: pixel values, grids and 3-D positions; padded and packed; megatron's schedule). Reports
 the max |engine - trainer| over completion tokens, and the same with the two images' pixels
@@ -43,34 +45,26 @@ def max_diff(logprobs, micro) -> float:
     return float((logprobs - micro["rollout_logprobs"]).abs()[mask].max())
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--hf_dir", required=True)
-    parser.add_argument("--dataset", required=True)
-    parser.add_argument("--pp", type=int, default=1)
-    args = parser.parse_args()
-
+def check_model(hf_dir: str, dataset: str, state) -> tuple:
+    """(model_type, its report) of one checkpoint."""
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     from swift_megatron.data.images import ImageEncoder
     from swift_megatron.data.prompts import PromptSettings, build_prompts
     from swift_megatron.export import load_mcore_model
-    from swift_megatron.model.config import load_hf_config
-    from swift_megatron.parallel.state import ParallelState
+    from swift_megatron.model.config import load_hf_config, model_shape
     from swift_megatron.rlhf.grpo.batch import Sample, collate
     from swift_megatron.rlhf.grpo.collect import attach_images
     from swift_megatron.rollout.engine import SamplingConfig
     from swift_megatron.rollout.hf import HFEngine
 
-    state = ParallelState.initialize(pp=args.pp, device="cpu", seed=0)
-    hf_config = load_hf_config(args.hf_dir)
-    loaded = load_mcore_model(hf_config, "qwen2_5_vl", torch.float32, state, hf_dir=args.hf_dir)
-    tok = AutoTokenizer.from_pretrained(args.hf_dir)
-    encoder = ImageEncoder(args.hf_dir, hf_config)
-    rows = [json.loads(line) for line in open(args.dataset)]
+    hf_config = load_hf_config(hf_dir)
+    model_type = model_shape(hf_config).model_type
+    loaded = load_mcore_model(hf_config, model_type, torch.float32, state, hf_dir=hf_dir)
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    encoder = ImageEncoder(hf_dir, hf_config)
+    rows = [json.loads(line) for line in open(dataset)]
     rows = [next(r for r in rows if r["solution"] == c) for c in ("red", "blue")]
     prompts = build_prompts(rows + [{"query": "Say something longer than the image prompts do"}],
                             tok, PromptSettings(max_prompt_length=200), images=encoder)
@@ -81,9 +75,9 @@ def main():
             encoded["positions"] = encoder.positions(prompt.input_ids, encoded["image_grid_thw"])
         inputs.append(encoded)
 
-    engine = HFEngine(args.hf_dir, torch.device("cpu"), torch.float32, [tok.eos_token_id],
+    engine = HFEngine(hf_dir, torch.device("cpu"), torch.float32, [tok.eos_token_id],
                       tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    engine.update_weights(load_file(os.path.join(args.hf_dir, "model.safetensors")).items())
+    engine.update_weights(loaded.bridge.export(loaded.model))
     completions = engine.generate([p.input_ids for p in prompts],
                                   SamplingConfig(max_tokens=8, temperature=1.0), [1, 2, 3],
                                   images=inputs)
@@ -112,6 +106,21 @@ def main():
                               "text_row_swapped": float((other[2] - ours[2]).abs().max()),
                               "image_token_in_completion": float(
                                   (with_token[0, :n] - ours[0, :n]).abs().max())}
+    return model_type, result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--hf_dir", nargs="+", required=True)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--pp", type=int, default=1)
+    args = parser.parse_args()
+
+    from swift_megatron.parallel.state import ParallelState
+
+    state = ParallelState.initialize(pp=args.pp, device="cpu", seed=0)
+    result = dict(check_model(hf_dir, args.dataset, state) for hf_dir in args.hf_dir)
     with open(os.path.join(args.out_dir, f"rank{state.rank}.json"), "w") as f:
         json.dump(result, f)
 
