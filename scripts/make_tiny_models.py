@@ -5,7 +5,7 @@
         [--retrain_tokenizer]
 
 Writes DIR/<family>/ (config.json, model.safetensors, generation_config.json, tokenizer files)
-per family (qwen2_5_vl also writes its image processor) and DIR/math.jsonl; with
+per family (qwen2_5_vl and qwen3_5* also write their image processor) and DIR/math.jsonl; with
 --image_dataset_rows also DIR/colours.jsonl and DIR/images/ (the image task).
 `--retrain_tokenizer` first retrains the byte-level BPE and rewrites
 the committed swift_megatron/fixtures/data/tokenizer/ files (deterministic: the files only change

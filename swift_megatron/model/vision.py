@@ -45,7 +45,7 @@ VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the 
 
 def has_vision(hf_config: Mapping[str, Any]) -> bool:
     """Whether an HF config.json describes a model with a vision tower this project builds."""
-    return hf_config.get("model_type") in TOWERS and bool(hf_config.get("vision_config"))
+    return hf_config.get("model_type") in TOWERS and hf_config.get("vision_config") is not None
 
 
 def hf_class(model_type: str, which: int):

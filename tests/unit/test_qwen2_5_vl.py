@@ -77,7 +77,8 @@ def test_weight_syncs_skip_the_frozen_vision_parts(vit, aligner, lora, sleep_lev
 
     args = SimpleNamespace(model=SimpleNamespace(freeze_vit=vit, freeze_aligner=aligner),
                            rollout=SimpleNamespace(sleep_level=sleep_level))
-    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl"}, lora=object() if lora else None)
+    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl", "vision_config": {}},
+                             lora=object() if lora else None)
     keep = sync_filter(args, policy)
     names = {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
              "visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"}

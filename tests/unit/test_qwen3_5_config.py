@@ -1,7 +1,10 @@
 """Qwen3.5's config reading (pure, no model): the nested text_config flattened with the top-level
 tying, the text-only save's type, the hybrid layer kinds and partial rotary in ModelShape, the
 TransformerConfig fields of the gated attention, Gated DeltaNet and shared expert, the layout
-check of the Gated DeltaNet heads, and the refusal of ms-swift's Megatron checkpoints."""
+check of the Gated DeltaNet heads, and the refusal of ms-swift's Megatron checkpoints. The
+vision side: which configs get a vision tower, the M-RoPE sections, the interleaved M-RoPE
+against transformers' (megatron-core's contiguous one as the control), and which exported
+tower tensors a weight sync leaves out when frozen."""
 import pytest
 import torch
 
@@ -77,3 +80,54 @@ def test_ms_swift_megatron_checkpoints_of_qwen3_5_are_refused():
     with pytest.raises(UserError, match="ms-swift Megatron checkpoints of qwen3_5"):
         refuse_hybrid(nested(TEXT), "/ckpt")
     refuse_hybrid({"model_type": "qwen3"}, "/ckpt")
+
+
+def test_only_configs_with_a_vision_config_get_the_tower_and_mrope_sections():
+    from swift_megatron.model.vision import has_vision
+
+    assert has_vision(nested(TEXT)) and has_vision(nested(MOE, "qwen3_5_moe"))
+    assert not has_vision(TEXT) and not has_vision({**TEXT, "model_type": "qwen3_5"})
+    assert transformer_config(nested(TEXT), dtype=torch.float32).mrope_section == [11, 11, 10]
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                       "partial_rotary_factor": 0.25})
+    # transformers' default sections when the checkpoint names none
+    assert transformer_config(nested(text), dtype=torch.float32).mrope_section == [11, 11, 10]
+
+
+@pytest.mark.parametrize("head_dim, section", [(32, [2, 1, 1]), (256, [11, 11, 10])])
+def test_interleaved_mrope_matches_transformers(monkeypatch, head_dim, section):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import \
+        MultimodalRotaryEmbedding
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from swift_megatron.model.vision import InterleavedMRoPE
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": section, "mrope_interleaved": True}
+    hf = Qwen3_5TextRotaryEmbedding(Qwen3_5TextConfig(head_dim=head_dim, rope_parameters=rope))
+    positions = torch.randint(0, 500, (3, 2, 40), generator=torch.Generator().manual_seed(0))
+    cos, sin = hf(torch.zeros(1, dtype=torch.float32), positions)   # [b, s, rotary dims]
+
+    def angles(cls, ids=positions):
+        emb = cls(kv_channels=head_dim, rotary_percent=0.25, rotary_base=1e7)(ids, section)
+        return emb.squeeze(2).transpose(0, 1)   # [s, b, 1, d] -> [b, s, d]
+
+    ours = angles(InterleavedMRoPE)
+    assert ours.shape == cos.shape
+    assert torch.allclose(ours.cos(), cos, atol=1e-6) and torch.allclose(ours.sin(), sin, atol=1e-6)
+    assert (angles(MultimodalRotaryEmbedding).cos() - cos).abs().max() > 0.1   # contiguous
+    text = positions[:1].expand(3, -1, -1)   # equal axes (text): both are plain RoPE
+    assert torch.equal(angles(InterleavedMRoPE, text), angles(MultimodalRotaryEmbedding, text))
+
+
+@pytest.mark.parametrize("name, part", [
+    ("model.visual.blocks.0.attn.qkv.weight", "vit"), ("model.visual.merger.linear_fc1.weight",
+                                                       "aligner"),
+    ("visual.merger.norm.weight", "aligner"), ("model.language_model.layers.0.mlp.up_proj.weight",
+                                               "llm")])
+def test_exported_tower_names_are_parts_of_the_vision_side(name, part):
+    from swift_megatron.model.vision import vision_part
+
+    assert vision_part(name) == part
