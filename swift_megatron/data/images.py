@@ -118,7 +118,7 @@ def rope_index_model(hf_config: Any):
 
     config = full_hf_config(hf_config)
     with torch.device("meta"):
-        return hf_class(config.model_type, 3)(config)
+        return hf_class(config.model_type, "model")(config)
 
 
 def mrope_position_ids(hf_config: Any, input_ids, image_token_id: int, image_grid_thw=None, *,

@@ -15,7 +15,8 @@ the tokens without the sequence-parallel scatter, writes the merged image embedd
 sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s] (text-only batches,
 where the three axes are equal) are broadcast to the three axes.
 """
-from typing import Any, List, Mapping, Optional
+import importlib
+from typing import Any, List, Mapping, NamedTuple, Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -26,15 +27,24 @@ from megatron.core.models.gpt import GPTModel
 
 from swift_megatron.errors import UserError
 
-# model_type -> (transformers config class, modeling module, vision tower class, model class
-# whose `get_rope_index` gives the 3-D positions)
+
+
+class HFClasses(NamedTuple):
+    """transformers' names of a vision-language family."""
+
+    config: str   # the top-level config class
+    module: str   # the modeling module, under transformers.models
+    tower: str    # the vision transformer + merger
+    model: str    # the model whose `get_rope_index` gives the 3-D positions
+
+
 TOWERS = {
-    "qwen2_5_vl": ("Qwen2_5_VLConfig", "qwen2_5_vl.modeling_qwen2_5_vl",
-                   "Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLModel"),
-    "qwen3_5": ("Qwen3_5Config", "qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel",
-                "Qwen3_5Model"),
-    "qwen3_5_moe": ("Qwen3_5MoeConfig", "qwen3_5_moe.modeling_qwen3_5_moe",
-                    "Qwen3_5MoeVisionModel", "Qwen3_5MoeModel"),
+    "qwen2_5_vl": HFClasses("Qwen2_5_VLConfig", "qwen2_5_vl.modeling_qwen2_5_vl",
+                            "Qwen2_5_VisionTransformerPretrainedModel", "Qwen2_5_VLModel"),
+    "qwen3_5": HFClasses("Qwen3_5Config", "qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel",
+                         "Qwen3_5Model"),
+    "qwen3_5_moe": HFClasses("Qwen3_5MoeConfig", "qwen3_5_moe.modeling_qwen3_5_moe",
+                             "Qwen3_5MoeVisionModel", "Qwen3_5MoeModel"),
 }
 VISION_TYPES = tuple(TOWERS)
 INTERLEAVED_MROPE = ("qwen3_5", "qwen3_5_moe")
@@ -48,22 +58,17 @@ def has_vision(hf_config: Mapping[str, Any]) -> bool:
     return hf_config.get("model_type") in TOWERS and hf_config.get("vision_config") is not None
 
 
-def hf_class(model_type: str, which: int):
-    """transformers' class number `which` of TOWERS[model_type] (0: config, 2: tower, 3: model)."""
-    import importlib
-
-    entry = TOWERS[model_type]
-    if which == 0:
-        import transformers
-
-        return getattr(transformers, entry[0])
-    return getattr(importlib.import_module(f"transformers.models.{entry[1]}"), entry[which])
+def hf_class(model_type: str, role: str):
+    """transformers' `role` class ("config", "tower" or "model") of a vision-language family."""
+    names = TOWERS[model_type]
+    module = "transformers" if role == "config" else f"transformers.models.{names.module}"
+    return getattr(importlib.import_module(module), getattr(names, role))
 
 
 def full_hf_config(hf_config: Any):
     """The transformers config object of a config.json dict (or the object itself)."""
     cls = hf_class(hf_config["model_type"] if isinstance(hf_config, Mapping) else
-                   hf_config.model_type, 0)
+                   hf_config.model_type, "config")
     return hf_config if isinstance(hf_config, cls) else cls.from_dict(dict(hf_config))
 
 
@@ -71,8 +76,9 @@ def vision_tower(hf_config: Mapping[str, Any]) -> torch.nn.Module:
     """The family's transformers vision transformer + merger, built from config.json's
     `vision_config` (random init; the bridge loads its weights)."""
     model_type = hf_config["model_type"]
-    vision = hf_class(model_type, 0)(vision_config=dict(hf_config.get("vision_config") or {}))
-    return hf_class(model_type, 2)._from_config(vision.vision_config)
+    vision = dict(hf_config.get("vision_config") or {})
+    config = hf_class(model_type, "config")(vision_config=vision)
+    return hf_class(model_type, "tower")._from_config(config.vision_config)
 
 
 class InterleavedMRoPE(MultimodalRotaryEmbedding):

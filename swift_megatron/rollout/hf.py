@@ -9,9 +9,10 @@ Sampling is Gumbel-max with one random stream per request: each request's sample
 on its seed, never on the batch it shares or the process that generates it, so rollouts are
 reproducible across parallel layouts.
 
-A vision-language model (Qwen2.5-VL, Qwen3.5 with its vision tower) takes images: `generate(..., images=[...])` gives each
-request None or its prompt's `pixel_values` / `image_grid_thw` (data/images.py
-`ImageEncoder.encode`), and transformers computes the 3-D positions itself.
+A vision-language model (Qwen2.5-VL, Qwen3.5 with its vision tower) takes images:
+`generate(..., images=[...])` gives each request None or its prompt's `pixel_values` /
+`image_grid_thw` (data/images.py `ImageEncoder.encode`), and transformers computes the 3-D
+positions itself.
 """
 import re
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
