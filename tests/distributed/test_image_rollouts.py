@@ -24,7 +24,7 @@ def vl(tmp_path_factory):
     """([model dir of each family], colour dataset)."""
     root = tmp_path_factory.mktemp("image_rollouts")
     return ([build_tiny_model("qwen2_5_vl", str(root / "qwen2_5_vl")),
-             build_tiny_model("qwen3_5", str(root / "qwen3_5"), **QWEN3_5)],
+             build_tiny_model("qwen3_5", str(root / "qwen3_5"), images=True, **QWEN3_5)],
             build_colour_dataset(str(root / "colours.jsonl"), num_rows=8))
 
 

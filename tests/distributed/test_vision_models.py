@@ -58,7 +58,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for family, overrides in (("qwen2_5_vl", {}), ("qwen3_5", QWEN3_5),
                               ("qwen3_5_moe", QWEN3_5)):
-        hub = build_tiny_model(family, str(root / family), **overrides)
+        hub = build_tiny_model(family, str(root / family), images=True, **overrides)
         alias = str(root / f"{family}_alias")
         _with_other_prefixes(hub, alias, RENAMES[family.replace("_moe", "")])
         out[family] = (hub, alias, len(load_file(f"{hub}/model.safetensors")))

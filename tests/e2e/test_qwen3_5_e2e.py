@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from swift_megatron.fixtures import build_colour_dataset
+from swift_megatron.fixtures import build_colour_dataset, build_tiny_model
 from tests.e2e.test_rlhf_e2e import PLUGIN, logged, rlhf
 from tests.helpers import safetensors_of
 
@@ -75,18 +75,19 @@ def test_lora_grpo_adapts_gated_deltanet_and_peft_reproduces_the_merge(base, tin
     assert diff.abs().max().item() < 1e-5
 
 
-def test_image_grpo_engine_and_trainer_see_the_same_pixels(base, tiny_model_dir, tmp_path):
+def test_image_grpo_engine_and_trainer_see_the_same_pixels(base, tmp_path):
     """The colour task (images, `solution` for the reward) on Qwen3.5 with its vision tower:
     every step's weight-sync check compares the engine's logprobs of sampled completions of
     image prompts with the trainer's (same pixels, 3-D interleaved M-RoPE positions)."""
+    model = build_tiny_model("qwen3_5", str(tmp_path / "model"), images=True)
     colours = build_colour_dataset(str(tmp_path / "colours.jsonl"), 32)
     out = tmp_path / "img"
-    rlhf(*base, "--dataset", colours, "--reward_funcs", "colour_parity", "--beta", "0.1",
-         "--lr", "1e-3", "--max_completion_length", "4", "--output_dir", out)
+    rlhf(*base, "--model", model, "--dataset", colours, "--reward_funcs", "colour_parity",
+         "--beta", "0.1", "--lr", "1e-3", "--max_completion_length", "4", "--output_dir", out)
     rows = logged(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)
     assert all(0.0 < r["reward/mean"] < 1.0 for r in rows)   # the solution column reached it
     assert rows[0]["grad_norm"] > 0 and rows[1]["kl"] > 0
-    source, exported = safetensors_of(tiny_model_dir("qwen3_5")), safetensors_of(out / "final_hf")
+    source, exported = safetensors_of(model), safetensors_of(out / "final_hf")
     assert all(torch.equal(exported[n], source[n]) for n in source if n.startswith(UNTOUCHED))

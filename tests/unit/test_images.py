@@ -58,10 +58,12 @@ def test_tags_are_added_when_missing_and_counted_otherwise():
 @pytest.mark.parametrize("family, patch, grids", [
     ("qwen2_5_vl", 14, [[1, 4, 4], [1, 8, 8]]),
     ("qwen3_5", 16, [[1, 4, 4], [1, 6, 6]])])   # 16-pixel patches: 112x112 -> 96x96
-def test_expansion_and_positions_follow_the_processor(tiny_model_dir, family, patch, grids):
+def test_expansion_and_positions_follow_the_processor(tmp_path, family, patch, grids):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    model_dir = tiny_model_dir(family)
+    from swift_megatron.fixtures import build_tiny_model
+
+    model_dir = build_tiny_model(family, str(tmp_path / family), images=True)
     processor = AutoImageProcessor.from_pretrained(model_dir)
     images = [load_image(_png(size=(60, 50))), load_image(_png((0, 0, 255), size=(112, 112)))]
     inputs = process_images(processor, images)
