@@ -288,8 +288,10 @@ def eos_token_ids(model_dir: str, tok) -> List[int]:
 
 def image_encoder(args: RlhfArguments, model_dir: str, hf_config: dict) -> Optional[ImageEncoder]:
     """A vision-language model's image processor (--max_pixels / MAX_PIXELS); None for a text
-    model."""
-    if not has_vision(hf_config):
+    model, or one whose directory has no image processor (preprocessor_config.json: images are
+    then refused as for a text model)."""
+    if not has_vision(hf_config) or \
+            not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
         return None
     return ImageEncoder(model_dir, hf_config, resolve_max_pixels(args.data.max_pixels))
 
