@@ -39,7 +39,7 @@ def test_other_errors_pass_through(failing_llm):
 
 
 def test_qwen3_5_engines_start_their_language_model_only(tiny_model_dir):
-    """Qwen3.5 checkpoints carry a vision tower that text-only rollouts never use (nor sync)."""
+    """Qwen3.5 checkpoints carry a vision tower that their vLLM rollouts do not use."""
     for family in ("qwen3_5", "qwen3_5_moe"):
         assert vllm_compat.model_defaults(tiny_model_dir(family)) == {"language_model_only": True}
     assert vllm_compat.model_defaults(tiny_model_dir("qwen3")) == {}
