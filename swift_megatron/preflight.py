@@ -65,7 +65,7 @@ def _model_files(args: RlhfArguments) -> Optional[str]:
 def _check_reference_paths(args: RlhfArguments, start) -> None:
     """--mcore_ref_model / --ref_adapters / --mcore_ref_adapter / --ref_model resolve (local
     paths must exist), as the run will resolve them."""
-    from swift_megatron.rlhf.grpo.references import reference_source
+    from swift_megatron.rlhf.grpo.reference_source import reference_source
 
     source = reference_source(args.grpo, args.training.train_type == "lora", start.weights)
     if source is not None and source.model_name:

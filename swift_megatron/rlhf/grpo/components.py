@@ -42,7 +42,8 @@ from swift_megatron.rewards.reward_model import reward_model_funcs
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
 from swift_megatron.rlhf.grpo.losses import FipoSettings
 from swift_megatron.rlhf.grpo.objective import LossSettings
-from swift_megatron.rlhf.grpo.references import Reference, reference_source
+from swift_megatron.rlhf.grpo.reference_source import reference_source
+from swift_megatron.rlhf.grpo.references import Reference
 from swift_megatron.rlhf.grpo.teacher import Teacher, check_same_tokenizer
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
