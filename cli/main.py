@@ -5,6 +5,7 @@ demo (the tiny end-to-end job on an embedded model and dataset), plot (a run's r
 logs). Importing this module and parsing flags never imports torch, so every `--help` is
 instant.
 """
+import gc
 import importlib
 import sys
 
@@ -42,6 +43,9 @@ def main(argv=None) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = exc.exit_code
+    # The interpreter's last garbage collection walks every torch / transformers / megatron
+    # object still alive (measured: 4 s of a 14 s tiny training run); frozen objects are skipped.
+    gc.freeze()
     sys.exit(code)
 
 
