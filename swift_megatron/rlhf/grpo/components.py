@@ -36,7 +36,7 @@ from swift_megatron.model.vision import VISION_TYPES, freeze, vision_part
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
-from swift_megatron.preflight import check_reward_sources
+from swift_megatron.preflight import check_reward_sources, check_vision_flags
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 from swift_megatron.rewards.reward_model import reward_model_funcs
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
@@ -159,7 +159,7 @@ def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
         lr_decay_style=t.lr_decay_style, lr_decay_iters=t.lr_decay_iters,
         lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
         lr_warmup_init=t.lr_warmup_init, lr_wsd_decay_style=t.lr_wsd_decay_style,
-        lr_wsd_decay_iters=t.lr_wsd_decay_iters)
+        lr_wsd_decay_iters=t.lr_wsd_decay_iters, vit_lr=t.vit_lr, aligner_lr=t.aligner_lr)
 
 
 def _check_offload_resume(args: RlhfArguments, start: Start) -> None:
@@ -182,6 +182,7 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     _check_offload_resume(args, start)
     weights = base_weights(args, start)
     chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
+    check_vision_flags(args, bridge.shape.model_type)
     lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
     if lora is None and bridge.shape.model_type in VISION_TYPES:
         m = args.model

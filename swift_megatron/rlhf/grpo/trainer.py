@@ -275,7 +275,8 @@ class GRPOTrainer:
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
         metrics = step_metrics(outputs, self.state)
-        metrics.update({"grad_norm": grad_norm, "lr": pol.optimizer.param_groups[0]["lr"],
+        # "lr": --lr's schedule (groups with --vit_lr / --aligner_lr follow it scaled)
+        metrics.update({"grad_norm": grad_norm, "lr": pol.scheduler.get_lr({}),
                         "update_skipped": float(not ok)})
         return metrics
 
