@@ -26,10 +26,13 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 class TrainingArguments:
     """Training"""
 
-    train_type: str = arg("full", "full: train every weight; lora: train LoRA adapters only.",
-                          choices=["full", "lora"], aliases=["tuner_type"])
+    train_type: str = arg("full", "full: train every weight; lora: train LoRA adapters only; "
+                          "lora_llm (vision-language models, as ms-swift): LoRA adapters on the "
+                          "language model, the vision tower and aligner trained in full.",
+                          choices=["full", "lora", "lora_llm"], aliases=["tuner_type"])
     # Optimizer and schedule
-    lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora.")
+    lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora "
+                              "and lora_llm.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
     vit_lr: Optional[float] = arg(None, "Vision-language models: peak learning rate of the "
                                   "vision tower (its merger excepted), which trains with "
@@ -142,6 +145,11 @@ class TrainingArguments:
                         "would launch, check everything that needs no weights (model config, "
                         "datasets, plugins and reward names, --system file, launch variables) "
                         "and exit without launching or loading anything.")
+
+    @property
+    def uses_lora(self) -> bool:
+        """Whether the language model trains through LoRA adapters (lora and lora_llm)."""
+        return self.train_type in ("lora", "lora_llm")
 
     def __post_init__(self):
         for name in ("train_iters", "num_train_epochs", "save_steps", "eval_steps",

@@ -86,6 +86,13 @@ FLAGS = [   # values and combinations refused at parse time
                                                            "freezes the aligner"),
     case(["--vit_lr", "1e-5", "--freeze_vit", "false"], "--vit_lr applies to vision-language "
                                                         "models; this qwen3 model"),
+    case(["--tuner_type", "lora_llm"], "--train_type lora_llm applies to vision-language models; "
+                                       "this qwen3 model has no vision tower: use --train_type "
+                                       "lora"),
+    case(["--tuner_type", "lora_llm", "--adapters", "BAD_EMPTY_DIR"],
+         "--train_type lora_llm cannot continue from --adapters/--mcore_adapter"),
+    case(["--tuner_type", "lora_llm", "--merge_lora", "false"],
+         "--train_type lora_llm needs --merge_lora true"),
 ]
 
 FILES = [   # model directories, datasets, plugins, system prompts
