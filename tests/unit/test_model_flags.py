@@ -76,9 +76,10 @@ def test_vision_parts_step_at_their_own_learning_rates(report):
     """Worker: lr 1e-3, vit_lr 1e-4, aligner_lr 1e-2, min_lr 1e-4, no weight decay or clipping."""
     parts = report["vision_lrs"]["parts"]
     for part, rate in (("vit", 1e-4), ("aligner", 1e-2), ("llm", 1e-3)):
-        # Adam's first step moves each weight by about its part's learning rate
-        assert parts[part]["max_update"] == pytest.approx(rate, rel=1e-3)
-        assert parts[part]["own_lr_error"] < rate * 1e-4     # float32 rounding only
+        # Adam's first step moves each weight by about its part's learning rate (float32
+        # rounding of weights near 1 is ~1e-7)
+        assert parts[part]["max_update"] == pytest.approx(rate, rel=1e-2)
+        assert parts[part]["own_lr_error"] < 1e-6
     assert parts["vit"]["base_lr_error"] > 5e-4               # at --lr it would move 10x more
     assert parts["aligner"]["base_lr_error"] > 5e-3
     assert report["vision_lrs"]["group_lrs"] == pytest.approx(
