@@ -111,3 +111,38 @@ def test_lora_adapts_the_language_model_only(base, tiny_model_dir, tmp_path):
     source, merged = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
     changed = {k for k in source if not torch.equal(source[k], merged[k])}
     assert changed and not any(k.startswith("visual.") for k in changed)
+
+
+def test_lora_llm_adapts_the_language_model_and_trains_the_vision_side(base, tiny_model_dir,
+                                                                       colours, tmp_path):
+    """--tuner_type lora_llm (ms-swift's name and meaning) with images: LoRA on the language
+    model, the vision tower and merger trained in full (at --vit_lr / --aligner_lr) and sent
+    with every sync (the check after step 2 samples from the updated tower); beta > 0 gets a
+    frozen reference (disabling the adapters would leave the trained tower); the HF copies are
+    merged models only (an adapter alone would lack the tower); --load resumes the run, and
+    --mcore_model refuses its checkpoint."""
+    from swift_megatron.checkpoint.sources import mcore_source
+    from swift_megatron.errors import UserError
+
+    out = tmp_path / "lora_llm"
+    flags = [*base, "--dataset", colours, "--reward_funcs", "colour_parity", "--tuner_type",
+             "lora_llm", "--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lr",
+             "5e-3", "--vit_lr", "1e-2", "--aligner_lr", "1e-2", "--beta", "0.1",
+             "--max_completion_length", "4"]
+    rlhf(*flags, "--output_dir", out)
+    rows = logged(out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0
+    source, merged = safetensors_of(tiny_model_dir("qwen2_5_vl")), safetensors_of(out / "final_hf")
+    changed = {n for n in source if not torch.equal(merged[n], source[n])}
+    for prefix in ("visual.merger.", "visual.blocks.", "model.layers.0.self_attn."):
+        assert any(n.startswith(prefix) for n in changed), prefix
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == \
+        ["checkpoint-2-merged"]
+    assert not (out / "final_adapter").exists()
+    with pytest.raises(UserError, match="is a --train_type lora_llm checkpoint, which only --load"):
+        mcore_source(str(out))   # its state dict holds adapters: not a plain model
+    resumed = tmp_path / "lora_llm_resumed"   # --load: adapters and the trained tower come back
+    rlhf(*flags, "--load", out, "--train_iters", "3", "--output_dir", resumed)
+    assert [r["step"] for r in logged(resumed)] == [3]
+    assert logged(resumed)[0]["sync/logprob_abs_diff_mean"] < 1e-5
