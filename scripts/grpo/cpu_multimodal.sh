@@ -4,7 +4,8 @@
 # rollout engine given each prompt's pixels, and the colour_parity reward of the demo plugin.
 # --check_weight_sync compares the engine's and the trainer's logprobs on image prompts after
 # every sync (printed as sync/logprob_abs_diff_mean, ~1e-7 in float32). A smoke run: the tiny
-# random model does not learn this task in a few steps. About 20 s on 2 cores.
+# random model does not learn this task (squares) in a few steps; the image-filling variant is learnt
+# in about ten (docs/multimodal.md). About 20 s on 2 cores.
 #
 #   bash scripts/grpo/cpu_multimodal.sh [extra megatron rlhf flags]
 #

@@ -5,7 +5,7 @@
 the batch plan is built by `batch_inputs()` + arguments/batch_plan.py.
 """
 from dataclasses import dataclass, field
-from typing import FrozenSet, Optional
+from typing import Dict, FrozenSet, Optional
 
 from swift_megatron.arguments.batch_plan import BatchInputs
 from swift_megatron.arguments.data import DataArguments
@@ -43,7 +43,7 @@ class RlhfArguments:
             self.training.train_type = "lora"  # as ms-swift: adapters to continue mean LoRA
             self.training.adjustments = ["--adapters/--mcore_adapter given: --train_type lora"]
         if self.training.lr is None:
-            self.training.lr = 1e-4 if self.training.train_type == "lora" else 1e-5
+            self.training.lr = 1e-4 if self.training.uses_lora else 1e-5
         check_lr_bounds(self.training)
         self._check_optimizer_flags()
         self._check_virtual_pipeline()
@@ -61,6 +61,42 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
+        self._check_vision_lrs()
+        self._check_lora_llm()
+
+    def _check_vision_lrs(self) -> None:
+        """--vit_lr / --aligner_lr set the learning rate of a vision part that trains (full
+        training with --freeze_vit/--freeze_aligner false, or --train_type lora_llm); on a
+        frozen part they would do nothing (ms-swift ignores them silently)."""
+        t, frozen = self.training, frozen_vision_parts(self.model, self.training)
+        for name, part, flag in (("vit_lr", "vit", "--freeze_vit"),
+                                 ("aligner_lr", "aligner", "--freeze_aligner")):
+            what = "vision tower" if part == "vit" else "aligner"
+            if getattr(t, name) is None or not frozen[part]:
+                continue
+            if t.train_type == "lora":
+                raise UserError(f"--{name}: --train_type lora freezes the {what} (adapters go on "
+                                "the language model only); --train_type lora_llm trains it "
+                                "fully, or drop the flag")
+            raise UserError(f"--{name} sets the learning rate of the {what}, which {flag} "
+                            f"true (the default) freezes: pass {flag} false, or drop --{name}")
+
+    def _check_lora_llm(self) -> None:
+        """--train_type lora_llm trains the vision tower in full beside the adapters: a LoRA
+        adapter alone does not hold the run's weights, so the HF copies are merged models (as
+        ms-swift, which requires --merge_lora true) and an adapter cannot continue it."""
+        t = self.training
+        if t.train_type != "lora_llm":
+            return
+        if self.lora.adapters or t.mcore_adapter:
+            raise UserError("--train_type lora_llm cannot continue from --adapters/--mcore_adapter "
+                            "(an adapter does not hold the trained vision tower): resume the run "
+                            "with --load, or start from its merged model (--model "
+                            "checkpoint-<step>-merged)")
+        if t.save_safetensors and not t.merge_lora:
+            raise UserError("--train_type lora_llm needs --merge_lora true (as ms-swift): its HF "
+                            "checkpoints are merged models, since the adapter alone does not "
+                            "hold the trained vision tower")
 
     def _check_async_generate(self) -> None:
         """--async_generate overlaps HTTP generation with training: server mode only (a
@@ -89,9 +125,10 @@ class RlhfArguments:
             raise UserError("--virtual_pipeline_model_parallel_size needs "
                             "--pipeline_model_parallel_size > 1 (it interleaves model chunks "
                             "over the pipeline stages)")
-        if self.training.train_type == "lora":
-            raise UserError("--train_type lora with --virtual_pipeline_model_parallel_size is not "
-                            "supported yet; drop --virtual_pipeline_model_parallel_size")
+        if self.training.uses_lora:
+            raise UserError(f"--train_type {self.training.train_type} with "
+                            "--virtual_pipeline_model_parallel_size is not supported yet; drop "
+                            "--virtual_pipeline_model_parallel_size")
         if self.batch.max_tokens_per_micro_batch is not None:
             raise UserError("--max_tokens_per_micro_batch varies the number of micro-batches, "
                             "which --virtual_pipeline_model_parallel_size needs to be a multiple "
@@ -109,6 +146,18 @@ class RlhfArguments:
         if (t.optimizer_cpu_offload or t.use_precision_aware_optimizer) and not distributed:
             raise UserError("--optimizer_cpu_offload and --use_precision_aware_optimizer need "
                             "--use_distributed_optimizer true")
+
+
+def frozen_vision_parts(model: ModelArguments, training: TrainingArguments) -> Dict[str, bool]:
+    """Which parts of a vision-language model's vision side stay frozen: the --freeze_vit /
+    --freeze_aligner flags with full training, both with --train_type lora (adapters on the
+    language model only), neither with lora_llm (trained in full, whatever the flags, as
+    ms-swift)."""
+    if training.train_type == "lora":
+        return {"vit": True, "aligner": True}
+    if training.train_type == "lora_llm":
+        return {"vit": False, "aligner": False}
+    return {"vit": model.freeze_vit, "aligner": model.freeze_aligner}
 
 
 @dataclass

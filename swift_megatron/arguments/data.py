@@ -6,6 +6,18 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 
+MAX_PIXELS_HELP = ("Largest image, in pixels, after the image processor's resize (a "
+                   "vision-language model): replaces the model's preprocessor max_pixels. "
+                   "Default: the MAX_PIXELS environment variable (ms-swift's), else the model's "
+                   "own.")
+
+
+def check_max_pixels(value: Optional[int]) -> None:
+    """--max_pixels (megatron rlhf and megatron rollout): none or >= 1."""
+    if value is not None and value < 1:
+        raise UserError(f"--max_pixels must be >= 1, got {value}")
+
+
 @dataclass
 class DataArguments:
     """Data"""
@@ -35,10 +47,7 @@ class DataArguments:
     dataset_num_proc: int = arg(1, "Processes used to tokenize the dataset.")
     columns: Optional[Dict[str, str]] = arg(None, "Rename dataset columns, as JSON: "
                                             "'{\"question\": \"query\"}'.")
-    max_pixels: Optional[int] = arg(None, "Largest image, in pixels, after the image "
-                                    "processor's resize (a vision-language model): replaces the "
-                                    "model's preprocessor max_pixels. Default: the MAX_PIXELS "
-                                    "environment variable (ms-swift's), else the model's own.")
+    max_pixels: Optional[int] = arg(None, MAX_PIXELS_HELP)
     dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed).")
     load_from_cache_file: bool = arg(False, "ms-swift's datasets cache of preprocessed rows.",
                                      no_effect="prompts are tokenized in memory at every start")
@@ -51,7 +60,6 @@ class DataArguments:
             raise UserError(f"--split_dataset_ratio must be in [0, 1), got {self.split_dataset_ratio}")
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"--max_length must be at least 2, got {self.max_length}")
-        if self.max_pixels is not None and self.max_pixels < 1:
-            raise UserError(f"--max_pixels must be >= 1, got {self.max_pixels}")
+        check_max_pixels(self.max_pixels)
         if self.dataset_num_proc < 1:
             raise UserError(f"--dataset_num_proc must be >= 1, got {self.dataset_num_proc}")

@@ -11,8 +11,8 @@ flag: a name in these tables still fails the parse, with the reason.
 from typing import Dict, Optional
 
 _MULTIMODAL = ("not supported yet: of vision-language models only Qwen2.5-VL GRPO with images, "
-               "--max_pixels and --freeze_vit/--freeze_aligner/--freeze_llm is "
-               "(docs/multimodal.md; issue 12)")
+               "--max_pixels, --freeze_vit/--freeze_aligner/--freeze_llm, --vit_lr/--aligner_lr "
+               "and --train_type lora_llm are (docs/multimodal.md; issue 12)")
 _SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
                      "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
                      "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")
@@ -21,9 +21,8 @@ _TE = "needs Transformer Engine, which swift-megatron does not use"
 NOT_SUPPORTED: Dict[str, str] = {
     # multimodal
     **{name: _MULTIMODAL for name in (
-        "vit_gradient_checkpointing", "vit_lr",
-        "aligner_lr", "vit_attn_impl", "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb",
-        "language_model_only")},
+        "vit_gradient_checkpointing", "vit_attn_impl", "vllm_limit_mm_per_prompt",
+        "vllm_mm_processor_cache_gb", "language_model_only")},
     # on-policy distillation
     "teacher_model_server": "a teacher served over HTTP is not supported: load it in the trainer "
                             "with --teacher_model (an HF directory or hub id; "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
 
+from swift_megatron.arguments.data import MAX_PIXELS_HELP, check_max_pixels
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
@@ -162,8 +163,11 @@ class ServeArguments:
     vllm_data_parallel_size: int = arg(1, "vLLM engine replicas, one process each, "
                                        "vllm_tensor_parallel_size GPUs each; generate requests "
                                        "are spread over them.")
+    max_pixels: Optional[int] = arg(None, MAX_PIXELS_HELP + " Give the trainer's value (its "
+                                    "--max_pixels or MAX_PIXELS).")
 
     def __post_init__(self):
+        check_max_pixels(self.max_pixels)
         self.api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
         if self.vllm_data_parallel_size < 1:
             raise UserError("--vllm_data_parallel_size must be >= 1")

@@ -26,11 +26,24 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 class TrainingArguments:
     """Training"""
 
-    train_type: str = arg("full", "full: train every weight; lora: train LoRA adapters only.",
-                          choices=["full", "lora"], aliases=["tuner_type"])
+    train_type: str = arg("full", "full: train every weight; lora: train LoRA adapters only; "
+                          "lora_llm (vision-language models, as ms-swift): LoRA adapters on the "
+                          "language model, the vision tower and aligner trained in full.",
+                          choices=["full", "lora", "lora_llm"], aliases=["tuner_type"])
     # Optimizer and schedule
-    lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora.")
+    lr: Optional[float] = arg(None, "Peak learning rate. Default: 1e-5 for full, 1e-4 for lora "
+                              "and lora_llm.")
     min_lr: float = arg(0.0, "Learning rate at the end of the decay.")
+    vit_lr: Optional[float] = arg(None, "Vision-language models: peak learning rate of the "
+                                  "vision tower (its merger excepted), which trains with "
+                                  "--freeze_vit false or --train_type lora_llm; it follows the "
+                                  "--lr schedule scaled by vit_lr / lr (its minimum is "
+                                  "min_lr x vit_lr / lr). Default: --lr (as ms-swift).")
+    aligner_lr: Optional[float] = arg(None, "Vision-language models: peak learning rate of the "
+                                      "aligner (the vision tower's merger), which trains with "
+                                      "--freeze_aligner false or --train_type lora_llm; scaled "
+                                      "with the schedule as --vit_lr. Default: --lr (as "
+                                      "ms-swift).")
     lr_decay_style: str = arg("cosine", "Decay after warmup (WSD: constant, then a final decay "
                               "of --lr_wsd_decay_iters steps).", choices=list(LR_DECAY_STYLES))
     lr_decay_iters: Optional[int] = arg(None, "Optimizer steps of warmup + decay. Default: "
@@ -133,6 +146,11 @@ class TrainingArguments:
                         "datasets, plugins and reward names, --system file, launch variables) "
                         "and exit without launching or loading anything.")
 
+    @property
+    def uses_lora(self) -> bool:
+        """Whether the language model trains through LoRA adapters (lora and lora_llm)."""
+        return self.train_type in ("lora", "lora_llm")
+
     def __post_init__(self):
         for name in ("train_iters", "num_train_epochs", "save_steps", "eval_steps",
                      "exit_interval", "logging_steps", "lr_decay_iters", "lr_wsd_decay_iters"):
@@ -168,6 +186,10 @@ class TrainingArguments:
         """Ranges of the optimizer and schedule values (NaN and inf are refused by the parser)."""
         if self.lr is not None and self.lr <= 0:
             raise UserError(f"--lr must be > 0, got {self.lr}")
+        for name, freeze in (("vit_lr", "--freeze_vit"), ("aligner_lr", "--freeze_aligner")):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UserError(f"--{name} must be > 0, got {getattr(self, name)} (to keep those "
+                                f"weights unchanged, leave {freeze} at true)")
         for name in ("min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")

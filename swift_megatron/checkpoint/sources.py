@@ -84,8 +84,12 @@ def our_model_dir(path: str) -> Optional[str]:
     return iteration if os.path.isfile(os.path.join(iteration, OUR_META)) else None
 
 
-def _our_source(directory: str) -> WeightsSource:
+def _our_source(directory: str, flag: str) -> WeightsSource:
     meta = _read_json(os.path.join(directory, OUR_META))
+    if meta.get("train_type") == "lora_llm":   # adapters and a fully trained vision tower
+        raise UserError(f"{flag} {directory} is a --train_type lora_llm checkpoint, which only "
+                        "--load resumes; its weights are in the merged HF copy beside it "
+                        "(checkpoint-<step>-merged, or final_hf): pass that as --model")
     return WeightsSource("mcore", directory, os.path.join(directory, "hf"), meta.get("dtype"))
 
 
@@ -113,7 +117,7 @@ def mcore_source(path: str, flag: str = "--mcore_model") -> WeightsSource:
             raise UserError(f"{flag} {path} is a LoRA checkpoint (it holds {OUR_ADAPTER}/): pass "
                             "it as --mcore_adapter, merged with --merge_lora true or written as "
                             "an adapter with --merge_lora false")
-        return _our_source(ours)
+        return _our_source(ours, flag)
     if ms_swift.is_ms_swift_checkpoint(path):
         checkpoint = ms_swift.read_ms_swift_checkpoint(path)
         if checkpoint.tuner_type != "full":
@@ -152,7 +156,8 @@ def adapter_source(path: str, flag: str) -> AdapterSource:
         if not os.path.isdir(adapter):
             raise UserError(f"{flag} {path}: no {OUR_ADAPTER}/ directory (is this a checkpoint "
                             "of a --train_type lora run?)")
-        return AdapterSource(adapter, base=_our_source(ours), base_model=_named_base(adapter))
+        return AdapterSource(adapter, base=_our_source(ours, flag),
+                             base_model=_named_base(adapter))
     if ms_swift.is_ms_swift_checkpoint(path):
         checkpoint = ms_swift.read_ms_swift_checkpoint(path)
         if checkpoint.has_peft_adapter:

@@ -16,6 +16,7 @@ sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s] (text-
 where the three axes are equal) are broadcast to the three axes.
 """
 import importlib
+import os
 from typing import Any, List, Mapping, NamedTuple, Optional
 
 import torch
@@ -56,6 +57,14 @@ VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the 
 def has_vision(hf_config: Mapping[str, Any]) -> bool:
     """Whether an HF config.json describes a model with a vision tower this project builds."""
     return hf_config.get("model_type") in TOWERS and hf_config.get("vision_config") is not None
+
+
+def takes_images(model_dir: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint takes images: a vision tower (`has_vision`) and, for Qwen3.5, an
+    image processor in its directory (a Qwen3.5 without one trains and checks text only)."""
+    return has_vision(hf_config) and (hf_config["model_type"] not in INTERLEAVED_MROPE or
+                                      os.path.isfile(os.path.join(model_dir,
+                                                                  "preprocessor_config.json")))
 
 
 def hf_class(model_type: str, role: str):

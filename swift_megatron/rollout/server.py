@@ -545,8 +545,8 @@ def _check_port_free(host: str, port: int) -> None:
 
 def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
     """The replicas' engine settings from the flags (RolloutCommandArguments): the checkpoint's
-    real weights, vLLM's default seed; a vision-language model's images capped by MAX_PIXELS
-    (set it as for the trainer); --vllm_engine_kwargs adds to them (the flags win)."""
+    real weights, vLLM's default seed; a vision-language model's images capped by --max_pixels
+    (else MAX_PIXELS; as the trainer's); --vllm_engine_kwargs adds to them (the flags win)."""
     from swift_megatron.data.images import resolve_max_pixels
     from swift_megatron.rollout.factory import vision_engine_kwargs
     from swift_megatron.rollout.weight_sync import WORKER_EXTENSION
@@ -560,7 +560,8 @@ def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
         enforce_eager=engine.vllm_enforce_eager,
         enable_prefix_caching=engine.vllm_enable_prefix_caching,
         worker_extension_cls=WORKER_EXTENSION,
-        extra={**vision_engine_kwargs(model_dir, resolve_max_pixels(None), dummy_weights=False),
+        extra={**vision_engine_kwargs(model_dir, resolve_max_pixels(args.serve.max_pixels),
+                                      dummy_weights=False),
                **(engine.vllm_engine_kwargs or {})})
 
 

@@ -32,8 +32,10 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
 from megatron.core.optimizer import optimizer_config as _optimizer_config_module
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride
 
 from swift_megatron.arguments.training import check_lr_bounds
 from swift_megatron.errors import UserError
@@ -63,6 +65,9 @@ class OptimizerSettings:
     lr_warmup_init: float = 0.0
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: Optional[int] = None
+    # vision-language models: peak learning rates of the vision tower and the aligner
+    vit_lr: Optional[float] = None            # None: lr
+    aligner_lr: Optional[float] = None        # None: lr
 
 
 def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool) -> DistributedDataParallel:
@@ -144,8 +149,34 @@ def optimizer_config(settings: OptimizerSettings, config) -> OptimizerConfig:
             use_precision_aware_optimizer=settings.use_precision_aware_optimizer)
 
 
+def _vision_part_key(part: str) -> ParamKey:
+    """Matches the parameters of one part ("vit" or "aligner") of a vision-language model
+    (names as the DDP-wrapped chunk gives them: `module.visual....`)."""
+    from swift_megatron.model.vision import vision_part
+
+    return ParamKey(with_name_predicate=ParamWithNamePredicate(
+        name=f"vision_{part}",
+        fn=lambda param, name: vision_part(name.removeprefix("module.")) == part))
+
+
+def param_group_overrides(settings: OptimizerSettings, config: OptimizerConfig) -> dict:
+    """megatron's per-parameter-group settings: its standard ones (no weight decay on biases
+    and 1-D parameters) and, as ms-swift, --vit_lr / --aligner_lr as the peak learning rate of
+    their part, whose minimum scales the same way (min_lr x vit_lr / lr): the part follows the
+    --lr schedule times vit_lr / lr (warmup starts from --lr_warmup_init for every group, as
+    megatron-core 0.16's scheduler does)."""
+    overrides = get_standard_config_overrides(config)
+    for part, lr in (("vit", settings.vit_lr), ("aligner", settings.aligner_lr)):
+        if lr is not None and lr != settings.lr:
+            overrides[_vision_part_key(part)] = ParamGroupOverride(
+                max_lr=lr, min_lr=settings.min_lr * lr / settings.lr)
+    return overrides
+
+
 def build_optimizer(chunks: List[DistributedDataParallel], config, settings: OptimizerSettings):
-    return get_megatron_optimizer(optimizer_config(settings, config), chunks)
+    opt_config = optimizer_config(settings, config)
+    return get_megatron_optimizer(opt_config, chunks,
+                                  config_overrides=param_group_overrides(settings, opt_config))
 
 
 # ---- schedule --------------------------------------------------------------------------------

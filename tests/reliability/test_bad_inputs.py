@@ -79,6 +79,20 @@ FLAGS = [   # values and combinations refused at parse time
          "--vllm_server_port"),
     case(["--max_length", "-5"], "--max_length"),
     case(["--seed", "x"], "--seed"),
+    case(["--vit_lr", "0", "--freeze_vit", "false"], "--vit_lr must be > 0"),
+    case(["--vit_lr", "1e-5"], "--vit_lr sets the learning rate of the vision tower, which "
+                               "--freeze_vit true"),
+    case(["--aligner_lr", "1e-5", "--train_type", "lora"], "--aligner_lr: --train_type lora "
+                                                           "freezes the aligner"),
+    case(["--vit_lr", "1e-5", "--freeze_vit", "false"], "--vit_lr applies to vision-language "
+                                                        "models; this qwen3 model"),
+    case(["--tuner_type", "lora_llm"], "--train_type lora_llm applies to vision-language models; "
+                                       "this qwen3 model has no vision tower: use --train_type "
+                                       "lora"),
+    case(["--tuner_type", "lora_llm", "--adapters", "BAD_EMPTY_DIR"],
+         "--train_type lora_llm cannot continue from --adapters/--mcore_adapter"),
+    case(["--tuner_type", "lora_llm", "--merge_lora", "false"],
+         "--train_type lora_llm needs --merge_lora true"),
 ]
 
 FILES = [   # model directories, datasets, plugins, system prompts

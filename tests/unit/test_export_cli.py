@@ -293,3 +293,16 @@ def test_check_model_finds_a_truncated_shard(tiny_model_dir, tmp_path):
     argv = ["--model", str(model), "--to_mcore", "true", "--output_dir", str(tmp_path / "out")]
     with pytest.raises(UserError, match=r"model\.safetensors: truncated"):
         export.prepare(parse_command(ExportCommandArguments, argv, "megatron export"), 1)
+
+
+def test_qwen2_5_vl_precision_check_runs_with_an_image(tiny_model_dir):
+    """Qwen2.5-VL (float32): the check feeds an image per sequence through the model
+    directory's image processor to both models (transformers' whole image-text-to-text model;
+    precision_images.py) and they agree (measured: docs/multimodal.md)."""
+    proc = export("--model", tiny_model_dir("qwen2_5_vl"), "--test_convert_precision", "true",
+                  "--test_convert_precision_atol", "1e-5")
+    assert proc.returncode == 0 and "-> PASS" in proc.stdout, proc.stdout + proc.stderr
+    assert "float32, an image in each sequence" in proc.stdout
+    line = next(l for l in proc.stdout.splitlines() if "argmax agreement" in l)
+    assert float(line.split()[-1]) == 1.0
+    print(proc.stdout)

@@ -9,7 +9,8 @@ from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
 from swift_megatron.checkpoint.sources import AdapterSource, WeightsSource
 from swift_megatron.errors import UserError
-from swift_megatron.rlhf.grpo.references import Reference, ReferenceSource, reference_source
+from swift_megatron.rlhf.grpo.reference_source import ReferenceSource, reference_source
+from swift_megatron.rlhf.grpo.references import Reference
 
 
 def source(*argv, lora=False, weights=None):

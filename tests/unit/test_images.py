@@ -245,3 +245,35 @@ def test_prompt_tokens_equal_the_models_own_processor(vl):
                        return_tensors="pt", add_special_tokens=False)
     assert theirs["input_ids"][0].tolist() == prompt.input_ids
     assert theirs["image_grid_thw"].tolist() == prompt.image_grid_thw
+
+
+def test_precision_check_inputs_hold_one_image_per_sequence(tiny_model_dir):
+    """`megatron export --test_convert_precision` on a vision-language model
+    (precision_images.py): random ids below the vision tokens with one processed synthetic
+    image per row (different pixels, different places), and the 3-D positions transformers
+    gives them (they differ from 1-D positions inside the image only)."""
+    from swift_megatron.export import random_tokens
+    from swift_megatron.precision_images import image_inputs
+
+    model_dir = tiny_model_dir("qwen2_5_vl")
+    config = json.load(open(f"{model_dir}/config.json"))
+    tokens = random_tokens(config["text_config"]["vocab_size"], 128, "cpu")
+    inputs = image_inputs(model_dir, config, tokens)
+    ids, pad = inputs.tokens, config["image_token_id"]
+    assert ids.shape == (4, 64) and inputs.hf["image_grid_thw"].tolist() == [[1, 4, 6]] * 4
+    assert (ids == pad).sum(1).tolist() == [6] * 4                     # 24 patches / 2x2 merge
+    assert ((ids == config["vision_start_token_id"]).sum(1) == 1).all()
+    starts = (ids == config["vision_start_token_id"]).int().argmax(1).tolist()
+    assert len(set(starts)) == 4                                       # a different place each
+    assert (ids >= config["vision_start_token_id"]).sum(1).tolist() == [8] * 4  # block only
+    assert inputs.hf["pixel_values"].shape == (4 * 24, 3 * 2 * 14 * 14)
+    first, second = inputs.hf["pixel_values"][:24], inputs.hf["pixel_values"][24:48]
+    assert not torch.equal(first, second)                              # a different image each
+    assert torch.equal(inputs.hf["mm_token_type_ids"], (ids == pad).int())
+    positions = inputs.mcore["position_ids"]
+    assert positions.shape == (3, 4, 64)
+    flat = torch.arange(64).expand(4, 64)
+    inside = (ids == pad)
+    assert not torch.equal(positions[1][inside], flat[inside])         # height/width axes
+    before = starts[0] + 1                                             # text, then vision_start
+    assert torch.equal(positions[:, 0, :before], flat[0, :before].expand(3, -1))

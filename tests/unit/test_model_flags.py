@@ -7,6 +7,10 @@ trainer runs (one worker run: tests/distributed/workers/model_flags.py):
   model's, a small one drops tokens and changes them, and backward runs with dropped tokens.
 - --adam_eps reaches the optimizer: one step of the distributed optimizer is Adam's first step
   with that epsilon, and measurably not with the default one.
+- --vit_lr / --aligner_lr (tiny qwen2_5_vl, --freeze_vit false --freeze_aligner false, a batch
+  with images): one step moves the vision tower, the merger and the language model each by
+  Adam's first step at its own learning rate (and measurably not at --lr); their optimizer
+  groups peak at vit_lr / aligner_lr with minimum min_lr x part_lr / lr, as ms-swift's.
 """
 import json
 
@@ -20,7 +24,8 @@ TOKENS, TOP_K, EXPERTS = 48, 2, 8     # the worker's batch; the tiny qwen3_moe's
 @pytest.fixture(scope="module")
 def report(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("model_flags")
-    result = run_workers("model_flags.py", 1, out, ["--moe_dir", tiny_model_dir("qwen3_moe")])[0]
+    result = run_workers("model_flags.py", 1, out, ["--moe_dir", tiny_model_dir("qwen3_moe"),
+                                                    "--vl_dir", tiny_model_dir("qwen2_5_vl")])[0]
     print(json.dumps(result))
     return result
 
@@ -65,6 +70,21 @@ def test_adam_eps_is_the_optimizers_epsilon(report):
     # lr 1e-3: float32 rounding of the update is ~1e-10; a wrong epsilon moves it by ~1e-3
     assert adam["max_update_error"]["flag_eps"] < 1e-6
     assert adam["max_update_error"]["default_eps"] > 1e-4
+
+
+def test_vision_parts_step_at_their_own_learning_rates(report):
+    """Worker: lr 1e-3, vit_lr 1e-4, aligner_lr 1e-2, min_lr 1e-4, no weight decay or clipping."""
+    parts = report["vision_lrs"]["parts"]
+    for part, rate in (("vit", 1e-4), ("aligner", 1e-2), ("llm", 1e-3)):
+        # Adam's first step moves each weight by about its part's learning rate (float32
+        # rounding of weights near 1 is ~1e-7)
+        assert parts[part]["max_update"] == pytest.approx(rate, rel=1e-2)
+        assert parts[part]["own_lr_error"] < 1e-6
+    assert parts["vit"]["base_lr_error"] > 5e-4               # at --lr it would move 10x more
+    assert parts["aligner"]["base_lr_error"] > 5e-3
+    # (max_lr, min_lr) of the optimizer groups: vit, language model, aligner
+    groups = [value for group in report["vision_lrs"]["group_lrs"] for value in group]
+    assert groups == pytest.approx([1e-4, 1e-5, 1e-3, 1e-4, 1e-2, 1e-3], rel=1e-9)
 
 
 def test_dense_models_reject_the_capacity_factor():

@@ -62,13 +62,14 @@ def test_freeze_as_ms_swift(llm, vit, aligner):
     assert trainable == expected
 
 
-@pytest.mark.parametrize("vit,aligner,lora,sleep_level,sent", [
-    (True, True, False, 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"}),
-    (False, True, False, 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
-                             "visual.blocks.0.attn.qkv.weight"}),
-    (False, False, False, 0, None), (True, True, False, 2, None),
-    (False, False, True, 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"})])
-def test_weight_syncs_skip_the_frozen_vision_parts(vit, aligner, lora, sleep_level, sent):
+@pytest.mark.parametrize("vit,aligner,train_type,sleep_level,sent", [
+    (True, True, "full", 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"}),
+    (False, True, "full", 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
+                              "visual.blocks.0.attn.qkv.weight"}),
+    (False, False, "full", 0, None), (True, True, "full", 2, None),
+    (False, False, "lora", 0, {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"}),
+    (True, True, "lora_llm", 0, None)])   # lora_llm trains the whole vision side
+def test_weight_syncs_skip_the_frozen_vision_parts(vit, aligner, train_type, sleep_level, sent):
     """After the first sync only trained tensors go to the engine; all of them when nothing is
     frozen or when colocated vLLM discards its weights (--sleep_level 2)."""
     from types import SimpleNamespace
@@ -76,11 +77,11 @@ def test_weight_syncs_skip_the_frozen_vision_parts(vit, aligner, lora, sleep_lev
     from swift_megatron.rlhf.grpo.components import sync_filter
 
     args = SimpleNamespace(model=SimpleNamespace(freeze_vit=vit, freeze_aligner=aligner),
+                           training=SimpleNamespace(train_type=train_type),
                            rollout=SimpleNamespace(sleep_level=sleep_level))
-    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl", "vision_config": {}},
-                             lora=object() if lora else None)
+    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl", "vision_config": {}})
     keep = sync_filter(args, policy)
     names = {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
              "visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"}
     assert (keep is None) if sent is None else ({n for n in names if keep(n)} == sent)
-    assert sync_filter(args, SimpleNamespace(hf_config={"model_type": "qwen2"}, lora=None)) is None
+    assert sync_filter(args, SimpleNamespace(hf_config={"model_type": "qwen2"})) is None

@@ -80,6 +80,30 @@ def test_rollout_server_replicas_get_both_flags(model_dir):
                           logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
 
 
+@pytest.mark.parametrize("argv, env, expected", [
+    ([], None, None), ([], "50176", 50176), (["--max_pixels", "12544"], "50176", 12544)])
+def test_rollout_server_max_pixels_flag_over_environment(tmp_path, monkeypatch, argv, env,
+                                                         expected):
+    """`megatron rollout --max_pixels` (ms-swift's rollout takes it too) caps the replicas'
+    images as the trainer's does: vLLM's mm_processor_kwargs, the flag over MAX_PIXELS; without
+    either the model's processor decides."""
+    from swift_megatron.rollout.server import engine_settings
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+    monkeypatch.delenv("MAX_PIXELS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MAX_PIXELS", env)
+    args = parse_command(RolloutCommandArguments, ["--model", "m", *argv], "megatron rollout")
+    kwargs = engine_kwargs(engine_settings(args, str(tmp_path)), sleep_mode_available=True)
+    assert kwargs.get("mm_processor_kwargs") == (expected and {"max_pixels": expected})
+
+
+def test_rollout_max_pixels_is_checked_at_parse_time():
+    with pytest.raises(UserError, match=r"^--max_pixels must be >= 1, got 0$"):
+        parse_command(RolloutCommandArguments, ["--model", "m", "--max_pixels", "0"],
+                      "megatron rollout")
+
+
 def test_a_set_flag_wins_over_the_same_key_and_says_so(swift_logs):
     settings = EngineSettings(model="m", max_num_seqs=16, gpu_memory_utilization=0.5,
                               extra={"max_num_seqs": 4, "gpu_memory_utilization": 0.5})

@@ -47,8 +47,9 @@ API_KEY = "test-key-0123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32"):
-    """(process, address, log file) of a `megatron rollout` subprocess that answers /health."""
+def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extra=()):
+    """(process, address, log file) of a `megatron rollout` subprocess that answers /health
+    (`extra`: more flags)."""
     port = free_port()
     log = open(log_dir / "server.log", "w+")
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", model_dir,
@@ -56,7 +57,7 @@ def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32"):
            "127.0.0.1", "--port", str(port), "--vllm_enforce_eager", "true",
            "--vllm_max_model_len", "256", "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs",
            '{"max_num_batched_tokens": 1024}', "--api_key", API_KEY,
-           "--communicator_timeout", str(COMMUNICATOR_TIMEOUT_S)]
+           "--communicator_timeout", str(COMMUNICATOR_TIMEOUT_S), *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"

@@ -3,7 +3,9 @@
 fixtures/dataset.py. Requests carry each prompt's images as base64 PNGs (one image pad per
 image in the tokens, vLLM expands it); the server's logprobs of the sampled tokens equal the
 trainer's (Megatron, same pixels and 3-D positions) at every step, after weight pushes that
-leave out the frozen vision tower. Malformed images get a 400.
+leave out the frozen vision tower. The images are 112x112 and both sides get --max_pixels 3136
+(56x56: 4 image tokens instead of 16), the server's through `megatron rollout --max_pixels`: a
+server that ignored it would expand each image to 16 tokens. Malformed images get a 400.
 
 vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh): skipped without it.
 """
@@ -29,9 +31,13 @@ from tests.vllm.test_server import API_KEY, post, start_server  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+MAX_PIXELS = 56 * 56   # the colour task's images are 112 x 112 here
+
+
 @pytest.fixture(scope="module")
 def vl_server(vl_task, tmp_path_factory):   # noqa: F811
-    proc, address, log = start_server(vl_task[0], tmp_path_factory.mktemp("vl_server"), 1)
+    proc, address, log = start_server(vl_task[0], tmp_path_factory.mktemp("vl_server"), 1,
+                                      extra=["--max_pixels", str(MAX_PIXELS)])
     yield address
     proc.send_signal(signal.SIGTERM)
     try:
@@ -51,7 +57,10 @@ def test_bad_images_get_400(vl_server):
 
 
 def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
-    model, data = vl_task
+    from swift_megatron.fixtures import build_colour_dataset
+
+    model = vl_task[0]
+    data = build_colour_dataset(str(tmp_path / "colours.jsonl"), 16, size=112)
     out = tmp_path / "run"
     host, port = vl_server.rsplit(":", 1)
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
@@ -60,7 +69,8 @@ def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
            "--max_completion_length", "8", "--beta", "0.1", "--lr", "1e-3", "--train_iters", "2",
            "--report_to", "none", "--add_version", "false", "--log_interval", "1",
            "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
-           "--vllm_server_port", port, "--check_weight_sync", "true"]
+           "--vllm_server_port", port, "--check_weight_sync", "true",
+           "--max_pixels", str(MAX_PIXELS)]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)

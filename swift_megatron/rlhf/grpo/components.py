@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from swift_megatron.arguments.batch_plan import BatchPlan
-from swift_megatron.arguments.commands import RlhfArguments
+from swift_megatron.arguments.commands import RlhfArguments, frozen_vision_parts
 from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
 from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, load_weights,
@@ -32,17 +32,18 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
-from swift_megatron.model.vision import freeze, has_vision, vision_part
+from swift_megatron.model.vision import freeze, has_vision, takes_images, vision_part
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
-from swift_megatron.preflight import check_reward_sources
+from swift_megatron.preflight import check_reward_sources, check_vision_flags
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 from swift_megatron.rewards.reward_model import reward_model_funcs
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
 from swift_megatron.rlhf.grpo.losses import FipoSettings
 from swift_megatron.rlhf.grpo.objective import LossSettings
-from swift_megatron.rlhf.grpo.references import Reference, reference_source
+from swift_megatron.rlhf.grpo.reference_source import reference_source
+from swift_megatron.rlhf.grpo.references import Reference
 from swift_megatron.rlhf.grpo.teacher import Teacher, check_same_tokenizer
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
@@ -63,7 +64,7 @@ class Policy:
     model_dir: str                  # HF directory: config, tokenizer (and initial weights)
     hf_config: dict
     dtype: torch.dtype
-    lora: Optional[LoraConfig] = None  # set for --train_type lora: only adapters train
+    lora: Optional[LoraConfig] = None  # set for --train_type lora / lora_llm
 
 
 def parallel_state(args: RlhfArguments) -> ParallelState:
@@ -135,9 +136,10 @@ def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
 
 def attach_lora(args: RlhfArguments, model, bridge: Bridge, adapter: Optional[AdapterSource],
                 hf_config: dict) -> Optional[LoraConfig]:
-    """--train_type lora: wrap the targeted linears with adapters (new, or `adapter` to continue:
-    --adapters / --mcore_adapter) and freeze everything else; before DDP wrapping."""
-    if args.training.train_type != "lora":
+    """--train_type lora / lora_llm: wrap the targeted linears with adapters (new, or `adapter`
+    to continue: --adapters / --mcore_adapter) and freeze everything else; before DDP
+    wrapping."""
+    if not args.training.uses_lora:
         return None
     if adapter is not None:
         return _load_adapter(model, adapter, hf_config, bridge)
@@ -159,7 +161,7 @@ def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
         lr_decay_style=t.lr_decay_style, lr_decay_iters=t.lr_decay_iters,
         lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
         lr_warmup_init=t.lr_warmup_init, lr_wsd_decay_style=t.lr_wsd_decay_style,
-        lr_wsd_decay_iters=t.lr_wsd_decay_iters)
+        lr_wsd_decay_iters=t.lr_wsd_decay_iters, vit_lr=t.vit_lr, aligner_lr=t.aligner_lr)
 
 
 def _check_offload_resume(args: RlhfArguments, start: Start) -> None:
@@ -182,8 +184,11 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     _check_offload_resume(args, start)
     weights = base_weights(args, start)
     chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
+    check_vision_flags(args, bridge.shape.model_type)
     lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
-    if lora is None and has_vision(hf_config):
+    if args.training.train_type == "lora_llm":
+        _train_vision_in_full(chunks)
+    elif lora is None and has_vision(hf_config):
         m = args.model
         for chunk in chunks:
             freeze(chunk, freeze_llm=m.freeze_llm, freeze_vit=m.freeze_vit,
@@ -195,6 +200,15 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     optimizer = build_optimizer(ddp, config, settings)
     scheduler = build_scheduler(optimizer, settings)
     return Policy(ddp, config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
+
+
+def _train_vision_in_full(chunks: List[torch.nn.Module]) -> None:
+    """--train_type lora_llm (as ms-swift): besides the language model's adapters, every
+    parameter of the vision tower and aligner trains (apply_lora froze them)."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if vision_part(name) != "llm":
+                param.requires_grad_(True)
 
 
 def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtype, *,
@@ -229,7 +243,9 @@ def reference_model(args: RlhfArguments, state: ParallelState, pol: Policy, star
     requirements checked."""
     m, g = args.model, args.grpo
     policy_weights = base_weights(args, start)
-    source = reference_source(g, pol.lora is not None, policy_weights)
+    # lora_llm trains the vision tower in place: disabling the adapters does not give the
+    # starting model, so its reference is a frozen copy as with full training
+    source = reference_source(g, args.training.train_type == "lora", policy_weights)
     frozen = None
     if source is not None:
         if source.model_name:
@@ -290,8 +306,7 @@ def image_encoder(args: RlhfArguments, model_dir: str, hf_config: dict) -> Optio
     """A vision-language model's image processor (--max_pixels / MAX_PIXELS); None for a text
     model, or one whose directory has no image processor (preprocessor_config.json: images are
     then refused as for a text model)."""
-    if not has_vision(hf_config) or \
-            not os.path.isfile(os.path.join(model_dir, "preprocessor_config.json")):
+    if not takes_images(model_dir, hf_config):
         return None
     return ImageEncoder(model_dir, hf_config, resolve_max_pixels(args.data.max_pixels))
 
@@ -310,9 +325,7 @@ def sync_filter(args: RlhfArguments, pol: Policy) -> Optional[Callable[[str], bo
     also when the colocated vLLM discards its weights while training (--sleep_level 2)."""
     if not has_vision(pol.hf_config) or args.rollout.sleep_level == 2:
         return None
-    m = args.model
-    frozen = {"vit": m.freeze_vit or pol.lora is not None,
-              "aligner": m.freeze_aligner or pol.lora is not None, "llm": False}
+    frozen = dict(frozen_vision_parts(args.model, args.training), llm=False)
     if not (frozen["vit"] or frozen["aligner"]):
         return None
     return lambda name: not frozen[vision_part(name)]

@@ -12,55 +12,17 @@
 --ref_model_sync_steps optimizer steps, ref = alpha * policy + (1 - alpha) * ref; those weights
 are part of the training state: each checkpoint saves them under ref_model/ and resume loads them.
 """
-import dataclasses
 import os
 from typing import List, Optional
 
 import torch
 
 from swift_megatron.checkpoint.dist import load_model, save_model, unwrap
-from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, adapter_source,
-                                               mcore_source)
 from swift_megatron.errors import UserError
 from swift_megatron.lora import disabled
 from swift_megatron.training.step import forward_backward
 
 REF_DIR = "ref_model"  # inside a checkpoint directory, with --sync_ref_model
-
-
-@dataclasses.dataclass(frozen=True)
-class ReferenceSource:
-    """Where a frozen reference model's weights come from."""
-
-    weights: Optional[WeightsSource]   # its base weights (None: the HF checkpoint at model_dir)
-    adapter: Optional[AdapterSource]   # an adapter to apply on them
-    model_name: Optional[str] = None   # --ref_model (an HF directory or hub id)
-
-
-def _adapter(grpo) -> Optional[AdapterSource]:
-    if grpo.ref_adapters and grpo.mcore_ref_adapter:
-        raise UserError("pass --ref_adapters or --mcore_ref_adapter, not both")
-    if grpo.ref_adapters:
-        return adapter_source(grpo.ref_adapters[0], "--ref_adapters")
-    if grpo.mcore_ref_adapter:
-        return adapter_source(grpo.mcore_ref_adapter, "--mcore_ref_adapter")
-    return None
-
-
-def reference_source(grpo, lora: bool, policy_weights: Optional[WeightsSource]
-                     ) -> Optional[ReferenceSource]:
-    """The frozen reference to load, or None when there is none (beta 0) or when it is the LoRA
-    policy with its adapters disabled. Without --ref_model / --mcore_ref_model it has the
-    policy's starting weights (`policy_weights`, or the policy's --model)."""
-    custom = grpo.ref_model or grpo.mcore_ref_model or grpo.ref_adapters or grpo.mcore_ref_adapter
-    if grpo.beta == 0 or (lora and not custom):
-        return None
-    if grpo.mcore_ref_model:
-        return ReferenceSource(mcore_source(grpo.mcore_ref_model, "--mcore_ref_model"),
-                               _adapter(grpo))
-    if grpo.ref_model:
-        return ReferenceSource(None, _adapter(grpo), grpo.ref_model)
-    return ReferenceSource(policy_weights, _adapter(grpo))
 
 
 class Reference:

@@ -275,7 +275,8 @@ class GRPOTrainer:
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
         metrics = step_metrics(outputs, self.state)
-        metrics.update({"grad_norm": grad_norm, "lr": pol.optimizer.param_groups[0]["lr"],
+        # "lr": --lr's schedule (groups with --vit_lr / --aligner_lr follow it scaled)
+        metrics.update({"grad_norm": grad_norm, "lr": pol.scheduler.get_lr({}),
                         "update_skipped": float(not ok)})
         return metrics
 
@@ -406,6 +407,7 @@ class GRPOTrainer:
                  "adam_step": adam_step(pol.optimizer),
                  "scheduler": pol.scheduler.state_dict(), "sampler": self._sampler_state()}
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
+                "train_type": t.train_type,
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
                                "etp": self.state.etp}}
         path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
@@ -430,13 +432,15 @@ class GRPOTrainer:
 
     def _save_hf_copies(self) -> None:
         """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
-        checkpoint-<step>-merged with --merge_lora)."""
+        checkpoint-<step>-merged with --merge_lora; lora_llm: the merged model only, as
+        ms-swift, since the adapter does not hold the trained vision tower)."""
         pol, chunk = self.policy, self.policy.chunks[0]  # one chunk with LoRA
         directory = run_checkpoint.hf_dir(self.save_dir, self.step)
         if pol.lora is None:
             pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
             return
-        save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
+        if self._adapter_alone:
+            save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
         if self.args.training.merge_lora:
             pol.bridge.save_hf(chunk, run_checkpoint.hf_dir(self.save_dir, self.step, merged=True),
                                source_dir=pol.model_dir, exist_ok=True)
@@ -462,20 +466,26 @@ class GRPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         logger.info(f"resumed from {directory} at step {self.step}")
 
+    @property
+    def _adapter_alone(self) -> bool:
+        """Whether the adapter holds everything the run trains (--train_type lora; not
+        lora_llm, which trains the vision tower too): then it is saved in PEFT format."""
+        return self.args.training.train_type == "lora"
+
     def _save_extra(self, directory: str) -> None:
         """With LoRA, the adapter in PEFT format under directory/adapter; with --sync_ref_model,
         the reference weights under directory/ref_model (collective)."""
         pol = self.policy
         if self.args.grpo.sync_ref_model:
             self.reference.save(directory)
-        if pol.lora is not None:
+        if self._adapter_alone:
             save_adapter(unwrap(pol.chunks[0]), os.path.join(directory, "adapter"),
                          pol.model_dir, pol.lora)
 
     def export_final(self) -> None:
         """The trained policy as an HF checkpoint: {output_dir}/final_hf (adapters merged), and
-        with LoRA also the adapter in PEFT format: {output_dir}/final_adapter. Files the final
-        save already wrote are hard-linked, not written twice."""
+        with --train_type lora also the adapter in PEFT format: {output_dir}/final_adapter.
+        Files the final save already wrote are hard-linked, not written twice."""
         pol = self.policy
         merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=pol.lora is not None)
         final_hf = os.path.join(self.output_dir, "final_hf")
@@ -483,7 +493,7 @@ class GRPOTrainer:
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
         else:
             pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True)
-        if pol.lora is None:
+        if not self._adapter_alone:
             return
         adapter = run_checkpoint.hf_dir(self.save_dir, self.step)
         final_adapter = os.path.join(self.output_dir, "final_adapter")

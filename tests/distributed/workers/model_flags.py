@@ -3,7 +3,7 @@ trainer runs (the parsed flags -> components.py -> megatron); writes {out_dir}/r
 tests/unit/test_model_flags.py.
 
     python -m torch.distributed.run --nproc_per_node 1 tests/distributed/workers/model_flags.py \\
-        --out_dir OUT --moe_dir TINY_QWEN3_MOE
+        --out_dir OUT --moe_dir TINY_QWEN3_MOE --vl_dir TINY_QWEN2_5_VL
 
 Checks:
     capacity     --moe_expert_capacity_factor on the tiny qwen3_moe (8 experts, top 2), policy
@@ -12,6 +12,10 @@ Checks:
     adam_eps     one optimizer step (the distributed optimizer, as the flags default to) with
                  --adam_eps 1e-3, --weight_decay 0, --clip_grad 0: every parameter's update
                  against Adam's first step, -lr * g / (|g| + eps), for that eps and for 1e-8
+    vision_lrs   the tiny qwen2_5_vl, policy built by components.policy() with --freeze_vit false
+                 --freeze_aligner false --vit_lr --aligner_lr, one step on two sequences with an
+                 image each: each part's update against Adam's first step at its own learning
+                 rate and at --lr, and the peak/minimum learning rates of its optimizer groups
 """
 import argparse
 import json
@@ -143,14 +147,54 @@ def check_adam_eps(model_dir, state, eps=1e-3, lr=1e-3):
                 max_update_error=errors)
 
 
+def image_batch(hf_config):
+    """One micro-batch of two sequences with an image each (vision_checks.py's inputs), with
+    1-D positions (equal on the three M-RoPE axes: enough for a gradient)."""
+    from tests.distributed.workers.vision_checks import SEQ as VL_SEQ, inputs
+
+    ids, pixels, grid, _ = inputs(hf_config)
+    return dict(tokens=ids, position_ids=torch.arange(VL_SEQ).expand(2, VL_SEQ).contiguous(),
+                pixel_values=pixels, image_grid_thw=grid)
+
+
+def check_vision_lrs(model_dir, state, lr=1e-3, vit_lr=1e-4, aligner_lr=1e-2, min_lr=1e-4):
+    from swift_megatron.model.vision import vision_part
+
+    args = flags(model_dir, "--freeze_vit", "false", "--freeze_aligner", "false", "--lr", str(lr),
+                 "--vit_lr", str(vit_lr), "--aligner_lr", str(aligner_lr), "--min_lr", str(min_lr),
+                 "--weight_decay", "0", "--clip_grad", "0", "--lr_decay_style", "constant")
+    pol = components.policy(args, state, model_dir, 1, Start(None, None, None))
+    [model] = [chunk.module for chunk in pol.chunks]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    zero_grads(pol.chunks, pol.optimizer)
+    forward_backward(pol.chunks, [image_batch(pol.hf_config)],
+                     lambda mb, logits: (logits.float().pow(2).mean(), {}))
+    optimizer_step(pol.optimizer, pol.scheduler)
+    part_lr = {"vit": vit_lr, "aligner": aligner_lr, "llm": lr}
+    report = {part: {"own_lr_error": 0.0, "base_lr_error": 0.0, "max_update": 0.0}
+              for part in part_lr}
+    for name, param in model.named_parameters():
+        grad, delta = param.main_grad, param.detach() - before[name]
+        part = report[vision_part(name)]
+        for key, rate in (("own_lr_error", part_lr[vision_part(name)]), ("base_lr_error", lr)):
+            expected = -rate * grad / (grad.abs() + 1e-8)
+            part[key] = max(part[key], float((delta - expected).abs().max()))
+        part["max_update"] = max(part["max_update"], float(delta.abs().max()))
+    groups = sorted({(g["max_lr"], g["min_lr"]) for g in pol.optimizer.param_groups
+                     if g["params"]})
+    return dict(parts=report, group_lrs=[list(g) for g in groups])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out_dir")
     parser.add_argument("--moe_dir")
+    parser.add_argument("--vl_dir")
     a = parser.parse_args()
     state = ParallelState.initialize(device="cpu", seed=1234)
     report = {"capacity": check_capacity(a.moe_dir, state),
-              "adam_eps": check_adam_eps(a.moe_dir, state)}
+              "adam_eps": check_adam_eps(a.moe_dir, state),
+              "vision_lrs": check_vision_lrs(a.vl_dir, state)}
     with open(os.path.join(a.out_dir, "rank0.json"), "w") as f:
         json.dump(report, f, indent=1)
     ParallelState.destroy()
