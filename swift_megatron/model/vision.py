@@ -55,8 +55,11 @@ VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the 
 
 
 def has_vision(hf_config: Mapping[str, Any]) -> bool:
-    """Whether an HF config.json describes a model with a vision tower this project builds."""
-    return hf_config.get("model_type") in TOWERS and hf_config.get("vision_config") is not None
+    """Whether an HF config.json describes a model with a vision tower this project builds:
+    Qwen2.5-VL always, Qwen3.5 when the config has a `vision_config`."""
+    model_type = hf_config.get("model_type")
+    return model_type in TOWERS and (model_type not in INTERLEAVED_MROPE or
+                                     hf_config.get("vision_config") is not None)
 
 
 def takes_images(model_dir: str, hf_config: Mapping[str, Any]) -> bool:

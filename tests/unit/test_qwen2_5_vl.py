@@ -79,7 +79,7 @@ def test_weight_syncs_skip_the_frozen_vision_parts(vit, aligner, train_type, sle
     args = SimpleNamespace(model=SimpleNamespace(freeze_vit=vit, freeze_aligner=aligner),
                            training=SimpleNamespace(train_type=train_type),
                            rollout=SimpleNamespace(sleep_level=sleep_level))
-    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl", "vision_config": {}})
+    policy = SimpleNamespace(hf_config={"model_type": "qwen2_5_vl"})
     keep = sync_filter(args, policy)
     names = {"model.layers.0.mlp.up_proj.weight", "lm_head.weight",
              "visual.blocks.0.attn.qkv.weight", "visual.merger.mlp.0.weight"}
