@@ -1,5 +1,5 @@
 """The transformer layer spec: megatron-core's parallel linears, attention and MoE modules, with
-two modules of our own where the local (non-Transformer-Engine) spec falls short:
+modules of our own where the local (non-Transformer-Engine) spec falls short:
 
 - `RMSNorm`: supports sequence parallelism (mcore's torch-norm wrapper rejects it). Its weight is
   marked `sequence_parallel` so finalize_model_grads all-reduces it across TP.
@@ -14,6 +14,8 @@ two modules of our own where the local (non-Transformer-Engine) spec falls short
   (their gradients reduce-scattered back) and each local query chunk attends to the keys up to
   its own end through SDPA with a lower-right causal mask (`causal_lower_right`, which keeps
   the flash / memory-efficient kernels on GPU).
+- `PackedRopeSelfAttention` (model/rope.py): megatron's SelfAttention with RoPE on packed
+  micro-batches in one batched op per query / key (megatron rotates them sequence by sequence).
 
 Hybrid models (qwen3_5*) get one spec per layer (`hybrid_block_spec`): megatron-core's
 `GatedDeltaNet` for linear-attention layers (model/gdn.py's subclass, which also takes packed
@@ -38,7 +40,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                           copy_to_tensor_model_parallel_region)
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -48,6 +50,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.nn.attention.bias import causal_lower_right
 
+from swift_megatron.model.rope import PackedRopeSelfAttention
 from swift_megatron.parallel.context import CPShare
 
 
@@ -208,7 +211,7 @@ def _mlp(num_experts: Optional[int]) -> ModuleSpec:
 
 def _self_attention(qk_norm) -> ModuleSpec:
     return ModuleSpec(
-        module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        module=PackedRopeSelfAttention, params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear, core_attention=SDPAttention,
             linear_proj=RowParallelLinear, q_layernorm=qk_norm, k_layernorm=qk_norm))
