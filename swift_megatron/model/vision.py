@@ -29,7 +29,6 @@ from megatron.core.models.gpt import GPTModel
 from swift_megatron.errors import UserError
 
 
-
 class HFClasses(NamedTuple):
     """transformers' names of a vision-language family."""
 
