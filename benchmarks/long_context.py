@@ -5,7 +5,7 @@ preset, bf16 on CUDA.
 
     python benchmarks/long_context.py --preset qwen2.5-1.5b --seq 16384
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/long_context.py \
-        --preset qwen2.5-1.5b --seq 32768 --cp 2
+        --preset qwen2.5-1.5b --seq 32768 --cp 2 --recompute full
 
 One JSON line from rank 0: seconds per step (mean of --steps after one warm-up step), tokens per
 second and peak memory allocated (GiB), or the out-of-memory error when the sequence does not fit.
@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (= processes)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                        help="activation recomputation, as --recompute_granularity (full: "
+                             "uniform, one layer per checkpoint)")
     a = parser.parse_args()
 
     import torch
@@ -53,7 +56,10 @@ def main() -> None:
     hf = AutoConfig.for_model(values.pop("model_type"), **values).to_dict()
     hf["max_position_embeddings"] = max(hf.get("max_position_embeddings", 0), a.seq)
     dtype = torch.bfloat16 if st.device.type == "cuda" else torch.float32
-    chunks, config, shape = build_chunks(hf, dtype, st.device)
+    recompute = {} if a.recompute == "none" else dict(recompute_granularity=a.recompute)
+    if a.recompute == "full":
+        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+    chunks, config, shape = build_chunks(hf, dtype, st.device, **recompute)
     ddp = [wrap_ddp(chunk.train(), config, False) for chunk in chunks]
     optim = OptimizerSettings(lr=1e-6, clip_grad=1.0, lr_decay_style="constant",
                               train_iters=a.steps + 1)
@@ -82,7 +88,7 @@ def main() -> None:
         if st.device.type == "cuda":
             torch.cuda.synchronize()
 
-    line = dict(name="long_context", preset=a.preset, seq=a.seq, cp=a.cp)
+    line = dict(name="long_context", preset=a.preset, seq=a.seq, cp=a.cp, recompute=a.recompute)
     try:
         step()   # warm-up
         seconds = []

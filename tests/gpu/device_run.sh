@@ -30,6 +30,7 @@
 #   lora_vs_full      ours on the trl_compare setup, --train_type full then lora (same run)
 #   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
 #                     32k at CP=2 (2 GPUs), train-step time and peak memory
+#   long_recompute    32k tokens with full activation recomputation, CP=1 then CP=2 (2 GPUs)
 #   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler)
 #   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
 #                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
@@ -47,10 +48,10 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SWIFT_MEGATRON_NO_BAR=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -d /tmp/site/megatron ]; then   # once per machine
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/vllm_env.sh ]; then . /tmp/vllm_env.sh; fi
 [ -e swift_megatron/cli ] || ln -sfn ../cli swift_megatron/cli   # a checkout not pip-installed
 export PYTHONPATH=$PWD:$PYTHONPATH
@@ -105,6 +106,10 @@ phase() {
                       [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || return 0
                       for seq in 16384 32768; do python3 -m torch.distributed.run --nproc_per_node 2 \
                           benchmarks/long_context.py --seq $seq --cp 2; done ;;
+        long_recompute) python3 benchmarks/long_context.py --seq 32768 --recompute full
+                        [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || return 0
+                        python3 -m torch.distributed.run --nproc_per_node 2 \
+                            benchmarks/long_context.py --seq 32768 --cp 2 --recompute full ;;
         multi_turn) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 3 \
                         --tool ours --variable_length --work_dir /tmp/multi_turn -- \
                         --multi_turn_scheduler gym_scheduler --gym_env grid_world --max_turns 3 \
