@@ -72,6 +72,7 @@ FLAGS = [   # values and combinations refused at parse time
     case(["--save_steps", "0"], "--save_steps"),
     case(["--finetune", "maybe"], "--finetune"),
     case(["--rlhf_type", "dpo"], "--rlhf_type"),
+    case(["--reward_error_policy", "ignore"], "--reward_error_policy"),
     case(["--optimizer_cpu_offload", "true"], "--use_precision_aware_optimizer"),
     case(["--load", "BAD_SAVE_GARBAGE_LATEST", "--mcore_model", "MODEL"], "not both"),
     case(["--context_parallel_size", "2"], "context"),
