@@ -48,10 +48,11 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
 def _model_files(args: RlhfArguments) -> Optional[str]:
     """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
     --mcore_adapter), whose paths are checked here, before any process starts."""
-    from swift_megatron.checkpoint.start import check_resume_layout, plan_start
+    from swift_megatron.checkpoint.start import check_resume_layout, check_resume_step, plan_start
 
     start = plan_start(args.training, args.lora)
     check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim)
+    check_resume_step(start.resume_dir, args.training.train_iters or 0)
     _check_reference_paths(args, start)
     if args.model.model:
         from swift_megatron.model.hub import check_model_name
