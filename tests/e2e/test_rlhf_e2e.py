@@ -171,6 +171,38 @@ def test_kill_9_leaves_no_processes_behind(base, tmp_path):
     assert not left, left
 
 
+def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
+    """With NPROC_PER_NODE the command relaunches itself under torchrun: killing the command
+    (`kill -9`) stops torchrun and its training processes too, instead of leaving them
+    training in the background."""
+    import time
+
+    import psutil
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", *map(str, base),
+                             "--micro_batch_size", "2", "--train_iters", "50",
+                             "--output_dir", str(tmp_path / "run")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while True:   # until both workers run (torchrun's children)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            workers = [p for p in children if "swift_megatron.cli.main" in _cmdline(p)]
+            if len(workers) >= 2:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
+            time.sleep(0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    left = [f"{p.pid} {_status(p)} {' '.join(_cmdline(p))[:120]}" for p in alive]
+    for survivor in alive:
+        survivor.kill()
+    assert not left, left
+
 def _cmdline(process) -> list:
     import psutil
 
@@ -178,3 +210,12 @@ def _cmdline(process) -> list:
         return process.cmdline()
     except psutil.Error:   # exited meanwhile
         return []
+
+
+def _status(process) -> str:
+    import psutil
+
+    try:
+        return process.status()
+    except psutil.Error:
+        return "gone"
