@@ -1,7 +1,8 @@
 """`megatron rlhf` as a subprocess on the tiny model: the first step's KL is exactly 0 (the
 reference equals the policy), checkpoints resume bit-identically, the final HF export loads in
-transformers, completions are logged, the run report is written (at the end and at a save), and
-user mistakes exit 2 without a traceback."""
+transformers, completions are logged, the run report is written (at the end and at a save),
+user mistakes exit 2 without a traceback, --reward_error_policy skip trains on, and `kill -9`
+leaves no process behind."""
 import json
 import os
 import subprocess
@@ -136,6 +137,27 @@ def test_user_errors_exit_2(base, tmp_path, extra, message):
     proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path, *extra, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_reward_error_policy_skip_trains_on(base, tmp_path):
+    """A reward function that raises on odd-length completions: by default the run stops
+    (exit 2, naming it); with --reward_error_policy skip it trains on, those completions score
+    missing, and reward/odd_fails/errors counts them."""
+    plugin = tmp_path / "odd.py"
+    plugin.write_text("def odd_fails(completions, **kwargs):\n"
+                      "    if any(len(c) % 2 for c in completions):\n"
+                      "        raise ValueError('odd length')\n"
+                      "    return [1.0] * len(completions)\n")
+    flags = [*base, "--train_iters", 1, "--external_plugins", PLUGIN, plugin,
+             "--reward_funcs", "digit_ratio", "odd_fails"]
+    stopped = rlhf(*flags, "--output_dir", tmp_path / "stopped", check=False)
+    assert stopped.returncode == 2 and "reward function 'odd_fails' raised ValueError: odd " \
+        "length" in stopped.stderr and "Traceback" not in stopped.stderr
+    skipped = rlhf(*flags, "--output_dir", tmp_path / "skipped", "--reward_error_policy", "skip")
+    assert "reward function 'odd_fails' raised on" in skipped.stdout + skipped.stderr
+    [step] = logged(tmp_path / "skipped")
+    assert 0 < step["reward/odd_fails/errors"] <= 16
+    assert step["reward/odd_fails/mean"] == 1.0   # the completions it scored
 
 
 def test_kill_9_leaves_no_processes_behind(base, tmp_path):
