@@ -19,5 +19,5 @@ from swift_megatron.rewards import builtin  # noqa: F401  (registers the built-i
 BUILTIN_REWARDS = tuple(builtin_names())
 
 __all__ = ["BUILTIN_REWARDS", "REWARD_ERROR_POLICIES", "RewardConfig", "builtin_names",
-           "compute_rewards", "instantiate_reward", "load_plugins", "module_callables", "register_reward",
-           "registered_names", "resolve_reward_funcs", "score_rewards"]
+           "compute_rewards", "instantiate_reward", "load_plugins", "module_callables",
+           "register_reward", "registered_names", "resolve_reward_funcs", "score_rewards"]

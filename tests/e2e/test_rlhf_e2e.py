@@ -203,8 +203,8 @@ def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
 
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",
                MASTER_PORT=str(free_port()))
-    proc = subprocess.Popen([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", *map(str, base),
-                             "--micro_batch_size", "2", "--train_iters", "50",
+    proc = subprocess.Popen([sys.executable, "-m", "swift_megatron.cli.main", "rlhf",
+                             *map(str, base), "--micro_batch_size", "2", "--train_iters", "50",
                              "--output_dir", str(tmp_path / "run")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     try:

@@ -118,9 +118,9 @@ FILES = [   # model directories, datasets, plugins, system prompts
                                                  "'solution'"),
     case(["--dataset", "BAD_EMPTY_PROMPT.jsonl"], "BAD_EMPTY_PROMPT.jsonl row 2: its prompt is "
                                                   "empty"),
-    case(["--dataset", "BAD_EMPTY_QUERY.jsonl"], "BAD_EMPTY_QUERY.jsonl row 1: its prompt is empty: "
-                                                 "the last user message has no text (from "
-                                                 "'query')"),
+    case(["--dataset", "BAD_EMPTY_QUERY.jsonl"], "BAD_EMPTY_QUERY.jsonl row 1: its prompt is "
+                                                 "empty: the last user message has no text "
+                                                 "(from 'query')"),
     case(["--external_plugins", "BAD_SYNTAX.py"], "BAD_SYNTAX.py"),
     case(["--external_plugins", "BAD_MISSING_PLUGIN.py"], "BAD_MISSING_PLUGIN.py"),
     case(["--external_plugins", "BAD_IMPORT.py"], "BAD_IMPORT.py"),

@@ -554,8 +554,12 @@ def _by_first_token(completions, completion_ids, **kwargs):
     return [{20: 2.0, 40: 4.0, 60: 6.0}[ids[0]] for ids in completion_ids]  # KeyError for 0
 
 
+def _ones(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
 def test_skip_scores_the_raising_completion_as_missing(warnings_logged):
-    funcs = [("table", _by_first_token), ("one", lambda completions, **kw: [1.0] * len(completions))]
+    funcs = [("table", _by_first_token), ("one", _ones)]
     ids = [[20, 5], [40, 5], [0, 5], [60, 5]]
     values, raised = registry.score_rewards(funcs, ["a", "b", "c", "d"], {"completion_ids": ids},
                                             on_error="skip")
@@ -598,14 +602,15 @@ def test_collector_skip_policy_advantages_by_hand(single_process_group, warnings
 
     from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
     from swift_megatron.rollout.engine import SamplingConfig
-    from tests.unit.test_multi_turn import load_tokenizer, prompt_of
+    from swift_megatron.fixtures.tokenizer import load_tokenizer
+    from tests.unit.test_multi_turn import prompt_of
 
     tok = load_tokenizer()
     settings = CollectSettings(num_generations=4, sampling=SamplingConfig(max_tokens=2),
                                reward_names=["table", "one"], reward_weights=[1.0, 1.0],
                                scale_rewards="group", dynamic_sample=False, max_resample_times=0,
                                reward_error_policy="skip")
-    funcs = [("table", _by_first_token), ("one", lambda completions, **kw: [1.0] * len(completions))]
+    funcs = [("table", _by_first_token), ("one", _ones)]
     collector = RolloutCollector(_FixedEngine([[20, 5], [40, 5], [0, 5], [60, 5]]), funcs, tok,
                                  settings, single_process_group, single_process_group,
                                  lambda n: [], torch.device("cpu"))
