@@ -385,9 +385,9 @@ def _blame(name: str, error: Exception, fn: Callable, completions: List[str],
     fails on alone (when one does)."""
     if isinstance(error, UserError):
         return error
-    failing = [i for i in range(len(completions)) if _fails(fn, completions, kwargs, i)][:1]
-    sample = f"; first failing completion #{failing[0]}: {completions[failing[0]][:120]!r}" \
-        if failing else ""
+    first = next((i for i in range(len(completions)) if _fails(fn, completions, kwargs, i)), None)
+    sample = "" if first is None else \
+        f"; first failing completion #{first}: {completions[first][:120]!r}"
     return UserError(f"reward function {name!r} raised {_describe(error)}{sample}")
 
 
