@@ -93,6 +93,23 @@ def torchrun_argv(command: str, argv: Sequence[str],
 
 
 def relaunch(cmd: List[str]) -> int:
-    """Run the launcher in the foreground and return its exit code."""
+    """Run the launcher in the foreground and return its exit code. The launcher gets SIGTERM
+    when this process dies, even by `kill -9`, and then stops its workers: nothing goes on
+    training in the background."""
     print("launching: " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd).returncode
+    parent = os.getpid()
+    return subprocess.run(cmd, preexec_fn=lambda: _terminate_with(parent)).returncode
+
+
+def _terminate_with(parent: int) -> None:
+    """In a child between fork and exec: ask Linux to send it SIGTERM when `parent` dies (a
+    no-op elsewhere); when the parent is already gone, terminate now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -48,10 +48,11 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
 def _model_files(args: RlhfArguments) -> Optional[str]:
     """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
     --mcore_adapter), whose paths are checked here, before any process starts."""
-    from swift_megatron.checkpoint.start import check_resume_layout, plan_start
+    from swift_megatron.checkpoint.start import check_resume_layout, check_resume_step, plan_start
 
     start = plan_start(args.training, args.lora)
     check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim)
+    check_resume_step(start.resume_dir, args.training.train_iters or 0)
     _check_reference_paths(args, start)
     if args.model.model:
         from swift_megatron.model.hub import check_model_name
@@ -274,6 +275,8 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
 
 def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:
     """The checks only the dry run pays for; returns a line per thing checked."""
+    from swift_megatron.data.prompts import check_renamed_columns
+
     done = []
     if hf_config is not None:
         from swift_megatron.model.config import model_shape
@@ -285,30 +288,46 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPl
         family = args.model.model_type or text_config(hf_config)["model_type"]
         done.append(f"model: {args.model.model} ({family})")
         done += memory_lines(args, plan, hf_config)
-    done += [_check_dataset(spec, args) for spec in args.data.dataset + args.data.val_dataset]
+    for flag, specs in (("--dataset", args.data.dataset), ("--val_dataset", args.data.val_dataset)):
+        found: dict = {}
+        for spec in specs:
+            line, columns = _check_dataset(spec, args)
+            done.append(line)
+            found.update(dict.fromkeys(columns))
+        if specs and not any(_is_hub(spec) for spec in specs):
+            check_renamed_columns(args.data.columns, list(found), flag, specs)
     done += _check_rewards(args)
     return done
 
 
-def _check_dataset(spec: str, args: RlhfArguments) -> str:
-    """A local dataset: every row must hold a prompt (hub ids are only recognised)."""
+def _is_hub(spec: str) -> bool:
+    from swift_megatron.data.sources import parse_spec
+
+    return parse_spec(spec).kind == "hub"
+
+
+def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
+    """A local dataset: every row must hold a prompt (hub ids are only recognised). Returns the
+    line to print and the column names its rows have."""
     import numpy as np
 
     from swift_megatron.data.prompts import RowError, rename_columns, row_messages
-    from swift_megatron.data.sources import load_rows, parse_spec
+    from swift_megatron.data.sources import load_rows
 
-    if parse_spec(spec).kind == "hub":
-        return f"dataset {spec}: hub id (downloaded at start)"
+    if _is_hub(spec):
+        return f"dataset {spec}: hub id (downloaded at start)", []
     rows = load_rows(spec, random_state=np.random.RandomState(args.data.data_seed),
                      shuffle=args.data.dataset_shuffle)
     if not rows:
         raise UserError(f"dataset {spec} has no rows")
+    columns: dict = {}
     for number, row in enumerate(rows, 1):
         try:
             row_messages(rename_columns(row, args.data.columns))
         except RowError as error:
             raise UserError(f"dataset {spec} row {number}: {error}") from None
-    return f"dataset {spec}: {len(rows)} rows"
+        columns.update(dict.fromkeys(row))
+    return f"dataset {spec}: {len(rows)} rows", list(columns)
 
 
 def check_reward_sources(args: RlhfArguments) -> None:

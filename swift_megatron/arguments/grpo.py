@@ -136,6 +136,12 @@ class GRPOArguments:
                                          "plugin class registered in rm_plugins by "
                                          "--external_plugins.")
     external_plugins: List[str] = arg([], "Python files to import before resolving --reward_funcs.")
+    reward_error_policy: str = arg("raise", "When a reward function raises: raise stops the run "
+                                   "naming the function and the first failing completion; skip "
+                                   "scores each completion it raises on as missing for that "
+                                   "function (None, 0 in the weighted sum), with a warning, and "
+                                   "counts them in reward/<name>/errors.",
+                                   choices=["raise", "skip"])
     cosine_min_len_value_wrong: float = arg(-0.5, "cosine reward: value for a short wrong answer.")
     cosine_max_len_value_wrong: float = arg(0.0, "cosine reward: value for a long wrong answer.")
     cosine_min_len_value_correct: float = arg(1.0, "cosine reward: value for a short correct answer.")

@@ -6,6 +6,7 @@ and are renamed into place when every rank has finished, so a crash never leaves
 written checkpoint under the final name.
 """
 import os
+import queue
 import shutil
 from typing import Sequence
 
@@ -21,21 +22,20 @@ def save_strategy():
     on a 16-core GPU host the write is IO-bound only with several writer threads."""
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    _own_results_queue()
+    _in_process_results_queue()
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=max(2, min(8, os.cpu_count() or 2)))
 
 
-def _own_results_queue() -> None:
-    """megatron's torch_dist writer reports through the queue of a multiprocessing Manager that
-    it starts on the first save and never stops: a server process (~275 MB) that survives a
-    trainer killed with `kill -9`, and keeps its resource tracker alive. Start that Manager here
-    instead, bound to die with this process."""
+def _in_process_results_queue() -> None:
+    """megatron's torch_dist writer hands its results over through a module-level queue, by
+    default one of a multiprocessing Manager it starts on the first save and never stops: a
+    server process (~275 MB) and its resource tracker, which outlive a trainer killed with
+    `kill -9`. Our saves are synchronous (megatron's execute_sync): the writer puts its results
+    and reads them back in this process, so a plain queue does and no process is started."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from swift_megatron.platform.processes import start_manager
-
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = start_manager().Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -91,6 +91,21 @@ def _ms_swift_load(path: str, weights: Optional[WeightsSource], adapter: Optiona
     return weights, adapter_source(path, "--load")
 
 
+def check_resume_step(resume_dir: Optional[str], train_iters: int) -> None:
+    """UserError when the checkpoint to resume (its trainer_state.json) is past `train_iters`
+    optimizer steps (--train_iters, or what --num_train_epochs makes of the dataset; 0: not
+    known yet). A checkpoint exactly at train_iters resumes as a finished run."""
+    path = os.path.join(resume_dir, "trainer_state.json") if resume_dir else None
+    if not train_iters or path is None or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        step = int(json.load(f).get("step", 0))
+    if step > train_iters:
+        raise UserError(f"{resume_dir} is at step {step}, beyond this run's {train_iters} "
+                        "optimizer steps (--train_iters / --num_train_epochs): raise them to "
+                        "continue training")
+
+
 LAYOUT_FLAGS = {"tp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
                 "ep": "--expert_model_parallel_size", "etp": "--expert_tensor_parallel_size"}
 

@@ -134,6 +134,10 @@ def row_messages(row: Row, default_system: Optional[str] = None
             raise RowError(f"{used!r} must be a string, got {type(row[used]).__name__}")
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": row[used]}]
+    if messages[-1]["role"] == "user" and not messages[-1]["content"].strip() \
+            and not row.get("images"):
+        raise RowError(f"its prompt is empty: the last user message has no text (from "
+                       f"{used!r}); drop the row or fill it")
     if default_system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": default_system})
     others = {k: v for k, v in row.items() if k not in (used, "system")}
@@ -365,19 +369,35 @@ def _fit(prompts: List[Prompt], tokenizer: Any, settings: PromptSettings,
 
 def load_prompts(specs: Sequence[str], tokenizer: Any, settings: PromptSettings, *,
                  use_hf: bool = False, seed: int = 42, shuffle: bool = True,
-                 images: Any = None) -> List[Prompt]:
+                 images: Any = None, flag: str = "--dataset") -> List[Prompt]:
     """Load every spec in order and build its prompts; prompt ids run on across datasets.
     `#N` samples come from one RandomState(seed) (--data_seed), without shuffle the first N.
-    `images`: the model's ImageEncoder, None for a text-only model."""
+    `images`: the model's ImageEncoder, None for a text-only model. UserError when --columns
+    renames a column that no row of these datasets (`flag`, for the message) has."""
     prompts: List[Prompt] = []
     state = np.random.RandomState(seed)
+    found: Dict[str, None] = {}
     for spec in specs:
         rows = load_rows(spec, use_hf=use_hf, num_proc=settings.num_proc, random_state=state,
                          shuffle=shuffle)
         prompts.extend(build_prompts(rows, tokenizer, settings, spec=spec, first_id=len(prompts),
                                      images=images))
+        for row in rows:
+            found.update(dict.fromkeys(row))
+    check_renamed_columns(settings.columns, found, flag, specs)
     align_columns(prompts)
     return prompts
+
+
+def check_renamed_columns(columns: Optional[Dict[str, str]], found: Sequence[str], flag: str,
+                          specs: Sequence[str]) -> None:
+    """UserError when --columns renames a column that none of the rows (`found`: their column
+    names) of the datasets `specs` given to `flag` has."""
+    missing = [name for name in columns or {} if name not in found]
+    if missing:
+        raise UserError(f"--columns renames {', '.join(map(repr, missing))}, which no row of "
+                        f"{flag} {' '.join(specs)} has; its columns: "
+                        f"{', '.join(map(repr, found)) or '(none)'}")
 
 
 def split_validation(prompts: List[Prompt], ratio: float,
@@ -414,5 +434,6 @@ def prepare_prompts(args: Any, tokenizer: Any, *, max_position_embeddings: Optio
                   images=images)
     train = load_prompts(args.dataset, tokenizer, settings, **common)
     if args.val_dataset:
-        return train, load_prompts(args.val_dataset, tokenizer, settings, **common)
+        return train, load_prompts(args.val_dataset, tokenizer, settings, **common,
+                                   flag="--val_dataset")
     return split_validation(train, args.split_dataset_ratio, args.seed)

@@ -9,14 +9,15 @@
 
 Torch-free (cheap to import). User-facing documentation: docs/rewards.md.
 """
-from swift_megatron.rewards.registry import (RewardConfig, builtin_names, compute_rewards,
-                                             instantiate_reward, register_reward,
-                                             registered_names, resolve_reward_funcs)
+from swift_megatron.rewards.registry import (REWARD_ERROR_POLICIES, RewardConfig, builtin_names,
+                                             compute_rewards, instantiate_reward,
+                                             register_reward, registered_names,
+                                             resolve_reward_funcs, score_rewards)
 from swift_megatron.rewards.plugins import load_plugins, module_callables
 from swift_megatron.rewards import builtin  # noqa: F401  (registers the built-ins)
 
 BUILTIN_REWARDS = tuple(builtin_names())
 
-__all__ = ["BUILTIN_REWARDS", "RewardConfig", "builtin_names", "compute_rewards",
-           "instantiate_reward", "load_plugins", "module_callables", "register_reward",
-           "registered_names", "resolve_reward_funcs"]
+__all__ = ["BUILTIN_REWARDS", "REWARD_ERROR_POLICIES", "RewardConfig", "builtin_names",
+           "compute_rewards", "instantiate_reward", "load_plugins", "module_callables",
+           "register_reward", "registered_names", "resolve_reward_funcs", "score_rewards"]

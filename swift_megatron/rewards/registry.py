@@ -5,7 +5,8 @@
 - `resolve_reward_funcs(names, plugin_modules, config)`: each name is looked up as a built-in,
   then as a name registered by a plugin, then as a top-level callable of a plugin module.
 - `compute_rewards(funcs, completions, **columns)`: calls each function once on the whole batch
-  (awaiting asynchronous ones together) and checks what it returned.
+  (awaiting asynchronous ones together) and checks what it returned; `score_rewards` is the
+  same with --reward_error_policy (skip: a completion the function raises on scores None).
 
 A reward function is `f(completions: list[str], **kwargs) -> list[float | None]` (None: "not
 applicable", NaN for the trainer), or an `async def` one. kwargs are the other dataset columns
@@ -13,7 +14,6 @@ applicable", NaN for the trainer), or an `async def` one. kwargs are the other d
 and the names ms-swift passes (`messages`, `trainer_state`, ...: docs/rewards.md).
 """
 import asyncio
-import contextlib
 import difflib
 import inspect
 import math
@@ -301,6 +301,9 @@ def _check_values(name: str, values: Any, n: int) -> List[Optional[float]]:
     return out
 
 
+REWARD_ERROR_POLICIES = ("raise", "skip")
+
+
 def compute_rewards(funcs: Sequence[Any], completions: List[str],
                     **columns: Any) -> List[List[Optional[float]]]:
     """Call each reward function once on the whole batch: `fn(completions, **columns)`.
@@ -312,54 +315,84 @@ def compute_rewards(funcs: Sequence[Any], completions: List[str],
     it names. Asynchronous functions (`async def`, or an async `__call__` as ms-swift's AsyncORM)
     run concurrently in one event loop after the synchronous ones.
     Returns one list per function of floats or None (None: not applicable). Raises UserError when
-    a function needs a column the batch lacks or returns something other than len(completions)
-    numbers/None; other exceptions propagate with a note naming the function."""
+    a function needs a column the batch lacks, returns something other than len(completions)
+    numbers/None, or raises (naming the function, the plugin line and the first failing
+    completion)."""
+    return score_rewards(funcs, completions, columns)[0]
+
+
+def score_rewards(funcs: Sequence[Any], completions: List[str], columns: Dict[str, Any],
+                  on_error: str = "raise") -> Tuple[List[List[Optional[float]]], List[List[int]]]:
+    """compute_rewards with a policy for a function that raises (--reward_error_policy):
+    "raise" stops with a UserError; "skip" calls that function again one completion at a time
+    and scores the completions it raises on as missing (None, as "not applicable": 0 in the
+    weighted sum), with a warning naming the function, the completions and the exception.
+    Returns (one list of values per function, one list per function of the indices of the
+    completions scored missing because it raised)."""
+    if on_error not in REWARD_ERROR_POLICIES:
+        raise ValueError(f"on_error must be one of {REWARD_ERROR_POLICIES}, got {on_error!r}")
     n = len(completions)
     for key, value in columns.items():
         if isinstance(value, (list, tuple)) and len(value) != n:
             raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
     named = [item if isinstance(item, (tuple, list))
              else (getattr(item, "__name__", repr(item)), item) for item in funcs]
-    outputs, pending = {}, {}
-    try:
-        for index, (name, fn) in enumerate(named):
-            output = _call(name, fn, completions, columns)
-            (pending if inspect.isawaitable(output) else outputs)[index] = output
-    except BaseException:
-        _close(pending.values())
-        raise
+    calls = [(name, fn, _accepted_columns(name, fn, columns)) for name, fn in named]
+    outputs: Dict[int, Any] = {}
+    for index, (name, fn, kwargs) in enumerate(calls):
+        try:
+            outputs[index] = fn(completions, **kwargs)
+        except Exception as error:  # noqa: BLE001  (a plugin's error, handled per policy)
+            outputs[index] = error
+            if on_error == "raise" or isinstance(error, UserError):
+                _close(o for o in outputs.values() if inspect.isawaitable(o))
+                raise _blame(name, error, fn, completions, kwargs) from error
+    pending = {index: output for index, output in outputs.items() if inspect.isawaitable(output)}
     if pending:
-        outputs.update(_await_all({index: (named[index][0], output)
-                                   for index, output in pending.items()}))
-    return [_check_values(name, outputs[index], n) for index, (name, _) in enumerate(named)]
+        outputs.update(_await_all(pending))
+    values, failed = [], []
+    for index, (name, fn, kwargs) in enumerate(calls):
+        output = outputs[index]
+        if not isinstance(output, Exception):
+            values.append(_check_values(name, output, n))
+            failed.append([])
+        elif on_error == "raise" or isinstance(output, UserError):
+            raise _blame(name, output, fn, completions, kwargs) from output
+        else:
+            scores, errors = _one_at_a_time(name, fn, completions, kwargs)
+            _warn_skipped(name, output, errors, completions)
+            values.append(scores)
+            failed.append(sorted(errors))
+    return values, failed
 
 
-def _call(name: str, fn: Callable, completions: List[str], columns: Dict[str, Any]) -> Any:
-    """fn(completions, **the columns it accepts); an async function's coroutine is returned
-    un-awaited."""
+def _accepted_columns(name: str, fn: Callable, columns: Dict[str, Any]) -> Dict[str, Any]:
+    """The columns fn takes (all of them with **kwargs); UserError when it requires one the
+    batch lacks."""
     accepted, required = _call_plan(fn)
     missing = [k for k in required if k not in columns]
     if missing:
         raise UserError(f"reward function {name!r} needs the column(s) {', '.join(missing)}, "
                         f"which the batch does not have; available: "
                         f"{', '.join(sorted(columns)) or '(none)'}")
-    kwargs = columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
-    with _blamed(name, lambda: _failing_sample(fn, completions, kwargs)):
-        return fn(completions, **kwargs)
+    return columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
 
 
-@contextlib.contextmanager
-def _blamed(name: str, find_sample: Callable[[], str] = lambda: ""):
-    """An exception other than UserError from a reward function stops the run as a UserError
-    (exit 2, no traceback) naming the function, where in its file it raised and, when
-    `find_sample` can tell, the first completion it fails on."""
-    try:
-        yield
-    except UserError:
-        raise
-    except Exception as error:
-        raise UserError(f"reward function {name!r} raised {type(error).__name__}: {error} "
-                        f"({_where(error)}){find_sample()}") from error
+def _blame(name: str, error: Exception, fn: Callable, completions: List[str],
+           kwargs: Dict[str, Any]) -> UserError:
+    """A UserError raised by the function as is; any other exception as a UserError (exit 2,
+    no traceback) naming the function, where in its file it raised and the first completion it
+    fails on alone (when one does)."""
+    if isinstance(error, UserError):
+        return error
+    first = next((i for i in range(len(completions)) if _fails(fn, completions, kwargs, i)), None)
+    sample = "" if first is None else \
+        f"; first failing completion #{first}: {completions[first][:120]!r}"
+    return UserError(f"reward function {name!r} raised {_describe(error)}{sample}")
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error} ({_where(error)})"
 
 
 def _where(error: BaseException) -> str:
@@ -367,36 +400,79 @@ def _where(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outside = [f for f in frames if not os.path.abspath(f.filename).startswith(own)] or frames
+    if not frames:
+        return "no traceback"
     frame = outside[-1]
     return f"at {frame.filename}:{frame.lineno}, in {frame.name}"
 
 
-def _failing_sample(fn: Callable, completions: List[str], kwargs: Dict[str, Any]) -> str:
-    """'; first failing completion #i: ...' found by calling `fn` on one completion at a time
-    (only after the batch call failed), or '' when each alone passes."""
+def _call_one(fn: Callable, completions: List[str], kwargs: Dict[str, Any], i: int) -> Any:
+    """fn on completion i alone (its entry of every per-completion column), awaited when
+    asynchronous."""
     n = len(completions)
-    for i in range(n):
-        one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v
-               for k, v in kwargs.items()}
+    one = {k: [v[i]] if isinstance(v, (list, tuple)) and len(v) == n else v
+           for k, v in kwargs.items()}
+    output = fn([completions[i]], **one)
+    return asyncio.run(_awaited(output)) if inspect.isawaitable(output) else output
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _fails(fn: Callable, completions: List[str], kwargs: Dict[str, Any], i: int) -> bool:
+    try:
+        _call_one(fn, completions, kwargs, i)
+    except Exception:  # noqa: BLE001  (only looking for the failing completion)
+        return True
+    return False
+
+
+def _one_at_a_time(name: str, fn: Callable, completions: List[str], kwargs: Dict[str, Any]
+                   ) -> Tuple[List[Optional[float]], Dict[int, Exception]]:
+    """fn's value for each completion alone; None and the exception where it raises (a
+    UserError it raises, or a bad value it returns, still stops the run)."""
+    scores, errors = [], {}
+    for i in range(len(completions)):
         try:
-            output = fn([completions[i]], **one)
-            _close([output] if inspect.isawaitable(output) else [])
-        except Exception:
-            return f"; first failing completion #{i}: {completions[i][:120]!r}"
-    return ""
+            output = _call_one(fn, completions, kwargs, i)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001  (--reward_error_policy skip)
+            scores.append(None)
+            errors[i] = error
+            continue
+        scores.extend(_check_values(name, output, 1))
+    return scores, errors
 
 
-def _await_all(pending: Dict[int, Tuple[str, Any]]) -> Dict[int, Any]:
-    """Await every (name, awaitable) together (asyncio.gather in a new event loop)."""
+def _warn_skipped(name: str, batch_error: Exception, errors: Dict[int, Exception],
+                  completions: List[str]) -> None:
+    """One warning per function and batch: how many completions were scored missing, and the
+    first few with their exceptions."""
+    if not errors:
+        logger.warning(f"reward function {name!r} raised {_describe(batch_error)} on the batch of "
+                       f"{len(completions)} but on no completion alone; scored them one at a time")
+        return
+    shown = "; ".join(f"#{i} {completions[i][:80]!r}: {_describe(errors[i])}"
+                      for i in sorted(errors)[:3])
+    more = f"; and {len(errors) - 3} more" if len(errors) > 3 else ""
+    logger.warning(f"reward function {name!r} raised on {len(errors)} of {len(completions)} "
+                   f"completion(s), scored as missing (--reward_error_policy skip): {shown}{more}")
 
-    async def blamed(name, awaitable):
-        with _blamed(name):
-            return await awaitable
+
+def _await_all(pending: Dict[int, Any]) -> Dict[int, Any]:
+    """Await every awaitable together (asyncio.gather in a new event loop); an exception one
+    raises takes its place in the result."""
 
     async def gather():
-        return await asyncio.gather(*(blamed(name, aw) for name, aw in pending.values()))
+        return await asyncio.gather(*pending.values(), return_exceptions=True)
 
-    return dict(zip(pending, asyncio.run(gather())))
+    results = dict(zip(pending, asyncio.run(gather())))
+    for result in results.values():
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result
+    return results
 
 
 def _close(awaitables) -> None:

@@ -1,7 +1,8 @@
 """`megatron rlhf` as a subprocess on the tiny model: the first step's KL is exactly 0 (the
 reference equals the policy), checkpoints resume bit-identically, the final HF export loads in
-transformers, completions are logged, the run report is written (at the end and at a save), and
-user mistakes exit 2 without a traceback."""
+transformers, completions are logged, the run report is written (at the end and at a save),
+user mistakes exit 2 without a traceback, --reward_error_policy skip trains on, and `kill -9`
+leaves no process behind."""
 import json
 import os
 import subprocess
@@ -138,9 +139,31 @@ def test_user_errors_exit_2(base, tmp_path, extra, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_reward_error_policy_skip_trains_on(base, tmp_path):
+    """A reward function that raises on odd-length completions: by default the run stops
+    (exit 2, naming it); with --reward_error_policy skip it trains on, those completions score
+    missing, and reward/odd_fails/errors counts them."""
+    plugin = tmp_path / "odd.py"
+    plugin.write_text("def odd_fails(completions, **kwargs):\n"
+                      "    if any(len(c) % 2 for c in completions):\n"
+                      "        raise ValueError('odd length')\n"
+                      "    return [1.0] * len(completions)\n")
+    flags = [*base, "--train_iters", 1, "--external_plugins", PLUGIN, plugin,
+             "--reward_funcs", "digit_ratio", "odd_fails"]
+    stopped = rlhf(*flags, "--output_dir", tmp_path / "stopped", check=False)
+    assert stopped.returncode == 2 and "reward function 'odd_fails' raised ValueError: odd " \
+        "length" in stopped.stderr and "Traceback" not in stopped.stderr
+    skipped = rlhf(*flags, "--output_dir", tmp_path / "skipped", "--reward_error_policy", "skip")
+    assert "reward function 'odd_fails' raised on" in skipped.stdout + skipped.stderr
+    [step] = logged(tmp_path / "skipped")
+    assert 0 < step["reward/odd_fails/errors"] <= 16
+    assert step["reward/odd_fails/mean"] == 1.0   # the completions it scored
+
+
 def test_kill_9_leaves_no_processes_behind(base, tmp_path):
-    """A trainer killed with `kill -9` after its first checkpoint takes its helper processes
-    with it (megatron's checkpoint-writer Manager and its resource tracker included)."""
+    """A trainer killed with `kill -9` after its first checkpoint leaves no process behind
+    (megatron's checkpoint writer would start a Manager and a resource tracker that survive
+    it; ours hands its results over in-process and starts none)."""
     import time
 
     import psutil
@@ -158,7 +181,8 @@ def test_kill_9_leaves_no_processes_behind(base, tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.5)
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert children, "megatron's checkpoint writer started no process?"
+        helpers = [p.pid for p in children if "multiprocessing" in " ".join(_cmdline(p))]
+        assert not helpers, "a multiprocessing helper (megatron's writer Manager?) was started"
     finally:
         proc.kill()
         proc.wait()
@@ -167,3 +191,53 @@ def test_kill_9_leaves_no_processes_behind(base, tmp_path):
     for survivor in alive:
         survivor.kill()
     assert not left, left
+
+
+def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
+    """With NPROC_PER_NODE the command relaunches itself under torchrun: killing the command
+    (`kill -9`) stops torchrun and its training processes too, instead of leaving them
+    training in the background."""
+    import time
+
+    import psutil
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen([sys.executable, "-m", "swift_megatron.cli.main", "rlhf",
+                             *map(str, base), "--micro_batch_size", "2", "--train_iters", "50",
+                             "--output_dir", str(tmp_path / "run")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while True:   # until both workers run (torchrun's children)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            workers = [p for p in children if "swift_megatron.cli.main" in _cmdline(p)]
+            if len(workers) >= 2:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
+            time.sleep(0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    left = [f"{p.pid} {_status(p)} {' '.join(_cmdline(p))[:120]}" for p in alive]
+    for survivor in alive:
+        survivor.kill()
+    assert not left, left
+
+def _cmdline(process) -> list:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:   # exited meanwhile
+        return []
+
+
+def _status(process) -> str:
+    import psutil
+
+    try:
+        return process.status()
+    except psutil.Error:
+        return "gone"

@@ -72,6 +72,7 @@ FLAGS = [   # values and combinations refused at parse time
     case(["--save_steps", "0"], "--save_steps"),
     case(["--finetune", "maybe"], "--finetune"),
     case(["--rlhf_type", "dpo"], "--rlhf_type"),
+    case(["--reward_error_policy", "ignore"], "--reward_error_policy"),
     case(["--optimizer_cpu_offload", "true"], "--use_precision_aware_optimizer"),
     case(["--load", "BAD_SAVE_GARBAGE_LATEST", "--mcore_model", "MODEL"], "not both"),
     case(["--context_parallel_size", "2"], "context"),
@@ -112,6 +113,14 @@ FILES = [   # model directories, datasets, plugins, system prompts
     case(["--dataset", "BAD_NOT_JSON.json"], "not valid JSON"),
     case(["--dataset", "BAD_SCALAR.json"], "a .json dataset must be a list of objects"),
     case(["--dataset", "DATA", "--val_dataset", "BAD_NOT_UTF8.jsonl"], "not UTF-8 text"),
+    case(["--columns", '{"question": "query"}'], "--columns renames 'question', which no row of "
+                                                 "--dataset DATA has; its columns: 'messages', "
+                                                 "'solution'"),
+    case(["--dataset", "BAD_EMPTY_PROMPT.jsonl"], "BAD_EMPTY_PROMPT.jsonl row 2: its prompt is "
+                                                  "empty"),
+    case(["--dataset", "BAD_EMPTY_QUERY.jsonl"], "BAD_EMPTY_QUERY.jsonl row 1: its prompt is "
+                                                 "empty: the last user message has no text "
+                                                 "(from 'query')"),
     case(["--external_plugins", "BAD_SYNTAX.py"], "BAD_SYNTAX.py"),
     case(["--external_plugins", "BAD_MISSING_PLUGIN.py"], "BAD_MISSING_PLUGIN.py"),
     case(["--external_plugins", "BAD_IMPORT.py"], "BAD_IMPORT.py"),
@@ -134,6 +143,9 @@ CHECKPOINTS = [   # --load / --mcore_model / --mcore_adapter / --adapters
     case(["--load", "BAD_CKPT_MISSING_SHARD"], "model/__0_0.distcp: missing"),
     case(["--load", "BAD_CKPT_OTHER_LAYOUT"], "was saved with --tensor_model_parallel_size 2 "
                                               "(this run: 1)"),
+    case(["--load", "CKPT_AT_STEP_2", "--train_iters", "1"], "CKPT_AT_STEP_2/iter_0000002 is at "
+                                                           "step 2, beyond this run's 1 optimizer "
+                                                           "steps"),
     case(["--load", "BAD_MISSING_DIR"], "--load BAD_MISSING_DIR: no such directory"),
     case(["--load", "BAD_EMPTY_DIR"], "--load BAD_EMPTY_DIR: neither a save directory"),
     case(["--mcore_model", "BAD_MISSING_DIR"], "--mcore_model BAD_MISSING_DIR: no such directory"),
@@ -239,6 +251,9 @@ def bad(tiny_model_dir, tmp_path_factory):
     files = {
         "BAD_NOT_UTF8.jsonl": json.dumps(rows[0]).encode() + b'\n{"messages": "caf\xe9"}\n',
         "BAD_NOT_JSON.jsonl": b"{oops\n",
+        "BAD_EMPTY_PROMPT.jsonl": json.dumps(rows[0]).encode() + b'\n{"messages": [{"role": '
+                                  b'"user", "content": " "}], "solution": "1"}\n',
+        "BAD_EMPTY_QUERY.jsonl": b'{"query": "", "solution": "1"}\n',
         "BAD_LIST_LINE.jsonl": b"[1, 2]\n",
         "BAD_NO_PROMPT.jsonl": b'{"solution": "1"}\n{"solution": "2"}\n',
         "BAD_EMPTY.jsonl": b"",
@@ -258,7 +273,7 @@ def bad(tiny_model_dir, tmp_path_factory):
         paths[name] = str(root / name)
     os.makedirs(root / "BAD_EMPTY_DIR")
     paths["BAD_EMPTY_DIR"] = str(root / "BAD_EMPTY_DIR")
-    intact = _dcp_checkpoint(root / "intact")
+    intact = paths["CKPT_AT_STEP_2"] = _dcp_checkpoint(root / "intact")
 
     def checkpoint_copy(name, edit):
         target = root / name

@@ -138,6 +138,21 @@ def test_resuming_the_optimizer_needs_the_saved_layout(tmp_path):
     check_resume_layout(str(tmp_path), layout(tp=1), load_optim=True)
 
 
+def test_resuming_past_the_runs_steps_is_refused(tmp_path):
+    """The step in trainer_state.json against this run's optimizer steps (--train_iters, or
+    what --num_train_epochs gives): equal resumes as a finished run, beyond is an error."""
+    from swift_megatron.checkpoint.start import check_resume_step
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 6}))
+    check_resume_step(str(tmp_path), 6)
+    check_resume_step(str(tmp_path), 0)        # not known yet (derived from the dataset later)
+    check_resume_step(None, 3)                 # nothing to resume
+    check_resume_step(str(tmp_path / "weights_only"), 3)   # no trainer state: weights only
+    with pytest.raises(UserError, match=f"{tmp_path} is at step 6, beyond this run's 5 optimizer "
+                                        r"steps \(--train_iters / --num_train_epochs\)"):
+        check_resume_step(str(tmp_path), 5)
+
+
 def test_staging_directories_of_dead_runs_are_swept(tmp_path):
     """A killed run leaves final_hf.tmp-PID; the next link (or export) to final_hf removes it,
     but never the staging directory of a live process."""

@@ -1,5 +1,6 @@
 """Reward functions: answer extraction and comparison, the built-ins' exact values, plugin
 loading, name resolution and the checks on what reward functions return."""
+import logging
 import math
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from swift_megatron.rewards import (BUILTIN_REWARDS, RewardConfig, compute_rewar
 from swift_megatron.rewards import math_answer, registry
 from swift_megatron.rewards.builtin import (CosineReward, RepetitionPenalty, SoftOverlong, accuracy,
                                             accuracy_one, format_reward)
+from tests.unit.test_multi_turn import single_process_group  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
@@ -525,3 +527,108 @@ def test_a_raising_reward_function_is_named_with_the_sample(tmp_path):
 def test_package_does_not_import_torch():
     code = "import sys, swift_megatron.rewards; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# --reward_error_policy skip: a completion a reward function raises on scores as missing
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def warnings_logged():
+    handler = _Records()
+    logging.getLogger("swift_megatron").addHandler(handler)
+    yield handler.messages
+    logging.getLogger("swift_megatron").removeHandler(handler)
+
+
+def _by_first_token(completions, completion_ids, **kwargs):
+    return [{20: 2.0, 40: 4.0, 60: 6.0}[ids[0]] for ids in completion_ids]  # KeyError for 0
+
+
+def _ones(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_skip_scores_the_raising_completion_as_missing(warnings_logged):
+    funcs = [("table", _by_first_token), ("one", _ones)]
+    ids = [[20, 5], [40, 5], [0, 5], [60, 5]]
+    values, raised = registry.score_rewards(funcs, ["a", "b", "c", "d"], {"completion_ids": ids},
+                                            on_error="skip")
+    assert values == [[2.0, 4.0, None, 6.0], [1.0] * 4] and raised == [[2], []]
+    [message] = warnings_logged
+    assert "reward function 'table' raised on 1 of 4 completion(s), scored as missing" in message
+    assert "#2 'c': KeyError: 0 (at " in message and "test_rewards.py" in message
+    with pytest.raises(UserError, match="'table' raised KeyError: 0 .*first failing completion #2"):
+        registry.score_rewards(funcs, ["a", "b", "c", "d"], {"completion_ids": ids})
+
+    async def broken(completions, **kwargs):   # asynchronous: retried and awaited one by one
+        if "c" in completions:
+            raise ValueError("c is bad")
+        return [0.5] * len(completions)
+
+    values, raised = registry.score_rewards([("broken", broken)], ["a", "c"], {}, on_error="skip")
+    assert values == [[0.5, None]] and raised == [[1]]
+    assert "#1 'c': ValueError: c is bad" in warnings_logged[-1]
+
+
+class _FixedEngine:
+    """Completions with the given token ids, in request order."""
+
+    weight_version = 1
+
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+    def generate(self, prompts, sampling, seeds=None):
+        from swift_megatron.rollout.engine import Completion
+
+        return [Completion(list(ids), [-0.5] * len(ids), "length", 1) for ids in self.token_ids]
+
+
+def test_collector_skip_policy_advantages_by_hand(single_process_group, warnings_logged):
+    """One group of four: table = 2, 4, (raises), 6 and one = 1 each -> weighted rewards 3, 5, 1, 7
+    (the missing reward counts 0), mean 4, unbiased std sqrt(20/3) -> advantages
+    (r - 4) / (std + 1e-4); reward/table/errors counts the completion."""
+    import torch
+
+    from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
+    from swift_megatron.rollout.engine import SamplingConfig
+    from swift_megatron.fixtures.tokenizer import load_tokenizer
+    from tests.unit.test_multi_turn import prompt_of
+
+    tok = load_tokenizer()
+    settings = CollectSettings(num_generations=4, sampling=SamplingConfig(max_tokens=2),
+                               reward_names=["table", "one"], reward_weights=[1.0, 1.0],
+                               scale_rewards="group", dynamic_sample=False, max_resample_times=0,
+                               reward_error_policy="skip")
+    funcs = [("table", _by_first_token), ("one", _ones)]
+    collector = RolloutCollector(_FixedEngine([[20, 5], [40, 5], [0, 5], [60, 5]]), funcs, tok,
+                                 settings, single_process_group, single_process_group,
+                                 lambda n: [], torch.device("cpu"))
+    samples, _ = collector.collect([prompt_of(tok)], [0], seed=1)
+    metrics = collector.assign_advantages(samples)
+    std = math.sqrt(20 / 3)
+    assert [s.reward for s in samples] == [3.0, 5.0, 1.0, 7.0]
+    assert [s.rewards[0] for s in samples] == [2.0, 4.0, None, 6.0]
+    assert [s.advantage for s in samples] == pytest.approx(
+        [(r - 4) / (std + 1e-4) for r in (3, 5, 1, 7)], abs=1e-9)
+    assert metrics["reward/table/errors"] == 1.0 and metrics["reward/one/errors"] == 0.0
+    assert metrics["reward/table/mean"] == pytest.approx(4.0)
+    assert metrics["reward/mean"] == pytest.approx(4.0)
+    assert any("reward function 'table' raised on 1 of 4" in m for m in warnings_logged)
+
+
+def test_reward_error_policy_flag():
+    from tests.unit.test_grpo_arguments import grpo
+
+    assert grpo().reward_error_policy == "raise"
+    assert grpo("--reward_error_policy", "skip").reward_error_policy == "skip"

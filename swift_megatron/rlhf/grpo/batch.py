@@ -44,6 +44,8 @@ class Sample:
     rollout_logprobs: Optional[List[float]]
     finish_reason: str
     rewards: List[Optional[float]]    # one per reward function (None: not applicable)
+    reward_raised: Optional[List[bool]] = None  # --reward_error_policy skip: per reward
+    #                                         function, True where it raised (its reward: None)
     reward: float = 0.0               # weighted sum
     advantage: float = 0.0
     weight_version: int = 0

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from swift_megatron.data import Prompt
 from swift_megatron.logging import get_logger
-from swift_megatron.rewards import compute_rewards
+from swift_megatron.rewards import score_rewards
 from swift_megatron.rlhf.grpo.advantages import compute_advantages
 from swift_megatron.rlhf.grpo.batch import Sample
 from swift_megatron.rlhf.grpo.filtering import zero_std_prompt_ids
@@ -49,6 +49,7 @@ class CollectSettings:
     advantage_estimator: str = "grpo"
     kl_beta: float = 0.0          # --kl_in_reward: rewards minus kl_beta x completion KL
     multi_turn: Optional[MultiTurnSettings] = None   # with a scheduler: the turn budget
+    reward_error_policy: str = "raise"   # skip: a reward function's exception scores None
 
 
 @dataclasses.dataclass
@@ -162,11 +163,13 @@ class RolloutCollector:
         # multi-turn: rewards score the model's last answer (ms-swift), the log shows everything
         answers = [c.last_answer if isinstance(c, Trajectory) else text
                    for c, text in zip(completions, texts)]
-        per_func = compute_rewards(self.reward_funcs, answers, **reward_columns(
-            prompts, group_ids, completions, answers, self.trainer_state))
+        per_func, raised = score_rewards(self.reward_funcs, answers, reward_columns(
+            prompts, group_ids, completions, answers, self.trainer_state),
+            on_error=self.settings.reward_error_policy)
         samples = []
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             rewards = [values[row] for values in per_func]
+            failed = [row in rows for rows in raised]
             multi = isinstance(completion, Trajectory)
             samples.append(Sample(
                 group_id=group_ids[row], prompt_id=prompt.prompt_id,
@@ -174,6 +177,7 @@ class RolloutCollector:
                 completion_ids=completion.token_ids, rollout_logprobs=completion.logprobs,
                 finish_reason=completion.finish_reason, rewards=rewards,
                 reward=_weighted(rewards, self.settings.reward_weights),
+                reward_raised=failed if any(failed) else None,
                 weight_version=completion.weight_version, completion_text=texts[row],
                 loss_mask=completion.loss_mask if multi else None,
                 rollout_infos=completion.rollout_infos if multi else None))
@@ -219,7 +223,8 @@ class RolloutCollector:
         start = dist.get_rank(self.dp_group) * len(samples)
         for sample, value in zip(samples, advantages[start:start + len(samples)].tolist()):
             sample.advantage = value
-        return _rollout_metrics(table, metrics, s.reward_names, kl is not None)
+        return _rollout_metrics(table, metrics, s.reward_names, kl is not None,
+                                s.reward_error_policy == "skip")
 
     def collect(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
                 generated: Optional[Future] = None) -> Tuple[List[Sample], Dict[str, float]]:
@@ -318,13 +323,14 @@ def _replace_groups(samples: List[Sample], fresh: List[Sample]) -> List[Sample]:
 
 def _sample_rows(samples: List[Sample], n_funcs: int,
                  kl: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[N, F + 5]: rewards per function (NaN for None), total, group id, length, truncated, KL
-    to the reference (0 without kl)."""
+    """[N, 2F + 5]: rewards per function (NaN for None), total, group id, length, truncated, KL
+    to the reference (0 without kl), then per function 1 where it raised (reward_raised)."""
     kl_values = [0.0] * len(samples) if kl is None else kl.tolist()
     rows = [[math.nan if r is None else float(r) for r in s.rewards]
             + [s.reward, float(s.group_id), float(len(s.completion_ids)), float(s.truncated), k]
+            + [float(x) for x in s.reward_raised or [False] * n_funcs]
             for s, k in zip(samples, kl_values)]
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(samples), n_funcs + 5)
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(samples), 2 * n_funcs + 5)
 
 
 def _gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
@@ -334,7 +340,9 @@ def _gather_rows(rows: torch.Tensor, group) -> torch.Tensor:
 
 
 def _rollout_metrics(table: torch.Tensor, adv_metrics: Dict[str, float],
-                     names: List[str], with_kl: bool) -> Dict[str, float]:
+                     names: List[str], with_kl: bool, with_errors: bool) -> Dict[str, float]:
+    """Metrics of the gathered _sample_rows table; with_errors (--reward_error_policy skip):
+    reward/<name>/errors, the completions each function raised on."""
     n_funcs = len(names)
     lengths, truncated = table[:, n_funcs + 2], table[:, n_funcs + 3]
     metrics = {"reward/mean": adv_metrics["reward_mean"], "reward/std": adv_metrics["reward_std"],
@@ -350,4 +358,6 @@ def _rollout_metrics(table: torch.Tensor, adv_metrics: Dict[str, float],
         values = table[:, column]
         metrics[f"reward/{name}/mean"] = values.nanmean().item()
         metrics[f"reward/{name}/std"] = values[~values.isnan()].std().item() if values.numel() > 1 else 0.0
+        if with_errors:
+            metrics[f"reward/{name}/errors"] = table[:, n_funcs + 5 + column].sum().item()
     return metrics

@@ -453,7 +453,8 @@ def collector(args: RlhfArguments, state: ParallelState, eng, tok, reward_funcs,
         reward_weights=g.reward_weights or [1.0] * len(reward_funcs),
         scale_rewards=g.scale_rewards, dynamic_sample=g.dynamic_sample,
         max_resample_times=g.max_resample_times, advantage_estimator=g.advantage_estimator,
-        kl_beta=g.beta if g.kl_in_reward else 0.0, multi_turn=turn_settings)
+        kl_beta=g.beta if g.kl_in_reward else 0.0, multi_turn=turn_settings,
+        reward_error_policy=g.reward_error_policy)
     return RolloutCollector(eng, reward_funcs, tok, settings, state.mp_group, state.dp_group,
                             fresh, state.device, scheduler=multi_turn, images=images)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint import run as run_checkpoint
-from swift_megatron.checkpoint.start import plan_start
+from swift_megatron.checkpoint.start import check_resume_step, plan_start
 from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
 from swift_megatron.errors import UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
@@ -69,6 +69,7 @@ class GRPOTrainer:
                                                              images)
         self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
+        check_resume_step(start.resume_dir, self.train_iters)   # before building anything
         self.policy = build.policy(args, self.state, model_dir, self.train_iters, start)
         self.reference = build.reference_model(args, self.state, self.policy, start, self.tokenizer)
         self.teacher = build.teacher(args, self.state, self.policy, self.tokenizer)
@@ -454,10 +455,6 @@ class GRPOTrainer:
             logger.info(f"initialised the policy from {directory} (weights only)")
             return
         self.step = int(state["step"])
-        if self.step > self.train_iters:
-            raise UserError(f"{directory} is at step {self.step}, beyond this run's "
-                            f"{self.train_iters} optimizer steps (--train_iters / "
-                            "--num_train_epochs): raise them to continue training")
         dropped = self.metrics_log.drop_after(self.step)
         if dropped:
             logger.info(f"logging.jsonl: removed {dropped} line(s) of steps after {self.step}")
