@@ -1,13 +1,14 @@
 """Worker: tiny vision-language models on Megatron (model/vision.py) against transformers, with
-images: Qwen2.5-VL and Qwen3.5 with its vision tower (one result per `--hf_dir`, by model_type).
+images: Qwen2.5-VL, Qwen3-VL and Qwen3.5 with its vision tower (one result per `--hf_dir`, by
+model_type).
 
 Loads each HF checkpoint through the bridge in the given layout (TP, PP, sequence parallelism),
 exports it back and compares every tensor with the original bit for bit, then runs both models
 on two sequences holding one image each (random pixels, seeded) at different places (the
 Megatron model through the trainer's micro-batch path) and reports the float32 logit
 differences; controls: the same Megatron model with 1-D positions on all three M-RoPE axes,
-with other pixels, and (Qwen3.5) with megatron-core's contiguous M-RoPE sections instead of the
-interleaved ones. With --alias_dir (one per --hf_dir) it also loads a copy of each checkpoint
+with other pixels, (Qwen3-VL, Qwen3.5) with megatron-core's contiguous M-RoPE sections instead
+of the interleaved ones, and (Qwen3-VL) without the deepstack features. With --alias_dir (one per --hf_dir) it also loads a copy of each checkpoint
 saved in the other prefix layout and exports it. Writes {out_dir}/rank{R}.json.
 """
 import argparse
@@ -82,6 +83,20 @@ def contiguous_mrope_logits(loaded, state, ids, positions, pixels, grid):
         rotary.__class__ = InterleavedMRoPE
 
 
+def no_deepstack_logits(loaded, state, hf_config, ids, positions, pixels, grid):
+    """Logits with the deepstack features dropped (the Qwen3-VL control; None for towers
+    without deepstack)."""
+    from swift_megatron.model.vision import deepstack_indexes
+
+    if not deepstack_indexes(hf_config):
+        return None
+    loaded.model.deepstack_context = lambda *args: {}
+    try:
+        return megatron_logits(loaded, state, ids, positions, pixels, grid)
+    finally:
+        del loaded.model.deepstack_context
+
+
 def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
     """(model_type, its report) of one checkpoint."""
     import torch
@@ -115,6 +130,9 @@ def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
     contiguous = contiguous_mrope_logits(loaded, state, ids, positions, pixels, grid)
     if contiguous is not None:
         result["logits"]["control_contiguous_mrope"] = diff(contiguous, reference)
+    shallow = no_deepstack_logits(loaded, state, hf_config, ids, positions, pixels, grid)
+    if shallow is not None:
+        result["logits"]["control_no_deepstack"] = diff(shallow, reference)
     if alias_dir:
         aliased = load_mcore_model(hf_config, model_type, torch.float32, state,
                                    hf_dir=alias_dir)
