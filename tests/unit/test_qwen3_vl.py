@@ -1,0 +1,75 @@
+"""Qwen3-VL config reading (interleaved M-RoPE sections, q/k norms), its aligner (merger and
+deepstack mergers, as ms-swift), and deepstack under full activation recomputation: the
+recomputed layers get the deepstack features again (model/vision.py), so gradients equal those
+without recomputation."""
+import pytest
+import torch
+
+from swift_megatron.fixtures import build_tiny_model, tiny_hf_config
+from swift_megatron.model.config import model_shape, transformer_config
+from swift_megatron.model.vision import (deepstack_indexes, has_vision, takes_images,
+                                         vision_part)
+
+
+def test_nested_config_gives_interleaved_sections_and_qk_norms():
+    hf = tiny_hf_config("qwen3_vl").to_dict()
+    config = transformer_config(hf, dtype=torch.float32)
+    assert config.mrope_section == [4, 2, 2] and config.qk_layernorm
+    assert not config.add_qkv_bias and (config.num_layers, config.kv_channels) == (4, 16)
+    assert model_shape(hf).model_type == "qwen3_vl" and not model_shape(hf).tie_word_embeddings
+    assert has_vision(hf) and takes_images("/nowhere", hf)
+    assert deepstack_indexes(hf) == [0, 1]
+
+
+def test_missing_mrope_section_takes_transformers_default():
+    hf = tiny_hf_config("qwen3_vl", head_dim=128).to_dict()
+    hf["text_config"]["rope_parameters"].pop("mrope_section")
+    assert transformer_config(hf, dtype=torch.float32).mrope_section == [24, 20, 20]
+
+
+def test_deepstack_mergers_are_the_aligner():
+    assert vision_part("visual.deepstack_merger_list.0.linear_fc1.weight") == "aligner"
+    assert vision_part("model.visual.deepstack_merger_list.1.norm.bias") == "aligner"
+    assert vision_part("model.visual.merger.norm.bias") == "aligner"
+    assert vision_part("model.visual.blocks.0.attn.qkv.weight") == "vit"
+    assert vision_part("model.language_model.layers.0.mlp.up_proj.weight") == "llm"
+
+
+@pytest.fixture
+def cpu_state():
+    from swift_megatron.parallel.state import ParallelState
+
+    yield ParallelState.initialize(device="cpu", seed=0)
+    ParallelState.destroy()
+
+
+def _grads(model, batch, recompute: bool):
+    config = model.config
+    config.recompute_granularity, config.recompute_method, config.recompute_num_layers = \
+        ("full", "uniform", 1) if recompute else (None, None, None)
+    model.zero_grad(set_to_none=True)
+    model(batch["ids"], batch["positions"], None, pixel_values=batch["pixels"],
+          image_grid_thw=batch["grid"]).square().sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_deepstack_under_full_recompute_gives_the_same_gradients(cpu_state, tmp_path):
+    from swift_megatron.export import load_mcore_model
+    from swift_megatron.model.config import load_hf_config
+    from tests.distributed.workers.vision_checks import inputs
+
+    hf_dir = build_tiny_model("qwen3_vl", str(tmp_path / "qwen3_vl"))
+    hf_config = load_hf_config(hf_dir)
+    loaded = load_mcore_model(hf_config, "qwen3_vl", torch.float32, cpu_state, hf_dir=hf_dir)
+    model = loaded.model.train()
+    ids, pixels, grid, _ = inputs(hf_config)
+    from swift_megatron.data.images import mrope_position_ids
+
+    positions = mrope_position_ids(hf_config, ids, hf_config["image_token_id"], grid)
+    batch = dict(ids=ids, positions=positions, pixels=pixels, grid=grid)
+    plain, recomputed = _grads(model, batch, False), _grads(model, batch, True)
+    assert plain.keys() == recomputed.keys()
+    deepstack = [n for n in plain if "deepstack_merger_list" in n]
+    assert len(deepstack) == 12 and all(plain[n].abs().max() > 0 for n in deepstack)
+    worst = max(float((plain[n] - recomputed[n]).abs().max()) for n in plain)
+    assert worst <= 1e-6
