@@ -295,11 +295,13 @@ def test_check_model_finds_a_truncated_shard(tiny_model_dir, tmp_path):
         export.prepare(parse_command(ExportCommandArguments, argv, "megatron export"), 1)
 
 
-def test_qwen2_5_vl_precision_check_runs_with_an_image(tiny_model_dir):
-    """Qwen2.5-VL (float32): the check feeds an image per sequence through the model
-    directory's image processor to both models (transformers' whole image-text-to-text model;
-    precision_images.py) and they agree (measured: docs/multimodal.md)."""
-    proc = export("--model", tiny_model_dir("qwen2_5_vl"), "--test_convert_precision", "true",
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen2_5_vl_precision_check_runs_with_an_image(tiny_model_dir, family):
+    """Qwen2.5-VL and Qwen3-VL (float32): the check feeds an image per sequence through the
+    model directory's image processor to both models (transformers' whole image-text-to-text
+    model; precision_images.py; Qwen3-VL with deepstack) and they agree (measured:
+    docs/multimodal.md)."""
+    proc = export("--model", tiny_model_dir(family), "--test_convert_precision", "true",
                   "--test_convert_precision_atol", "1e-5")
     assert proc.returncode == 0 and "-> PASS" in proc.stdout, proc.stdout + proc.stderr
     assert "float32, an image in each sequence" in proc.stdout
