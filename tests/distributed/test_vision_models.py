@@ -1,14 +1,15 @@
 """Vision-language models on Megatron against transformers, with images in the input
 (workers/vision_checks.py): the tiny qwen2_5_vl fixture (real two-block vision tower), the tiny
 qwen3_vl fixture (qwen3 text stack, interleaved M-RoPE, two-block tower feeding deepstack into
-decoder layers 0 and 1) and the tiny qwen3_5 / qwen3_5_moe fixtures (Qwen3_5ForConditionalGeneration: Gated DeltaNet hybrid
-text stack with interleaved M-RoPE, one-block Qwen3_5VisionModel), in one launch per layout.
+decoder layers 0 and 1) and the tiny qwen3_5 / qwen3_5_moe fixtures
+(Qwen3_5ForConditionalGeneration: Gated DeltaNet hybrid text stack with interleaved M-RoPE,
+one-block Qwen3_5VisionModel), in one launch per layout.
 
 - The bridge loads every tensor (language model and vision tower) and exports it bit for bit,
   from the layout transformers saves and from the other prefix style (Qwen2.5-VL: hub
   model.layers.* / visual.* and in-memory model.language_model.* / model.visual.*; Qwen3-VL and
-  Qwen3.5: model.language_model.* / model.visual.* and model.* / visual.*); Qwen3.5's mtp.* is copied
-  through, not mapped.
+  Qwen3.5: model.language_model.* / model.visual.* and model.* / visual.*); Qwen3.5's mtp.* is
+  copied through, not mapped.
 - float32 logits with one image per sequence, through the trainer's micro-batch path
   (pixel_values, image_grid_thw and 3-D positions in the micro-batch), match transformers at
   TP=1, at TP=2 with sequence parallelism (images merged before the sequence is scattered) and

@@ -8,8 +8,9 @@ on two sequences holding one image each (random pixels, seeded) at different pla
 Megatron model through the trainer's micro-batch path) and reports the float32 logit
 differences; controls: the same Megatron model with 1-D positions on all three M-RoPE axes,
 with other pixels, (Qwen3-VL, Qwen3.5) with megatron-core's contiguous M-RoPE sections instead
-of the interleaved ones, and (Qwen3-VL) without the deepstack features. With --alias_dir (one per --hf_dir) it also loads a copy of each checkpoint
-saved in the other prefix layout and exports it. Writes {out_dir}/rank{R}.json.
+of the interleaved ones, and (Qwen3-VL) without the deepstack features. With --alias_dir (one
+per --hf_dir) it also loads a copy of each checkpoint saved in the other prefix layout and
+exports it. Writes {out_dir}/rank{R}.json.
 """
 import argparse
 import json
