@@ -4,9 +4,9 @@ Qwen3.5 (with its vision tower; Gated DeltaNet hybrid, interleaved M-RoPE), all 
 added and expanded), completions sampled by the embedded engine with each prompt's pixels (an
 image-less prompt in the same batch), and the trainer's logprobs of those tokens through the
 micro-batch path (pixels, grids, 3-D positions; padded and packed; PP=1 and PP=2 with the
-vision tower on stage 0) equal the engine's in float32; with the two images' pixels swapped they do not (the image rows change, the text row
-does not); a completion that samples the image token id trains as a plain token (it used to
-stop the step)."""
+vision tower on stage 0) equal the engine's in float32; with the two images' pixels swapped
+they do not (the image rows change, the text row does not); a completion that samples the
+image token id trains as a plain token (it used to stop the step)."""
 import json
 
 import pytest
