@@ -73,3 +73,26 @@ def test_deepstack_under_full_recompute_gives_the_same_gradients(cpu_state, tmp_
     assert len(deepstack) == 12 and all(plain[n].abs().max() > 0 for n in deepstack)
     worst = max(float((plain[n] - recomputed[n]).abs().max()) for n in plain)
     assert worst <= 1e-6
+
+
+@pytest.mark.parametrize("vit,aligner,sent", [
+    (True, True, {"model.language_model.layers.0.mlp.up_proj.weight"}),
+    (True, False, {"model.language_model.layers.0.mlp.up_proj.weight",
+                   "model.visual.merger.linear_fc1.weight",
+                   "model.visual.deepstack_merger_list.0.linear_fc1.weight"}),
+    (False, True, {"model.language_model.layers.0.mlp.up_proj.weight",
+                   "model.visual.blocks.0.attn.qkv.weight"})])
+def test_weight_syncs_leave_out_frozen_deepstack_mergers(vit, aligner, sent):
+    """Later syncs send the deepstack mergers exactly when the aligner trains."""
+    from types import SimpleNamespace
+
+    from swift_megatron.rlhf.grpo.components import sync_filter
+
+    args = SimpleNamespace(model=SimpleNamespace(freeze_vit=vit, freeze_aligner=aligner),
+                           training=SimpleNamespace(train_type="full"),
+                           rollout=SimpleNamespace(sleep_level=0))
+    keep = sync_filter(args, SimpleNamespace(hf_config={"model_type": "qwen3_vl"}))
+    names = {"model.language_model.layers.0.mlp.up_proj.weight",
+             "model.visual.blocks.0.attn.qkv.weight", "model.visual.merger.linear_fc1.weight",
+             "model.visual.deepstack_merger_list.0.linear_fc1.weight"}
+    assert {n for n in names if keep(n)} == sent
