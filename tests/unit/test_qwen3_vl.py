@@ -27,6 +27,31 @@ def test_missing_mrope_section_takes_transformers_default():
     assert transformer_config(hf, dtype=torch.float32).mrope_section == [24, 20, 20]
 
 
+def test_hub_4x_config_style():
+    """transformers 4.57's save (the hub checkpoints): rope_scaling + rope_theta in text_config,
+    tying at the top level."""
+    text = dict(tiny_hf_config("qwen3_vl").to_dict()["text_config"], rope_parameters=None,
+                rope_theta=5e6, rope_scaling={"rope_type": "default", "mrope_interleaved": True,
+                                              "mrope_section": [4, 2, 2]})
+    hf = dict(tiny_hf_config("qwen3_vl").to_dict(), text_config=text, tie_word_embeddings=True)
+    assert transformer_config(hf, dtype=torch.float32).mrope_section == [4, 2, 2]
+    shape = model_shape(hf)
+    assert shape.rope_theta == 5e6 and shape.tie_word_embeddings and shape.qk_layernorm
+
+
+def test_deepstack_layers_off_the_first_stage_are_refused():
+    """Deepstack into layers 1..3 with only 2 layers on the first stage (e.g. PP=2 of 4)."""
+    from types import SimpleNamespace
+
+    from swift_megatron.errors import UserError
+    from swift_megatron.model.vision import VisionGPTModel
+
+    stage = SimpleNamespace(decoder=SimpleNamespace(
+        layers=[SimpleNamespace(layer_number=n) for n in (1, 2)]))
+    with pytest.raises(UserError, match="deepstack features go into decoder layers 1..3"):
+        VisionGPTModel._hook_deepstack(stage, 3)
+
+
 def test_deepstack_mergers_are_the_aligner():
     assert vision_part("visual.deepstack_merger_list.0.linear_fc1.weight") == "aligner"
     assert vision_part("model.visual.deepstack_merger_list.1.norm.bias") == "aligner"
