@@ -14,9 +14,9 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from swift_megatron.arguments.commands import RlhfArguments
+from swift_megatron.errors import UserError
 from swift_megatron.preflight import vllm_installed
 from swift_megatron.rollout.engine import RolloutEngine
-
 
 
 def engine_kind(args: RlhfArguments, device: torch.device) -> str:
@@ -26,33 +26,44 @@ def engine_kind(args: RlhfArguments, device: torch.device) -> str:
     return args.rollout.vllm_mode
 
 
-def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int],
-                         dummy_weights: bool) -> Dict[str, Any]:
+def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int], dummy_weights: bool,
+                         images: Optional[bool] = None) -> Dict[str, Any]:
     """vLLM engine arguments of a vision-language model (--vllm_engine_kwargs wins):
     `mm_processor_kwargs` max_pixels as the trainer's (--max_pixels / MAX_PIXELS), and with
     `dummy_weights` (the colocated engine) `mm_device_do_normalize=False` where vLLM has it
     (0.32): that option's normalisation buffers (`visual.input_norm`) are no checkpoint tensor,
-    so no weight sync would ever fix their random values."""
+    so no weight sync would ever fix their random values. A Qwen3.5 engine starts its language
+    model only (vllm_compat.model_defaults) unless `images`: whether the run's prompts hold
+    images (the trainer knows its dataset), or None for "whenever the checkpoint takes images"
+    (a rollout server, which cannot know its requests)."""
     import dataclasses
 
     from swift_megatron.model.config import load_hf_config
-    from swift_megatron.model.vision import has_vision
+    from swift_megatron.model.vision import OPTIONAL_TOWER, has_vision, takes_images
 
-    if not has_vision(load_hf_config(model_dir)):
+    hf_config = load_hf_config(model_dir)
+    if not has_vision(hf_config):
         return {}
     from vllm.engine.arg_utils import EngineArgs
 
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs: Dict[str, Any] = {}
     if max_pixels is not None:
         kwargs["mm_processor_kwargs"] = {"max_pixels": max_pixels}
-    if dummy_weights and "mm_device_do_normalize" in {f.name for f in dataclasses.fields(EngineArgs)}:
+    if dummy_weights and "mm_device_do_normalize" in fields:
         kwargs["mm_device_do_normalize"] = False
+    if images is None:
+        images = takes_images(model_dir, hf_config)
+    if images and hf_config["model_type"] in OPTIONAL_TOWER and "language_model_only" in fields:
+        kwargs["language_model_only"] = False
     return kwargs
 
 
 def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: Sequence[int], pad_token_id: int) -> RolloutEngine:
-    """The engine the flags ask for (see the module docstring)."""
+                 eos_token_ids: Sequence[int], pad_token_id: int,
+                 images: bool = False) -> RolloutEngine:
+    """The engine the flags ask for (see the module docstring); `images`: whether the run's
+    prompts hold images (a Qwen3.5 vLLM engine then starts with its vision tower)."""
     kind = engine_kind(args, device)
     bucket_bytes = args.rollout.weight_sync_bucket_mb << 20
     if kind == "hf":
@@ -74,7 +85,11 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
     from swift_megatron.data.images import resolve_max_pixels
 
     engine_kwargs = {**vision_engine_kwargs(model_dir, resolve_max_pixels(args.data.max_pixels),
-                                            dummy_weights=True), **(v.vllm_engine_kwargs or {})}
+                                            dummy_weights=True, images=images),
+                     **(v.vllm_engine_kwargs or {})}
+    if images and engine_kwargs.get("language_model_only"):
+        raise UserError("--vllm_engine_kwargs language_model_only=true starts vLLM without the "
+                        "vision tower, but the dataset holds images: drop that key")
     settings = ColocateSettings(
         model_dir=model_dir, dtype=str(dtype).replace("torch.", ""), seed=args.training.seed,
         tensor_parallel_size=v.vllm_tensor_parallel_size,

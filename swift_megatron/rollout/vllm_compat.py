@@ -36,7 +36,8 @@ What differs, and how it is handled here:
   (Qwen3.5) bfloat16 and linear head dims 64/128 only: `check_model_supported` turns that into
   a UserError before an engine is built (vLLM itself fails at the first request).
 - Qwen3.5 checkpoints are vision-language models; their vLLM engines start with
-  `language_model_only` (`model_defaults`; images with vLLM are untested for them).
+  `language_model_only` (`model_defaults`) unless images are wanted (rollout/factory.py
+  `vision_engine_kwargs` then sets it False).
 - Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
 - Closing: vLLM keeps its model-parallel groups in module state after an `LLM` is dropped;
   `release_engine` destroys them (not torch.distributed's world), so a process can build
@@ -47,6 +48,7 @@ import dataclasses
 import difflib
 import gc
 import json
+import logging
 import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -261,9 +263,8 @@ def check_model_supported(model_dir: str, dtype: Optional[str] = None) -> None:
 def model_defaults(model_dir: str) -> Dict[str, Any]:
     """LLM(...) keywords this model gets unless --vllm_engine_kwargs sets them: a Qwen3.5
     vision-language checkpoint starts its language model only (`language_model_only`, where the
-    installed vLLM has it; it ignores the vision tensors a sync sends): Qwen3.5 rollouts with
-    images are tested with the embedded engine only (docs/multimodal.md), and vLLM would want
-    the checkpoint's image processor."""
+    installed vLLM has it; it ignores the vision tensors a sync sends); a run or server with
+    images overrides it (rollout/factory.py `vision_engine_kwargs`)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
     if text_config(hf_config).get("model_type") in HYBRID_TYPES and \
@@ -408,13 +409,39 @@ def finish_weight_update(worker) -> None:
         return
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    finalize_layerwise_reload(model, model_config)
+    with _kept_layers_counted() as kept:
+        finalize_layerwise_reload(model, model_config)
+    if kept:
+        logger.debug(f"weight update: {len(kept)} layers got no tensors and keep their weights "
+                     f"(frozen parts left out of the sync)")
     if on_cpu():
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
         with _cpu_conv_weights_kept(model):
             process_weights_after_loading(model, model_config, worker.device)
         _repack_cpu_experts(model)
+
+
+@contextlib.contextmanager
+def _kept_layers_counted():
+    """vLLM's layerwise reload warns "Failed to load weights" for every layer an update left
+    out and puts that layer's previous tensors back: what a sync without the frozen parts (a
+    frozen vision tower) wants. Those warnings are collected here (the layer classes) instead
+    of printed, one per layer per sync."""
+    kept: List[str] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        if record.getMessage().endswith(": Failed to load weights"):
+            kept.append(record.getMessage().split(":")[0])
+            return False
+        return True
+
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload_logger.addFilter(keep)
+    try:
+        yield kept
+    finally:
+        reload_logger.removeFilter(keep)
 
 
 @contextlib.contextmanager

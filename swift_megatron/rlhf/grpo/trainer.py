@@ -73,7 +73,8 @@ class GRPOTrainer:
         self.reference = build.reference_model(args, self.state, self.policy, start, self.tokenizer)
         self.teacher = build.teacher(args, self.state, self.policy, self.tokenizer)
         self.sampler, fresh = build.samplers(args, plan, self.state, self.train_prompts)
-        self.engine = build.engine(args, self.state, self.policy, self.tokenizer)
+        self.engine = build.engine(args, self.state, self.policy, self.tokenizer,
+                                   self.train_prompts + self.val_prompts)
         self.sync_filter, self.synced = build.sync_filter(args, self.policy), False
         build.check_images(args, self.state, self.engine, self.train_prompts + self.val_prompts)
         frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
