@@ -212,14 +212,17 @@ class VisionGPTModel(GPTModel):
         order = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
         order[mask] = torch.arange(int(mask.sum()), device=mask.device)
         mask, order = mask.t(), order.t()          # [s, b], as the hidden states
+        stacked = torch.stack(list(features)).to(dtype)   # [layers, N, h]
         if self.config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             rank = parallel_state.get_tensor_model_parallel_rank()
             chunk = mask.shape[0] // tp
             mask, order = (t[rank * chunk:(rank + 1) * chunk] for t in (mask, order))
-        index = order[mask]
-        return {"context": torch.stack([f[index] for f in features]).to(dtype),
-                "context_mask": mask.contiguous()}
+            # each rank's gradient covers its chunk's rows only: summed over TP in the backward
+            # pass, the replicated tower gets the whole gradient on every rank (as the
+            # embeddings' sequence-parallel scatter does for the merged image embeddings)
+            stacked = tensor_parallel.copy_to_tensor_model_parallel_region(stacked)
+        return {"context": stacked[:, order[mask]], "context_mask": mask.contiguous()}
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: Optional[torch.Tensor] = None,
