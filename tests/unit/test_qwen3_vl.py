@@ -40,11 +40,20 @@ def test_hub_4x_config_style():
 
 
 def test_deepstack_layers_off_the_first_stage_are_refused():
-    """Deepstack into layers 1..3 with only 2 layers on the first stage (e.g. PP=2 of 4)."""
+    """Deepstack into layers 1..3 with only 2 layers on the first stage (PP=2 of 4): refused
+    by the layout check (before launching) and by the model where it registers its hooks."""
     from types import SimpleNamespace
 
     from swift_megatron.errors import UserError
     from swift_megatron.model.vision import VisionGPTModel
+    from swift_megatron.parallel.layout import check_layout
+
+    hf = tiny_hf_config("qwen3_vl", vision_config=dict(depth=3, deepstack_visual_indexes=[0, 1, 2]))
+    check_layout(hf.to_dict(), tp=1, pp=1)
+    with pytest.raises(UserError, match=r"decoder layers 1..3.*holds 2 of 4"):
+        check_layout(hf.to_dict(), tp=1, pp=2)
+    with pytest.raises(UserError, match=r"decoder layers 1..2.*holds 1 of 4"):
+        check_layout(tiny_hf_config("qwen3_vl").to_dict(), tp=1, pp=2, vpp=2)
 
     stage = SimpleNamespace(decoder=SimpleNamespace(
         layers=[SimpleNamespace(layer_number=n) for n in (1, 2)]))
