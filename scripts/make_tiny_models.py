@@ -5,8 +5,9 @@
         [--retrain_tokenizer]
 
 Writes DIR/<family>/ (config.json, model.safetensors, generation_config.json, tokenizer files)
-per family (qwen2_5_vl and qwen3_5* also write their image processor) and DIR/math.jsonl; with
---image_dataset_rows also DIR/colours.jsonl and DIR/images/ (the image task).
+per family (qwen2_5_vl, qwen3_vl and qwen3_5* also write their image processor) and
+DIR/math.jsonl; with --image_dataset_rows also DIR/colours.jsonl and DIR/images/ (the image
+task).
 `--retrain_tokenizer` first retrains the byte-level BPE and rewrites
 the committed swift_megatron/fixtures/data/tokenizer/ files (deterministic: the files only change
 when the corpus or tokenizers' training changes).

@@ -6,7 +6,7 @@ from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5",
-                         "qwen3_5_moe", "qwen2_5_vl")
+                         "qwen3_5_moe", "qwen2_5_vl", "qwen3_vl")
 # ms-swift's own model_type names of the families above (its --model_type is not the HF one).
 MS_SWIFT_MODEL_TYPES = {"qwen2_5": "qwen2", "qwen2_5_math": "qwen2", "qwen2_5_coder": "qwen2",
                         "qwq": "qwen2", "qwen3_thinking": "qwen3", "qwen3_nothinking": "qwen3",
@@ -22,8 +22,8 @@ class ModelArguments:
                                "by default, Hugging Face with --use_hf true).")
     model_type: Optional[str] = arg(None, "Override the model family read from config.json "
                                     "(llama, mistral, qwen2, qwen3, qwen3_moe, qwen3_5, "
-                                    "qwen3_5_moe, qwen2_5_vl; ms-swift's names of these, e.g. qwen2_5 or "
-                                    "llama3_1, are accepted).")
+                                    "qwen3_5_moe, qwen2_5_vl, qwen3_vl; ms-swift's names of "
+                                    "these, e.g. qwen2_5 or llama3_1, are accepted).")
     torch_dtype: Optional[str] = arg(None, "Training precision. Default: the checkpoint's dtype "
                                      "on CUDA, float32 on CPU.",
                                      choices=["bfloat16", "float16", "float32"])

@@ -21,6 +21,9 @@ embeddings):
                    renormalised) plus one shared expert scaled by a sigmoid gate
   qwen2_5_vl       the qwen2 text stack with M-RoPE (contiguous `mrope_section`); the vision
                    tower is transformers' module (model/vision.py)
+  qwen3_vl         the qwen3 text stack (`text_config`) with M-RoPE in interleaved sections
+                   (transformers' default [24, 20, 20]); the vision tower with deepstack
+                   (model/vision.py)
 
 `text_config` flattens a multimodal config to its text stack (the top-level
 `tie_word_embeddings` decides tying, as transformers does); every reader of the HF config's
@@ -39,10 +42,11 @@ from megatron.core.transformer import TransformerConfig
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
 from swift_megatron.model.text_config import HYBRID_TYPES, MOE_TYPES, text_config
-from swift_megatron.model.vision import QWEN3_5_MROPE_SECTION, VISION_TYPES
+from swift_megatron.model.vision import DEFAULT_MROPE_SECTION, VISION_TYPES
 from swift_megatron.parallel.layout import num_experts
 
 SUPPORTED = SUPPORTED_MODEL_TYPES
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl") + HYBRID_TYPES   # per-head q/k RMSNorm
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -164,7 +168,7 @@ def model_shape(hf: Mapping, tp: int = 1, model_type: Optional[str] = None) -> M
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(rope["rope_theta"]),
         rope_scaling=rope if rope["rope_type"] == "llama3" else None,
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES, num_experts=experts,
+        qk_layernorm=model_type in QK_NORM_TYPES, num_experts=experts,
         torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         layer_types=tuple(hf["layer_types"]) if hybrid else None,
         rotary_percent=_rotary_percent(hf, rope), zero_centered_norms=hybrid)
@@ -225,7 +229,7 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias=_qkv_bias(hf, model_type),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES,
+        qk_layernorm=model_type in QK_NORM_TYPES,
         hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=hf.get("initializer_range", 0.02),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -255,7 +259,7 @@ def transformer_config(hf: Mapping, *, dtype: torch.dtype, tp: int = 1, pp: int 
         kwargs.update(_hybrid_kwargs(hf))
     if model_type in VISION_TYPES:   # M-RoPE, used when a vision tower is built (model/vision.py)
         kwargs.update(mrope_section=list(rope_parameters(hf).get("mrope_section")
-                                         or QWEN3_5_MROPE_SECTION))
+                                         or DEFAULT_MROPE_SECTION[model_type]))
     _check_moe_overrides(overrides, model_type)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -22,7 +22,9 @@ def num_experts(hf_config: Mapping) -> Optional[int]:
 def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1,
                  vpp: int = 1) -> None:
     """Raise UserError when TP/PP/EP/ETP do not divide the model's heads (Gated DeltaNet's
-    too), layers or experts, or PP x VPP (the interleaved schedule's model chunks) its layers."""
+    too), layers or experts, or PP x VPP (the interleaved schedule's model chunks) its layers,
+    or when the first chunk lacks a layer that takes deepstack features (Qwen3-VL)."""
+    deepstack = len((hf_config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
     hf_config = text_config(hf_config)
     heads = hf_config.get("num_attention_heads")
     kv_heads = hf_config.get("num_key_value_heads") or heads
@@ -46,6 +48,12 @@ def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1
                         f"{pp} x {vpp} does not divide num_hidden_layers={layers}: each stage "
                         f"holds {vpp} chunks of equal size; use a virtual_pipeline_model_"
                         f"parallel_size with {pp} x it among {_divisors(layers)}")
+    if layers and deepstack > layers // (pp * vpp):
+        raise UserError(f"the vision tower's deepstack features go into decoder layers "
+                        f"1..{deepstack}, which the first pipeline stage (its first model chunk) "
+                        f"must hold; with pipeline_model_parallel_size={pp} x virtual_pipeline_"
+                        f"model_parallel_size={vpp} it holds {layers // (pp * vpp)} of "
+                        f"{layers}: use a smaller layout")
     experts = num_experts(hf_config)
     if experts is None and ep > 1:
         raise UserError("expert_model_parallel_size > 1 needs a MoE model; this model has no "

@@ -39,7 +39,7 @@ def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int], dummy_weight
     import dataclasses
 
     from swift_megatron.model.config import load_hf_config
-    from swift_megatron.model.vision import INTERLEAVED_MROPE, has_vision, takes_images
+    from swift_megatron.model.vision import OPTIONAL_TOWER, has_vision, takes_images
 
     hf_config = load_hf_config(model_dir)
     if not has_vision(hf_config):
@@ -54,7 +54,7 @@ def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int], dummy_weight
         kwargs["mm_device_do_normalize"] = False
     if images is None:
         images = takes_images(model_dir, hf_config)
-    if images and hf_config["model_type"] in INTERLEAVED_MROPE and "language_model_only" in fields:
+    if images and hf_config["model_type"] in OPTIONAL_TOWER and "language_model_only" in fields:
         kwargs["language_model_only"] = False
     return kwargs
 

@@ -1,12 +1,12 @@
-"""GRPO's image path on the tiny Qwen2.5-VL and Qwen3.5 (with its vision tower; Gated DeltaNet
-hybrid, interleaved M-RoPE), both in each launch (workers/image_rollout_checks.py): prompts
-built from colour-task rows (images loaded, tags added and expanded), completions sampled by
-the embedded engine with each prompt's pixels (an image-less prompt in the same batch), and the
-trainer's logprobs of those tokens through the micro-batch path (pixels, grids, 3-D positions;
-padded and packed; PP=1 and PP=2 with the vision tower on stage 0) equal the engine's in
-float32; with the two images' pixels swapped they do not (the image rows change, the text row
-does not); a completion that samples the image token id trains as a plain token (it used to
-stop the step)."""
+"""GRPO's image path on the tiny Qwen2.5-VL, Qwen3-VL (interleaved M-RoPE, deepstack) and
+Qwen3.5 (with its vision tower; Gated DeltaNet hybrid, interleaved M-RoPE), all in each launch
+(workers/image_rollout_checks.py): prompts built from colour-task rows (images loaded, tags
+added and expanded), completions sampled by the embedded engine with each prompt's pixels (an
+image-less prompt in the same batch), and the trainer's logprobs of those tokens through the
+micro-batch path (pixels, grids, 3-D positions; padded and packed; PP=1 and PP=2 with the
+vision tower on stage 0) equal the engine's in float32; with the two images' pixels swapped
+they do not (the image rows change, the text row does not); a completion that samples the
+image token id trains as a plain token (it used to stop the step)."""
 import json
 
 import pytest
@@ -16,7 +16,7 @@ from tests.distributed.launch import run_workers
 from tests.distributed.test_vision_models import QWEN3_5
 
 ATOL = 1e-5
-FAMILIES = ("qwen2_5_vl", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def vl(tmp_path_factory):
     """([model dir of each family], colour dataset)."""
     root = tmp_path_factory.mktemp("image_rollouts")
     return ([build_tiny_model("qwen2_5_vl", str(root / "qwen2_5_vl")),
+             build_tiny_model("qwen3_vl", str(root / "qwen3_vl")),
              build_tiny_model("qwen3_5", str(root / "qwen3_5"), images=True, **QWEN3_5)],
             build_colour_dataset(str(root / "colours.jsonl"), num_rows=8))
 

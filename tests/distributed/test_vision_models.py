@@ -1,19 +1,27 @@
 """Vision-language models on Megatron against transformers, with images in the input
-(workers/vision_checks.py): the tiny qwen2_5_vl fixture (real two-block vision tower) and the
-tiny qwen3_5 / qwen3_5_moe fixtures (Qwen3_5ForConditionalGeneration: Gated DeltaNet hybrid
-text stack with interleaved M-RoPE, one-block Qwen3_5VisionModel), in one launch per layout.
+(workers/vision_checks.py): the tiny qwen2_5_vl fixture (real two-block vision tower), the tiny
+qwen3_vl fixture (qwen3 text stack, interleaved M-RoPE, two-block tower feeding deepstack into
+decoder layers 0 and 1) and the tiny qwen3_5 / qwen3_5_moe fixtures
+(Qwen3_5ForConditionalGeneration: Gated DeltaNet hybrid text stack with interleaved M-RoPE,
+one-block Qwen3_5VisionModel), in one launch per layout.
 
 - The bridge loads every tensor (language model and vision tower) and exports it bit for bit,
   from the layout transformers saves and from the other prefix style (Qwen2.5-VL: hub
-  model.layers.* / visual.* and in-memory model.language_model.* / model.visual.*; Qwen3.5:
-  model.language_model.* / model.visual.* and model.* / visual.*); Qwen3.5's mtp.* is copied
-  through, not mapped.
+  model.layers.* / visual.* and in-memory model.language_model.* / model.visual.*; Qwen3-VL and
+  Qwen3.5: model.language_model.* / model.visual.* and model.* / visual.*); Qwen3.5's mtp.* is
+  copied through, not mapped.
 - float32 logits with one image per sequence, through the trainer's micro-batch path
   (pixel_values, image_grid_thw and 3-D positions in the micro-batch), match transformers at
   TP=1, at TP=2 with sequence parallelism (images merged before the sequence is scattered) and
   at PP=2 (vision tower on the first stage, 3-D positions on both); controls show the
-  comparison is sensitive to the M-RoPE positions, to the pixels and (Qwen3.5) to the
-  interleaving of the M-RoPE sections.
+  comparison is sensitive to the M-RoPE positions, to the pixels, (Qwen3-VL, Qwen3.5) to the
+  interleaving of the M-RoPE sections and (Qwen3-VL) to the deepstack features (with sequence
+  parallelism each rank adds those of its own chunk; at PP=2 both deepstack layers are on the
+  first stage).
+- The vision tower's gradients (tower, merger, deepstack mergers) of sum(logits^2) equal
+  transformers' on every rank of the first stage (relative to the largest gradient); with
+  sequence parallelism a rank's deepstack rows cover its own chunk only, so their gradients are
+  summed over TP (Qwen3-VL; without that sum: 0.18 and 0.50 on the two ranks).
 """
 import json
 import shutil
@@ -33,6 +41,7 @@ QWEN3_5 = dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta
 RENAMES = {  # the other prefix style of each family
     "qwen2_5_vl": (("visual.", "model.visual."), ("model.", "model.language_model.")),
     "qwen3_5": (("model.visual.", "visual."), ("model.language_model.", "model.")),
+    "qwen3_vl": (("model.visual.", "visual."), ("model.language_model.", "model.")),
 }
 
 
@@ -56,7 +65,7 @@ def checkpoints(tmp_path_factory):
     """{model_type: (checkpoint, copy in the other prefix style, tensor count)}."""
     root = tmp_path_factory.mktemp("vision_models")
     out = {}
-    for family, overrides in (("qwen2_5_vl", {}), ("qwen3_5", QWEN3_5),
+    for family, overrides in (("qwen2_5_vl", {}), ("qwen3_vl", {}), ("qwen3_5", QWEN3_5),
                               ("qwen3_5_moe", QWEN3_5)):
         hub = build_tiny_model(family, str(root / family), images=True, **overrides)
         alias = str(root / f"{family}_alias")
@@ -66,19 +75,25 @@ def checkpoints(tmp_path_factory):
 
 
 def check(result, total: int, family: str):
-    print(family, json.dumps(result["logits"]))
+    print(family, json.dumps(result["logits"]), "vision grads", result["vision_grad_rel_diff"])
     export = result["export"]
     assert export["mismatched"] == [] and export["missing"] == [] and export["duplicates"] == 0
     assert export["exported"] + export["passthrough"] == total
     assert export["passthrough"] == (2 if family.startswith("qwen3_5") else 0)   # mtp.*
     if family == "qwen2_5_vl":
         assert export["exported"] == 81    # 2 decoder layers x 12 + 3 + 54 vision tensors
+    if family == "qwen3_vl":   # 4 layers x 11 + 3 + 45 vision (12 of them deepstack mergers)
+        assert export["exported"] == 92
+    if result["vision_grad_rel_diff"] is not None:   # the first stage: it holds the tower
+        assert result["vision_grad_rel_diff"] <= ATOL
     logits = result["logits"]
     assert logits["max_abs_diff"] <= ATOL and logits["argmax_agreement"] == 1.0
     assert logits["control_1d_positions"] > 100 * ATOL
     assert logits["control_other_pixels"] > 100 * ATOL
-    if family.startswith("qwen3_5"):
+    if family.startswith("qwen3"):
         assert logits["control_contiguous_mrope"] > 100 * ATOL
+    if family == "qwen3_vl":
+        assert logits["control_no_deepstack"] > 100 * ATOL
 
 
 def launch(checkpoints, families, tmp_path, nproc, *args, aliases=False):
@@ -92,7 +107,7 @@ def launch(checkpoints, families, tmp_path, nproc, *args, aliases=False):
 
 
 def test_tp1_matches_transformers_and_loads_both_layouts(checkpoints, tmp_path):
-    families = ("qwen2_5_vl", "qwen3_5", "qwen3_5_moe")
+    families = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
     result = launch(checkpoints, families, tmp_path, 1, aliases=True)[0]
     for family in families:
         alias_export = result[family]["alias_export"]
@@ -101,9 +116,9 @@ def test_tp1_matches_transformers_and_loads_both_layouts(checkpoints, tmp_path):
 
 @pytest.mark.slow
 def test_tp2_sequence_parallel_matches_transformers(checkpoints, tmp_path):
-    launch(checkpoints, ("qwen2_5_vl", "qwen3_5"), tmp_path, 2, "--tp", 2, "--sp")
+    launch(checkpoints, ("qwen2_5_vl", "qwen3_vl", "qwen3_5"), tmp_path, 2, "--tp", 2, "--sp")
 
 
 @pytest.mark.slow
 def test_pp2_matches_transformers(checkpoints, tmp_path):
-    launch(checkpoints, ("qwen2_5_vl", "qwen3_5"), tmp_path, 2, "--pp", 2)
+    launch(checkpoints, ("qwen2_5_vl", "qwen3_vl", "qwen3_5"), tmp_path, 2, "--pp", 2)

@@ -110,6 +110,21 @@ def test_qwen3_5_round_trip_through_megatron_keeps_vision_and_mtp(tiny_model_dir
     assert all(torch.equal(exported[n], t) for n, t in original.items())
 
 
+def test_qwen3_vl_round_trip_through_megatron_is_bit_exact(tiny_model_dir, tmp_path):
+    """Qwen3-VL: HF -> Megatron checkpoint -> HF gives every tensor back bit for bit, the
+    vision tower's and deepstack mergers' included (held by the Megatron model)."""
+    model = tiny_model_dir("qwen3_vl")
+    proc = export("--model", model, "--to_mcore", "true", "--output_dir", tmp_path / "mcore")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = export("--mcore_model", tmp_path / "mcore", "--model", model, "--to_hf", "true",
+                  "--output_dir", tmp_path / "hf")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    original, exported = safetensors_of(model), safetensors_of(tmp_path / "hf")
+    assert sorted(exported) == sorted(original)
+    assert sum(".deepstack_merger_list." in n for n in original) == 12
+    assert all(torch.equal(exported[n], t) for n, t in original.items())
+
+
 def test_precision_check_fails_past_its_tolerance(hf_model):
     proc = export("--model", hf_model, "--test_convert_precision", "true",
                   "--test_convert_precision_atol", "1e-30")
@@ -295,11 +310,13 @@ def test_check_model_finds_a_truncated_shard(tiny_model_dir, tmp_path):
         export.prepare(parse_command(ExportCommandArguments, argv, "megatron export"), 1)
 
 
-def test_qwen2_5_vl_precision_check_runs_with_an_image(tiny_model_dir):
-    """Qwen2.5-VL (float32): the check feeds an image per sequence through the model
-    directory's image processor to both models (transformers' whole image-text-to-text model;
-    precision_images.py) and they agree (measured: docs/multimodal.md)."""
-    proc = export("--model", tiny_model_dir("qwen2_5_vl"), "--test_convert_precision", "true",
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen2_5_vl_precision_check_runs_with_an_image(tiny_model_dir, family):
+    """Qwen2.5-VL and Qwen3-VL (float32): the check feeds an image per sequence through the
+    model directory's image processor to both models (transformers' whole image-text-to-text
+    model; precision_images.py; Qwen3-VL with deepstack) and they agree (measured:
+    docs/multimodal.md)."""
+    proc = export("--model", tiny_model_dir(family), "--test_convert_precision", "true",
                   "--test_convert_precision_atol", "1e-5")
     assert proc.returncode == 0 and "-> PASS" in proc.stdout, proc.stdout + proc.stderr
     assert "float32, an image in each sequence" in proc.stdout

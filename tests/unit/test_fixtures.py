@@ -224,6 +224,7 @@ def test_dtype_and_overrides(tmp_path):
 
 @pytest.mark.parametrize("family, tower, min_side", [
     ("qwen2_5_vl", dict(depth=3, fullatt_block_indexes=[2]), 56),
+    ("qwen3_vl", dict(depth=3, deepstack_visual_indexes=[0, 2]), 64),
     ("qwen3_5", dict(depth=3), 64)])   # 14- and 16-pixel patches, 4 image tokens at least
 def test_vision_language_real_vocab_and_tower_overrides(tmp_path, family, tower, min_side):
     """A larger vocab_size (a real shape's) keeps the vision tokens at the tokenizer's ids, and

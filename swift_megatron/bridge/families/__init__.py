@@ -5,13 +5,13 @@ alternative) pairs of other names a checkpoint may store the table's tensors und
 from typing import List, Tuple
 
 from swift_megatron.bridge.families import (llama, qwen2, qwen2_5_vl, qwen3, qwen3_5, qwen3_5_moe,
-                                           qwen3_moe)
+                                           qwen3_moe, qwen3_vl)
 from swift_megatron.bridge.mapping import Mapping
 from swift_megatron.errors import UserError
 
 FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3,
             "qwen3_moe": qwen3_moe, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5_moe,
-            "qwen2_5_vl": qwen2_5_vl}
+            "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl}
 
 
 def mappings_for(model_type: str, hf_config: dict) -> List[Mapping]:

@@ -1,14 +1,17 @@
 """Worker: tiny vision-language models on Megatron (model/vision.py) against transformers, with
-images: Qwen2.5-VL and Qwen3.5 with its vision tower (one result per `--hf_dir`, by model_type).
+images: Qwen2.5-VL, Qwen3-VL and Qwen3.5 with its vision tower (one result per `--hf_dir`, by
+model_type).
 
 Loads each HF checkpoint through the bridge in the given layout (TP, PP, sequence parallelism),
 exports it back and compares every tensor with the original bit for bit, then runs both models
 on two sequences holding one image each (random pixels, seeded) at different places (the
 Megatron model through the trainer's micro-batch path) and reports the float32 logit
 differences; controls: the same Megatron model with 1-D positions on all three M-RoPE axes,
-with other pixels, and (Qwen3.5) with megatron-core's contiguous M-RoPE sections instead of the
-interleaved ones. With --alias_dir (one per --hf_dir) it also loads a copy of each checkpoint
-saved in the other prefix layout and exports it. Writes {out_dir}/rank{R}.json.
+with other pixels, (Qwen3-VL, Qwen3.5) with megatron-core's contiguous M-RoPE sections instead
+of the interleaved ones, and (Qwen3-VL) without the deepstack features; then the vision
+tower's gradients of sum(logits^2) against transformers' (first stage). With --alias_dir (one
+per --hf_dir) it also loads a copy of each checkpoint saved in the other prefix layout and
+exports it. Writes {out_dir}/rank{R}.json.
 """
 import argparse
 import json
@@ -82,6 +85,51 @@ def contiguous_mrope_logits(loaded, state, ids, positions, pixels, grid):
         rotary.__class__ = InterleavedMRoPE
 
 
+def no_deepstack_logits(loaded, state, hf_config, ids, positions, pixels, grid):
+    """Logits with the deepstack features dropped (the Qwen3-VL control; None for towers
+    without deepstack)."""
+    from swift_megatron.model.vision import deepstack_indexes
+
+    if not deepstack_indexes(hf_config):
+        return None
+    loaded.model.deepstack_context = lambda *args: {}
+    try:
+        return megatron_logits(loaded, state, ids, positions, pixels, grid)
+    finally:
+        del loaded.model.deepstack_context
+
+
+def _square_loss(micro_batch, logits):
+    """Sum of squared logits (of this rank's vocabulary shard: the ranks' losses add up)."""
+    return logits.float().square().sum(), {}
+
+
+def vision_gradients(loaded, state, hf, ids, positions, pixels, grid, types):
+    """Largest difference between the vision tower's gradients (tower, merger, deepstack
+    mergers) of the Megatron model (this rank's copy; stage 0) and of transformers, relative to
+    the largest gradient, for the loss sum(logits^2); None off the first stage. With sequence
+    parallelism each rank sees only its chunk's part of the loss through deepstack: the
+    gradients must still be whole on every rank."""
+    from swift_megatron.model.vision import VISUAL
+    from swift_megatron.training.step import forward_backward
+
+    loaded.model.zero_grad(set_to_none=True)
+    batch = {"tokens": ids, "position_ids": positions, "pixel_values": pixels,
+             "image_grid_thw": grid}
+    forward_backward([loaded.model], [batch], _square_loss)
+    hf.zero_grad(set_to_none=True)
+    hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+       mm_token_type_ids=types).logits.float().square().sum().backward()
+    if not state.is_first_stage:
+        return None
+    theirs = {n[len("model."):]: p.grad for n, p in hf.named_parameters()
+              if n.startswith(f"model.{VISUAL}.")}
+    ours = {n: p.grad for n, p in loaded.model.named_parameters() if n.startswith(f"{VISUAL}.")}
+    assert ours.keys() == theirs.keys() and all(g is not None for g in ours.values())
+    scale = max(float(g.abs().max()) for g in theirs.values())
+    return max(float((ours[n] - theirs[n]).abs().max()) for n in ours) / scale
+
+
 def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
     """(model_type, its report) of one checkpoint."""
     import torch
@@ -115,6 +163,11 @@ def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
     contiguous = contiguous_mrope_logits(loaded, state, ids, positions, pixels, grid)
     if contiguous is not None:
         result["logits"]["control_contiguous_mrope"] = diff(contiguous, reference)
+    shallow = no_deepstack_logits(loaded, state, hf_config, ids, positions, pixels, grid)
+    if shallow is not None:
+        result["logits"]["control_no_deepstack"] = diff(shallow, reference)
+    result["vision_grad_rel_diff"] = vision_gradients(loaded, state, hf, ids, positions,
+                                                      pixels, grid, types)
     if alias_dir:
         aliased = load_mcore_model(hf_config, model_type, torch.float32, state,
                                    hf_dir=alias_dir)
