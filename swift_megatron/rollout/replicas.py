@@ -11,6 +11,7 @@ from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
 
 logger = get_logger(__name__)
+STOP_GRACE_S = 10.0   # how long stopping waits for the replicas before terminating them
 
 
 class ReplicaError(Exception):
@@ -89,6 +90,9 @@ class Replica:
     def __init__(self, index: int, process, conn):
         self.index, self.process, self.conn = index, process, conn
         self.lock = threading.Lock()
+        # what the replica started (vLLM's TP workers), killed when it stops even if the
+        # replica died first (they are then no longer its children)
+        self.engine_processes: list = []
 
     def _gone(self) -> ReplicaError:
         return ReplicaError("ReplicaGone", f"rollout replica {self.index} exited", False)
@@ -142,21 +146,23 @@ class Replica:
         except OSError:  # the process is gone already
             pass
 
-    def join(self) -> None:
-        """Wait for the process to stop, escalating to SIGTERM then SIGKILL (a wedged engine),
-        and kill what it started (vLLM's engine-core processes) so that nothing outlives us."""
-        children = _descendants(self.process.pid)
-        self.process.join(timeout=30)
-        for stop in (self.process.terminate, self.process.kill):
-            if not self.process.is_alive():
-                break
-            stop()
-            self.process.join(timeout=5)
-        for child in children:
-            try:
-                child.kill()
-            except Exception:   # gone already (psutil.NoSuchProcess) or not ours
-                pass
+    def exit_reason(self) -> Optional[str]:
+        """Why this replica's process has exited (its exit code or signal), or None while it
+        runs."""
+        code = self.process.exitcode
+        if code is None:
+            return None
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+        return f"rollout replica {self.index} (pid {self.process.pid}) exited ({how})"
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _descendants(pid: int) -> list:
@@ -183,36 +189,65 @@ def _gpu_slices(replicas: int, tp: int) -> List[Optional[str]]:
 
 
 def start_replicas(settings, replicas: int) -> List[Replica]:
-    """Start the replica processes and wait until every engine is ready."""
+    """Start the replica processes and wait until every engine is ready (on any failure or
+    interruption, SIGTERM included, the ones started are stopped)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     handles = []
-    for index, devices in enumerate(_gpu_slices(replicas, settings.tensor_parallel_size)):
-        parent, child = context.Pipe()
-        process = context.Process(target=_replica_main, args=(child, settings, devices),
-                                  name=f"rollout-replica-{index}")
-        process.start()
-        handles.append(Replica(index, process, parent))
+    try:
+        for index, devices in enumerate(_gpu_slices(replicas, settings.tensor_parallel_size)):
+            parent, child = context.Pipe()
+            process = context.Process(target=_replica_main, args=(child, settings, devices),
+                                      name=f"rollout-replica-{index}")
+            process.start()
+            handles.append(Replica(index, process, parent))
+        for handle in handles:
+            _wait_ready(handle)
+    except BaseException:   # nothing to finish while starting: terminate at once
+        stop_all(handles, grace_s=0)
+        raise
     for handle in handles:
-        _wait_ready(handle, handles)
+        handle.engine_processes = _descendants(handle.process.pid)
     return handles
 
 
-def _wait_ready(handle: Replica, handles: List[Replica]) -> None:
+def _wait_ready(handle: Replica) -> None:
     while not handle.conn.poll(1.0):
         if not handle.process.is_alive():
-            stop_all(handles)
             raise UserError(f"rollout replica {handle.index} exited while starting (see its "
                             "log above)")
     reply = handle.conn.recv()
     if reply[0] != "ready":
-        stop_all(handles)
         raise UserError(f"rollout replica {handle.index} failed to start: {reply[1]}: {reply[2]}")
 
 
-def stop_all(handles: List[Replica]) -> None:
+def stop_all(handles: List[Replica], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop the replica processes within a bound: ask each to shut down, wait up to `grace_s`
+    for all of them together, then SIGTERM the ones left, then SIGKILL (a wedged or stopped
+    engine); finally kill what they started (vLLM's worker processes) so that nothing outlives
+    us."""
+    import time
+
+    children = [c for handle in handles for c in
+                handle.engine_processes or _descendants(handle.process.pid)]
     for handle in handles:
         handle.request_stop()
+    deadline = time.monotonic() + grace_s
     for handle in handles:
-        handle.join()
+        handle.process.join(timeout=max(deadline - time.monotonic(), 0))
+    for stop, wait_s in (("terminate", 5.0), ("kill", 5.0)):
+        left = [h for h in handles if h.process.is_alive()]
+        if not left:
+            break
+        logger.warning(f"rollout replica(s) {[h.index for h in left]} did not stop: {stop}")
+        for handle in left:
+            getattr(handle.process, stop)()
+        deadline = time.monotonic() + wait_s
+        for handle in left:
+            handle.process.join(timeout=max(deadline - time.monotonic(), 0))
+    for child in children:
+        try:
+            child.kill()
+        except Exception:   # gone already (psutil.NoSuchProcess) or not ours
+            pass

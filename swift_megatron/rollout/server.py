@@ -9,7 +9,8 @@ process (FastAPI + uvicorn, which come with vLLM) splits every generate request 
 sends weight updates to all of them. Endpoints (JSON; docs/rollout.md has request/response
 examples):
 
-    GET  /health              {"status": "ok", "world_size", "weight_version"}
+    GET  /health              {"status": "ok", "world_size", "weight_version",
+                              "weight_sync_error"} (503 once a replica process exited)
     GET  /get_world_size      {"world_size": T x D}
     POST /generate            prompts (token ids or text), per-request seeds, sampling params,
                               optionally per-request images (base64 image files; the prompt
@@ -50,12 +51,14 @@ from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Unio
 from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
-from swift_megatron.rollout.replicas import Replica, ReplicaError, start_replicas, stop_all
+from swift_megatron.rollout.replicas import (STOP_GRACE_S, Replica, ReplicaError,
+                                             start_replicas, stop_all)
 
 logger = get_logger(__name__)
 
 INT32_MAX = 2 ** 31 - 1   # vLLM's token counts are int32
 REPLICA_POLL_S = 1.0      # how often the server checks that its replicas are alive
+SHUTDOWN_GRACE_S = 10.0   # in-flight requests get this long once the server is stopping
 
 
 # ---- the HTTP application ----------------------------------------------------------------------
@@ -71,6 +74,9 @@ class ServerState:
     client_rank: Optional[int] = None
     communicator_token: Optional[str] = None   # given to the client that opened it
     sync_error: Optional[str] = None           # why the open communicator's last update failed
+    # why the last weight update did not complete (its complete layers were loaded, the rest
+    # kept their previous weights), until an update completes; /health reports it
+    update_error: Optional[str] = None
     multi_turn: Optional["MultiTurnService"] = None   # --multi_turn_scheduler
 
     @property
@@ -419,9 +425,10 @@ def _update_weights(state: ServerState, request) -> dict:
     def received(errors: List[ReplicaError]) -> None:
         if errors:
             logger.warning(f"weight update failed: {errors[0]}")
-            state.sync_error = str(errors[0])
+            state.sync_error = state.update_error = str(errors[0])
         elif request.last:
             state.weight_version += 1
+            state.update_error = None
 
     done = _when_all_done(len(state.replicas), received)
     _replica_call(state, "submit", "receive", done, specs=specs, src=state.client_rank,
@@ -489,10 +496,11 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
 
     @app.get("/health")
     def health():
-        if not all(r.process.is_alive() for r in state.replicas):
-            raise HTTPException(503, "a rollout replica process has exited")
+        reasons = [r for r in (replica.exit_reason() for replica in state.replicas) if r]
+        if reasons:
+            raise HTTPException(503, "; ".join(reasons))
         return {"status": "ok", "world_size": state.world_size,
-                "weight_version": state.weight_version,
+                "weight_version": state.weight_version, "weight_sync_error": state.update_error,
                 "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None}
 
     @app.get("/get_world_size")
@@ -567,26 +575,51 @@ def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
 
 def _exit_on_signal(signum, frame) -> None:
     """SIGTERM (and SIGINT) outside uvicorn's own handling: leave through the `finally` that
-    stops the replicas. (uvicorn restores this handler after serving and re-raises the signal;
-    with Python's default SIGTERM action the process would die before stopping them.)"""
+    stops the replicas, which a second signal must not interrupt. (uvicorn restores this
+    handler after serving and re-raises the signal; with Python's default SIGTERM action the
+    process would die before stopping them.)"""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(0)
 
 
-def _watch_replicas(replicas: List[Replica], server, died: List[int]) -> None:
-    """Stop the HTTP server as soon as a replica process exits (the command then exits 1)."""
-    while not server.should_exit:
-        gone = [r.index for r in replicas if not r.process.is_alive()]
-        if gone:
-            died.extend(gone)
+def _once(action: Callable[..., None]) -> Callable[..., None]:
+    """`action` run by the first caller only; later callers wait until it has finished."""
+    lock, done = threading.Lock(), []
+
+    def run(*args) -> None:
+        with lock:
+            if not done:
+                done.append(True)
+                action(*args)
+    return run
+
+
+def _watch_replicas(replicas: List[Replica], server, served: threading.Event,
+                    stop_replicas: Callable[[float], None], died: List[str]) -> None:
+    """Stop the HTTP server as soon as a replica process exits (the command then exits 1,
+    naming it and its exit code or signal). Once the server is stopping (that,
+    SIGTERM or SIGINT), in-flight requests get SHUTDOWN_GRACE_S, then the replicas are
+    terminated (then killed), which also ends the requests a wedged replica holds."""
+    while not (server.should_exit or served.is_set()):
+        reasons = [r for r in (replica.exit_reason() for replica in replicas) if r]
+        if reasons and not served.is_set():   # (set before the replicas are stopped)
+            logger.error("; ".join(reasons) + ": stopping the server")
+            died.extend(reasons)
             server.should_exit = True
-            return
+            break
         time.sleep(REPLICA_POLL_S)
+    if not served.wait(SHUTDOWN_GRACE_S):
+        logger.warning(f"requests still running {SHUTDOWN_GRACE_S:g} s after the stop: "
+                       "terminating the replicas under them")
+        stop_replicas(0.0)
 
 
 def serve(args) -> None:
     """Run `megatron rollout` (RolloutCommandArguments) until interrupted (SIGINT or SIGTERM:
-    exit 0) or until a replica process dies (exit 1); the replicas and their engine processes
-    are stopped either way."""
+    exit 0) or until a replica process exits (exit 1, naming it); the replicas and their engine
+    processes are stopped either way, within a bound (SHUTDOWN_GRACE_S for in-flight requests,
+    then replicas.stop_all's)."""
     try:
         import uvicorn
     except ImportError:
@@ -607,7 +640,8 @@ def serve(args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
     replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
-    died: List[int] = []
+    stop_replicas = _once(lambda grace_s=STOP_GRACE_S: stop_all(replicas, grace_s))
+    served, died = threading.Event(), []
     try:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
                             serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl",
@@ -617,11 +651,11 @@ def serve(args) -> None:
         app = build_app(state, serve_args.api_key, serve_args.enable_docs)
         server = uvicorn.Server(uvicorn.Config(app, host=serve_args.host, port=serve_args.port,
                                                log_level="warning"))
-        threading.Thread(target=_watch_replicas, args=(replicas, server, died),
-                         daemon=True).start()
+        threading.Thread(target=_watch_replicas, daemon=True,
+                         args=(replicas, server, served, stop_replicas, died)).start()
         server.run()
     finally:
-        stop_all(replicas)
+        served.set()
+        stop_replicas()
     if died:
-        raise ServiceFailure(f"rollout replica {died[0]} exited (see its log above); the server "
-                             "stopped")
+        raise ServiceFailure("; ".join(died) + " (see the log above): the server stopped")

@@ -402,6 +402,21 @@ def load_weights(worker, named_tensors: Iterable[Tuple[str, Any]]) -> None:
     _model(worker).load_weights(weights=list(named_tensors))
 
 
+def abort_weight_update(worker) -> None:
+    """End an update that failed halfway so that the engine runs again: layers whose weights
+    all arrived keep the new ones, every other layer gets its previous weights back (finishing
+    as usual would process a partly loaded layer with uninitialised memory for the rest)."""
+    model = _model(worker)
+    if _layerwise(model):
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load() and 0 < info.load_numel < info.load_numel_total:
+                info.load_numel, info.loaded_weights = 0, []
+    finish_weight_update(worker)
+
+
 def finish_weight_update(worker) -> None:
     """Make the loaded weights the ones the kernels use (see the module docstring)."""
     model, model_config = _model(worker), worker.vllm_config.model_config

@@ -201,8 +201,19 @@ class WeightSyncWorker:
         specs = [TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in specs]
         _, total = layout(specs)
         flat = torch.empty(total, dtype=torch.uint8, device=comm.device)
-        comm.broadcast(flat, src)
-        self.weight_sync_load(unpack(specs, flat.to(self.device)), last)
+        try:
+            comm.broadcast(flat, src)
+            self.weight_sync_load(unpack(specs, flat.to(self.device)), last)
+        except Exception:   # a timeout, a dropped trainer, a tensor the model does not take
+            self.weight_sync_abort()
+            raise
+
+    def weight_sync_abort(self) -> None:
+        """End the update in progress, if any, so that generation works again (see
+        vllm_compat.abort_weight_update: its complete layers kept, the rest as before)."""
+        if getattr(self, "_weight_sync_active", False):
+            vllm_compat.abort_weight_update(self)
+            self._weight_sync_active = False
 
     def weight_sync_close(self) -> None:
         comm = getattr(self, "_weight_sync_comm", None)

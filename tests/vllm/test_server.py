@@ -14,7 +14,10 @@
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
 - `megatron rlhf --vllm_mode server` trains against it: multi-turn rollouts (the trainer runs
   the scheduler), --async_generate (one step off-policy), then two processes (last);
-- SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown).
+- SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown),
+  also with its replica wedged (SIGSTOPped) under a request, and while the engines load;
+- a weight update that fails halfway fails the weight-sync requests only: generation goes on;
+- a replica that dies stops the server with exit 1, naming it and its signal.
 """
 import json
 import os
@@ -253,18 +256,62 @@ def test_a_communicator_nobody_joins_is_closed_after_the_timeout(server):
     assert status == 200
 
 
+def test_an_update_that_fails_halfway_fails_only_weight_sync(server, vllm_model_dir):
+    """The trainer pushes one bucket of an update (q_proj of layer 0 alone: part of vLLM's
+    fused qkv layer), announces the next and never sends it: the replicas' receive times out
+    (--communicator_timeout). That fails the next weight-sync request only (500, /health says
+    so); generation goes on with coherent weights (the half-loaded layer keeps its previous
+    weights, the ones sent: greedy output unchanged) and a new communicator takes a whole
+    update again."""
+    original = load_file(f"{vllm_model_dir}/model.safetensors")
+    greedy = SamplingConfig(max_tokens=8, temperature=0.0)
+    engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,
+                          device=torch.device("cpu"), api_key=API_KEY)
+    try:
+        before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
+        query, key = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qk")
+        engine._push_bucket([(query, original[query])], False)
+        token = engine.communicators[0][2]
+        status, _ = post(server, "/update_weights", json.dumps(
+            {"token": token, "names": [key], "dtypes": ["float32"],
+             "shapes": [list(original[key].shape)]}).encode())
+        assert status == 200   # accepted; its tensors never come
+        answer = generate(server, prompts=PROMPTS, max_tokens=8, temperature=0.0)
+        assert [c["token_ids"] for c in answer["completions"]] == before
+        health = ServerConnection(server, 30, api_key=API_KEY).request("/health")
+        assert health["weight_sync_error"], health
+        status, answer = post(server, "/update_weights", json.dumps(
+            dict(BUCKET, token=token)).encode())
+        assert status == 500 and "previous weight bucket failed" in answer["detail"], answer
+    finally:
+        engine.close()
+    engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,
+                          device=torch.device("cpu"), api_key=API_KEY)
+    try:
+        engine.update_weights(iter(original.items()))
+        assert [c.token_ids for c in engine.generate(PROMPTS, greedy)] == before
+        assert ServerConnection(server, 30, api_key=API_KEY).request(
+            "/health")["weight_sync_error"] is None
+    finally:
+        engine.close()
+
+
 def test_concurrent_good_and_bad_requests(server):
-    """A bounded load test: 240 requests from 24 threads, a third of them malformed; each gets
-    its own status and the server still serves afterwards."""
+    """A bounded load test: 300 requests from 24 threads, good and bad mixed (malformed or
+    out-of-range bodies on every endpoint, no or a wrong API key); each gets its own status
+    (and a JSON body) and the server still serves afterwards."""
     good = json.dumps({"prompts": [[1, 2, 3], [4, 5]], "max_tokens": 2}).encode()
-    bad = [(path, body, status) for path, body, status in MALFORMED if path == "/generate"]
-    jobs = [("/generate", good, 200) if i % 3 else bad[i % len(bad)] for i in range(200)]
-    jobs += [("/health", None, 200)] * 40
+    bad = [(path, body, status, AUTH) for path, body, status in MALFORMED
+           if path != "/update_weights" or status != 409]   # 409s: a communicator may be open
+    bad += [("/generate", good, 401, {}), ("/health", None, 401, {"Authorization": "Bearer x"}),
+            ("/update_weights", json.dumps(BUCKET).encode(), 401, {})]
+    jobs = [("/generate", good, 200, AUTH) if i % 2 else bad[i % len(bad)] for i in range(260)]
+    jobs += [("/health", None, 200, AUTH)] * 40
 
     def send(job):
-        path, body, expected = job
-        status, answer = post(server, path, body)
-        return status == expected and (status != 200 or "detail" not in answer)
+        path, body, expected, headers = job
+        status, answer = post(server, path, body, headers)
+        return status == expected and (status != 200) == ("detail" in answer)
 
     with ThreadPoolExecutor(24) as pool:
         results = list(pool.map(send, jobs))
@@ -419,6 +466,82 @@ def test_a_dead_replica_stops_the_server_with_exit_1(vllm_model_dir, tmp_path):
         output = log.read()
         log.close()
     assert code == 1, output[-3000:]
-    assert "rollout replica 0 exited" in output and "Traceback" not in output, output[-3000:]
+    assert f"rollout replica 0 (pid {replica.pid}) exited (killed by SIGKILL)" in output, \
+        output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def _replica_process(proc):
+    import psutil
+
+    return next(p for p in psutil.Process(proc.pid).children()
+                if "spawn_main" in " ".join(p.cmdline()))
+
+
+def test_sigterm_stops_a_wedged_server(vllm_model_dir, tmp_path):
+    """SIGTERM with the replica wedged (SIGSTOPped) under an in-flight /generate: the server
+    still stops within a bound (the request gets SHUTDOWN_GRACE_S, then the replica is
+    terminated, killed 5 s later, and the request answered), exits 0 and leaves none of its
+    processes behind."""
+    import psutil
+
+    from swift_megatron.rollout.server import SHUTDOWN_GRACE_S
+
+    proc, address, log = start_server(vllm_model_dir, tmp_path, 1)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        _replica_process(proc).suspend()
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, address, "/generate", b'{"prompts": [[1, 2]]}')
+            time.sleep(1)
+            assert not pending.done()
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=90)
+            took = time.monotonic() - started
+            status, answer = pending.result(timeout=10)
+    finally:
+        if proc.poll() is None:   # a failed test: leave no stopped replica behind
+            for process in [proc, *children]:
+                process.kill()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert code == 0, output[-3000:]
+    assert took < SHUTDOWN_GRACE_S + 20, took
+    assert status == 500 and "rollout replica 0 exited" in answer["detail"], answer
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def test_sigterm_while_starting_stops_the_replicas(vllm_model_dir, tmp_path):
+    """SIGTERM before the engines are ready: the replicas started so far are stopped at once and
+    the command exits 0 with nothing left behind."""
+    import psutil
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", vllm_model_dir,
+           "--torch_dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    with open(tmp_path / "server.log", "w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            deadline = time.monotonic() + 120
+            while not any("spawn_main" in " ".join(p.cmdline())
+                          for p in psutil.Process(proc.pid).children()):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log.seek(0)
+        output = log.read()
+    assert code == 0 and "Traceback" not in output, output[-3000:]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
