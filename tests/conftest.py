@@ -3,6 +3,8 @@
 Session fixtures (swift_megatron.fixtures, built offline into a tmp dir): `tiny_model_dir(family)`
 -> path of a tiny seed-0 checkpoint, `math_dataset_path` -> a 64-row math jsonl.
 """
+import os
+
 import pytest
 
 
@@ -20,6 +22,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """Each test leaves os.environ as it found it: an in-process ParallelState sets RANK /
+    WORLD_SIZE / MASTER_* (a later `megatron rlhf` subprocess with NPROC_PER_NODE would take itself
+    for an already launched worker of world size 1), and megatron-core's GPTModel records its
+    attention backend in NVTE_* (a later subprocess choosing another backend fails its check)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(scope="session")

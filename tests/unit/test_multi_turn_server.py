@@ -40,6 +40,9 @@ class ScriptedReplica:
         return [{"token_ids": ids, "logprobs": [-0.25] * len(ids), "finish_reason": "stop"}
                 for _ in prompts]
 
+    def exit_reason(self):
+        return None   # a running replica (rollout/replicas.py)
+
 
 @pytest.fixture(scope="module")
 def tok():
