@@ -38,6 +38,8 @@ PRESETS = {
     "qwen3-1.7b": REAL_SHAPES["qwen3-1.7b"],
     # built as Qwen3_5ForConditionalGeneration (text stack of this shape, a tiny vision tower)
     "qwen3.5-9b-4l": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5"),
+    # Qwen3.5-35B-A3B's layer shape with 8 layers (64 experts, 8 active, a shared expert)
+    "qwen3.5-moe-8l": dict(REAL_SHAPES["qwen3.5-moe-small"], model_type="qwen3_5_moe"),
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen2.5-vl-3b": dict(REAL_SHAPES["qwen2.5-vl-3b"], image_size=448),

@@ -37,6 +37,8 @@
 #   qwen3_5_vllm      GRPO on the Qwen3.5 9B-layer-shape 4-layer model, vLLM colocate with sleep
 #                     level 1, weight-sync check (engine-vs-trainer logprob gap), bf16,
 #                     --offload_optimizer (to fit an H100)
+#   qwen3_5_moe_vllm  the same on the Qwen3.5-35B-A3B layer shape with 8 layers (64 experts);
+#                     --check_weight_sync_atol 0.15 (bf16 router near-ties, docs/export.md)
 #   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
 #                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check,
 #                     --offload_optimizer and micro batch 2 (to fit an H100)
@@ -122,6 +124,10 @@ phase() {
         qwen3_5_vllm) $GRPO --preset qwen3.5-9b-4l --run_name qwen3_5_vllm -- $VLLM \
                           --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
                           --torch_dtype bfloat16 --offload_optimizer true ;;
+        qwen3_5_moe_vllm) $GRPO --preset qwen3.5-moe-8l --run_name qwen3_5_moe_vllm -- $VLLM \
+                              --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
+                              --check_weight_sync_atol 0.15 --torch_dtype bfloat16 \
+                              --offload_optimizer true ;;
         vl_grpo) $GRPO --preset qwen2.5-vl-3b --run_name vl_grpo -- $VLLM \
                      --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
                      --offload_optimizer true --micro_batch_size 2 ;;
