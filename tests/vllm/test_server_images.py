@@ -11,6 +11,7 @@ vision tower).
 
 vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh): skipped without it.
 """
+import contextlib
 import json
 import os
 import signal
@@ -36,17 +37,27 @@ pytestmark = pytest.mark.slow
 MAX_PIXELS = 56 * 56   # the colour task's images are 112 x 112 here
 
 
+@contextlib.contextmanager
+def serving(model: str, log_dir, dtype: str = "float32"):
+    """The address of a one-replica `megatron rollout` of `model` with --max_pixels, stopped
+    with SIGTERM on exit."""
+    proc, address, log = start_server(model, log_dir, 1, dtype=dtype,
+                                      extra=["--max_pixels", str(MAX_PIXELS)])
+    try:
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 @pytest.fixture(scope="module")
 def vl_server(vl_task, tmp_path_factory):   # noqa: F811
-    proc, address, log = start_server(vl_task[0], tmp_path_factory.mktemp("vl_server"), 1,
-                                      extra=["--max_pixels", str(MAX_PIXELS)])
-    yield address
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with serving(vl_task[0], tmp_path_factory.mktemp("vl_server")) as address:
+        yield address
 
 
 def test_bad_images_get_400(vl_server):
@@ -104,17 +115,8 @@ def test_server_grpo_with_images_of(family, tmp_path):
     trainer agree within bfloat16 noise; Qwen3-VL in float32."""
     dtype, bound = SERVED[family]
     model, _ = vision_task(family, tmp_path)
-    proc, address, log = start_server(model, tmp_path, 1, dtype=dtype,
-                                      extra=["--max_pixels", str(MAX_PIXELS)])
-    try:
+    with serving(model, tmp_path, dtype) as address:
         rows = grpo_through(address, model, tmp_path, "--torch_dtype", dtype)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < bound
     assert all(r["sync/logprob_abs_diff_mean"] < bound for r in rows)
     assert all(0.0 < r["reward/mean"] < 1.0 for r in rows) and rows[1]["kl"] > 0.0
