@@ -6,6 +6,7 @@ from typing import List, Optional
 
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
+from swift_megatron.rewards.registry import REWARD_ERROR_POLICIES
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "real", "fipo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
@@ -141,7 +142,7 @@ class GRPOArguments:
                                    "scores each completion it raises on as missing for that "
                                    "function (None, 0 in the weighted sum), with a warning, and "
                                    "counts them in reward/<name>/errors.",
-                                   choices=["raise", "skip"])
+                                   choices=list(REWARD_ERROR_POLICIES))
     cosine_min_len_value_wrong: float = arg(-0.5, "cosine reward: value for a short wrong answer.")
     cosine_max_len_value_wrong: float = arg(0.0, "cosine reward: value for a long wrong answer.")
     cosine_min_len_value_correct: float = arg(1.0, "cosine reward: value for a short correct answer.")

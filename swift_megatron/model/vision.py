@@ -20,8 +20,9 @@ Deepstack (Qwen3-VL): the tower also returns the merged features of some of its 
 (`deepstack_visual_indexes`); transformers adds the k-th to the hidden states at the image
 tokens after decoder layer k. Here the first stage passes them, cut to its sequence-parallel
 chunk (their gradient summed over TP in the backward pass), to the decoder as the block's
-`context` (with `context_mask` the image tokens of the chunk): megatron-core hands both to every layer, also when full recomputation reruns a layer
-in the backward pass, and GPT layers have no cross-attention that would read them. A forward
+`context` (with `context_mask` the image tokens of the chunk): megatron-core hands both to
+every layer, also when full recomputation reruns a layer in the backward pass, and GPT layers
+have no cross-attention that would read them. A forward
 hook on each of the first layers (`_add_deepstack`) adds its features. Those layers must be on
 the first pipeline stage (its first model chunk), which holds the features.
 """

@@ -598,8 +598,8 @@ def _once(action: Callable[..., None]) -> Callable[..., None]:
 def _watch_replicas(replicas: List[Replica], server, served: threading.Event,
                     stop_replicas: Callable[[float], None], died: List[str]) -> None:
     """Stop the HTTP server as soon as a replica process exits (the command then exits 1,
-    naming it and its exit code or signal). Once the server is stopping (that,
-    SIGTERM or SIGINT), in-flight requests get SHUTDOWN_GRACE_S, then the replicas are
+    naming it and its exit code or signal). Once the server is stopping (for that reason, or
+    SIGTERM / SIGINT), in-flight requests get SHUTDOWN_GRACE_S, then the replicas are
     terminated (then killed), which also ends the requests a wedged replica holds."""
     while not (server.should_exit or served.is_set()):
         reasons = [r for r in (replica.exit_reason() for replica in replicas) if r]

@@ -92,8 +92,8 @@ def grpo_through(server: str, model: str, tmp_path, *flags) -> list:
     with open(out / "logging.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2]
-    print(f"(sync check, rollout) mean |server - trainer| logprob per step: "
-          f"{[(r['sync/logprob_abs_diff_mean'], r['rollout/logprob_abs_diff_mean']) for r in rows]}")
+    gaps = [(r["sync/logprob_abs_diff_mean"], r["rollout/logprob_abs_diff_mean"]) for r in rows]
+    print(f"(sync check, rollout) mean |server - trainer| logprob per step: {gaps}")
     return rows
 
 
