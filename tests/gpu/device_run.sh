@@ -14,6 +14,9 @@
 #   bridge_tests    tests/gpu/test_bridge_gpu.py (HF vs Megatron logits; TP=2 parts need 2 GPUs)
 #   trl_compare     benchmarks/trl_compare.py: ours vs TRL's GRPOTrainer, Qwen2.5-1.5B shape
 #   trl_varlen      the same with completions of spread lengths (--variable_length)
+#   trl_tokens      trl_compare with ours forming micro-batches by a 16k-token budget
+#                   (--max_tokens_per_micro_batch 16384: 8 completions of 256 -> 64 per pass)
+#   trl_varlen_tokens  trl_varlen with the same token budget
 #   rollout_probe   benchmarks/rollout.py colocate (0.5B shape): sync speed, logprob mismatch,
 #                   sleep levels 1 and 2 with the tensors each changed
 #   profile         ours alone on the trl_compare setup, the 3rd rollout batch under the torch
@@ -96,6 +99,11 @@ phase() {
                          --work_dir /tmp/trl_compare ;;
         trl_varlen) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --work_dir /tmp/trl_varlen --variable_length ;;
+        trl_tokens) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --work_dir /tmp/trl_tokens -- --max_tokens_per_micro_batch 16384 ;;
+        trl_varlen_tokens) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b \
+                               --rollout_batches 4 --work_dir /tmp/trl_varlen_tokens \
+                               --variable_length -- --max_tokens_per_micro_batch 16384 ;;
         profile) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile ;;
         profile_lora) SWIFT_MEGATRON_PROFILE=$OUT/profile_lora python3 benchmarks/trl_compare.py \
