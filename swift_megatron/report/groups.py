@@ -2,7 +2,7 @@
 keys a run actually logged (fnmatch patterns; `*` also matches `/`).
 
 The keys come from the trainer (rlhf/grpo/trainer.py: loss/policy, grad_norm, lr,
-update_skipped, time/*, perf/*, sync/*, eval/*), the objective (rlhf/grpo/objective.py: kl,
+update_skipped, time/*, perf/*, memory/*, sync/*, eval/*), the objective (rlhf/grpo/objective.py: kl,
 entropy, clip_ratio/*, rollout/logprob_abs_diff_mean, rollout/kl_trainer_vs_engine,
 rollout/is_weight_mean) and the collector (rlhf/grpo/collect.py: reward/*, rollout/*).
 A key no group names lands in "other", so a new metric is plotted before this table knows it.
@@ -39,7 +39,7 @@ GROUPS = (
                                                        "rollout/kl_trainer_vs_engine",
                                                        "rollout/is_weight_mean", "sync/*")),
     Group("time", "Time per phase (seconds)", ("time/*",)),
-    Group("throughput", "Throughput and memory", ("perf/*",)),
+    Group("throughput", "Throughput and memory", ("perf/*", "memory/*")),
     Group("eval", "Evaluation", ("eval/*",)),
 )
 OTHER = Group("other", "Other metrics", ("*",))

@@ -16,7 +16,9 @@ weight_sync.py), then resets the prefix cache and bumps `weight_version`.
 Memory hand-over (`--sleep_level`): `sleep()` after generation releases the KV cache and
 offloads (1) or discards (2) the weights; `update_weights` wakes the weights only, `wake_up()`
 the rest before the next generation. On the CPU vLLM has no sleep mode: the calls are accepted
-and change nothing.
+and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's allocated-memory
+counter the sleeping engine still holds (what it allocated at construction less what a sleep
+took off the counter): per-phase peaks minus it are the training's own memory.
 
     engine = ColocateEngine(ColocateSettings(model_dir, dtype="float32", ...), eos_token_ids=[...])
     engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
@@ -59,6 +61,11 @@ class ColocateSettings:
     engine_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def _allocated() -> int:
+    """torch's allocated bytes on this process's GPU (0 without CUDA)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
 def _tp_group(size: int):
     """The gloo group of this rank's vLLM TP group (consecutive ranks), None for size 1.
     Collective: every training rank calls it."""
@@ -82,7 +89,10 @@ class ColocateEngine:
             raise UserError("--vllm_tensor_parallel_size > 1 in colocate mode needs the training "
                             "processes (launch with NPROC_PER_NODE)")
         self.group = _tp_group(settings.tensor_parallel_size) if dist.is_initialized() else None
+        before = _allocated()
         self.llm = self._build()
+        self._built_bytes = _allocated() - before
+        self.allocated_while_asleep: Optional[int] = None   # CUDA, after the first sleep()
         self.image_token_id = load_hf_config(settings.model_dir).get("image_token_id")
         self._asleep: List[str] = []  # memory kinds released by sleep(): "weights", "kv_cache"
 
@@ -153,8 +163,11 @@ class ColocateEngine:
     def sleep(self) -> None:
         if self.settings.sleep_level == 0 or self._asleep:
             return
+        before = _allocated()
         vllm_compat.sleep(self.llm, self.settings.sleep_level)
         self._asleep = ["weights", "kv_cache"]
+        if torch.cuda.is_available() and self.allocated_while_asleep is None:
+            self.allocated_while_asleep = self._built_bytes - (before - _allocated())
 
     def wake_up(self) -> None:
         if self._asleep:

@@ -1,4 +1,8 @@
-"""Optional torch-profiler capture of one rollout batch, for performance work:
+"""What a rollout batch's phases cost, for performance work.
+
+`measure_phase` times each phase (rollout, logprobs, train, sync) into `time/<phase>_s` and, on
+CUDA, its peak allocated memory into `memory/<phase>_peak_gib` (torch's counter, reset at the
+phase's start). The optional torch-profiler capture of one rollout batch:
 
     SWIFT_MEGATRON_PROFILE=DIR megatron rlhf ...    # profiles the 3rd rollout batch on rank 0
 
@@ -6,6 +10,8 @@ writes DIR/profile_rank0.txt: the operators sorted by their CUDA (else CPU) self
 time each named phase took (record_function ranges: rollout, logprobs, train, sync)."""
 import contextlib
 import os
+import time
+from typing import Dict
 
 import torch
 
@@ -31,6 +37,15 @@ def maybe_profile(batch_index: int, rank: int):
         f.write(prof.key_averages().table(sort_by=key, row_limit=60))
 
 
-def phase(name: str):
-    """A named range in the profile (a no-op context when not profiling)."""
-    return torch.profiler.record_function(name)
+@contextlib.contextmanager
+def measure_phase(name: str, metrics: Dict[str, float], device: torch.device):
+    """Run a phase as a named profiler range; put its seconds and (CUDA) peak GiB in `metrics`."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with torch.profiler.record_function(name):
+        yield
+    metrics[f"time/{name}_s"] = time.perf_counter() - start
+    if cuda:
+        metrics[f"memory/{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

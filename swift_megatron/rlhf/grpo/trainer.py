@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import time
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -44,7 +43,7 @@ from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
-from swift_megatron.training.profile import maybe_profile, phase
+from swift_megatron.training.profile import maybe_profile, measure_phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
@@ -130,31 +129,27 @@ class GRPOTrainer:
 
     def train_rollout_batch(self) -> Dict[str, float]:
         timings: Dict[str, float] = {}
-        start = time.perf_counter()
-        with phase("rollout"):
+        device = self.state.device
+        with measure_phase("rollout", timings, device):
             samples, metrics = self.collect()
-        timings["time/rollout_s"] = time.perf_counter() - start
         steps = self.step_micro_batches(samples)
-        start = time.perf_counter()
-        with phase("logprobs"):
+        with measure_phase("logprobs", timings, device):
             self.fill_logprobs(steps)
-        timings["time/logprobs_s"] = time.perf_counter() - start
         metrics.update(self.assign_advantages(samples, [mb for step in steps for mb in step]))
-        start = time.perf_counter()
-        with phase("train"):
+        with measure_phase("train", timings, device):
             train_metrics = [self.optimizer_step(micro)
                              for micro in steps * self.args.grpo.num_iterations]
-        timings["time/train_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        with phase("sync"):
+        with measure_phase("sync", timings, device):
             metrics.update(self.sync_weights())
-        timings["time/sync_s"] = time.perf_counter() - start
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
         metrics.update(self._throughput(samples, timings))
-        if self.state.device.type == "cuda":  # this rank's peak since the last rollout batch
-            metrics["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+        if device.type == "cuda":  # this rank's peak over the rollout batch's phases
+            metrics["perf/max_memory_allocated_gib"] = max(
+                value for key, value in timings.items() if key.startswith("memory/"))
+            asleep = getattr(self.engine, "allocated_while_asleep", None)
+            if asleep is not None:   # colocate: what torch still counts for the sleeping engine
+                metrics["memory/engine_asleep_gib"] = asleep / 2**30
         self._log_completions(samples)
         return metrics
 
