@@ -16,6 +16,7 @@ The recomputation costs a few elementwise kernels per layer in the backward.
 """
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from torch.utils.checkpoint import checkpoint
@@ -40,10 +41,12 @@ class SwiGLUMLP(MLP):
     """megatron's dense MLP with the SwiGLU recomputed in the backward (module docstring).
     Configurations outside ours (fc1 bias, fused or TE activations, clamping, a linear offset,
     per-token scales) take megatron's own forward. Built from the class alone (model/spec.py):
-    parallel linears and the config's ffn_hidden_size by default, megatron's default TP group."""
+    parallel linears, the config's ffn_hidden_size and megatron's TP group by default (what
+    TransformerLayer passes megatron's MLP)."""
 
     def __init__(self, config, submodules: MLPSubmodules = None, **kwargs):
         kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)
+        kwargs.setdefault("tp_group", parallel_state.get_tensor_model_parallel_group())
         super().__init__(config, submodules or MLPSubmodules(
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), **kwargs)
 
