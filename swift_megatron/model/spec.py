@@ -43,19 +43,21 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.nn.attention.bias import causal_lower_right
 
+from swift_megatron.model.activations import SwiGLUMLP, recomputed
 from swift_megatron.model.rope import PackedRopeSelfAttention
 from swift_megatron.parallel.context import CPShare
 
 
 class RMSNorm(torch.nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does."""
+    """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does;
+    recomputed in the backward (model/activations.py: it keeps its input alone, not a float32
+    copy). Subclasses define `_norm(x, weight)`."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
@@ -64,8 +66,11 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self._norm, x, self.weight)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
+        return weight * normed
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -76,9 +81,9 @@ class ZeroCenteredRMSNorm(RMSNorm):
         super().__init__(config, hidden_size, eps)
         torch.nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 class HeadRMSNorm(RMSNorm):
@@ -91,9 +96,9 @@ class HeadRMSNorm(RMSNorm):
         super().__init__(config, hidden_size, eps)
         setattr(self.weight, "sequence_parallel", False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return copy_to_tensor_model_parallel_region(self.weight) * normed
+        return copy_to_tensor_model_parallel_region(weight) * normed
 
 
 class SDPAttention(MegatronModule):
@@ -199,14 +204,11 @@ def varlen_causal(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
     return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
-def _dense_mlp() -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                          linear_fc2=RowParallelLinear))
-
-
-def _mlp(num_experts: Optional[int]) -> ModuleSpec:
+def _mlp(num_experts: Optional[int]):
+    """Routed experts (megatron's local MoE spec), else our dense SwiGLUMLP (a class, not a
+    ModuleSpec: TransformerLayer warns about ModuleSpecs of MLP classes it does not know)."""
     return (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
-                                            moe_grouped_gemm=False) if num_experts else _dense_mlp())
+                                            moe_grouped_gemm=False) if num_experts else SwiGLUMLP)
 
 
 def _self_attention(qk_norm) -> ModuleSpec:
