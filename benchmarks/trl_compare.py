@@ -9,7 +9,9 @@ beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode 
 With --variable_length the model's EOS logit is raised (its output row set along the mean final
 hidden state of its own sampled continuations of the prompts, scaled so that EOS takes about
 1/64 of the probability there) and completion lengths spread over 1..256 tokens instead of all
-hitting 256.
+hitting 256. `--eos_context grid_world` calibrates that EOS on the grid-world environment's first
+observations instead of the math prompts (for ours with `--use_gym_env`: multi-turn episodes whose
+turns end before the length limit, so that they get a second turn).
 
 Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
 of rollout batches k-1 and k (the first batch, with warm-up, is left out of the averages).
@@ -53,18 +55,29 @@ def emit(**fields) -> None:
 
 # ---- the shared inputs ------------------------------------------------------------------------
 
-def raise_eos(model_dir: str, dataset: str, probability: float = EOS_PROBABILITY) -> float:
+def grid_world_prompts(count: int = 32) -> list:
+    """The chat messages a grid-world episode starts from (builtin.GridWorld.reset), seeds 0..count-1."""
+    from swift_megatron.rollout.multi_turn.builtin import GRID_SYSTEM, GridWorld
+    from swift_megatron.rollout.multi_turn.protocol import Episode
+
+    prompts = []
+    for seed in range(count):
+        observation, _, system = GridWorld({"seed": seed}).reset(Episode([], prompt_id=seed))
+        prompts.append([{"role": "system", "content": system or GRID_SYSTEM},
+                        {"role": "user", "content": observation}])
+    return prompts
+
+
+def raise_eos(model_dir: str, prompts: list, probability: float = EOS_PROBABILITY) -> float:
     """Set the EOS output row along the mean final hidden state of the model's own sampled
-    continuations of the dataset's prompts, scaled so that EOS gets about `probability` there;
-    returns the probability measured on those contexts."""
+    continuations of `prompts` (chat messages), scaled so that EOS gets about `probability`
+    there; returns the probability measured on those contexts."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = tokenizer.eos_token_id
-    with open(dataset) as f:
-        prompts = [json.loads(line)["messages"] for line in f][:32]
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
              for m in prompts]
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left").to("cuda")
@@ -100,7 +113,13 @@ def prepare(a) -> tuple:
     model = build_model(a.preset, os.path.join(a.work_dir, a.preset), "bfloat16")
     dataset = build_math_dataset(os.path.join(a.work_dir, "math.jsonl"), num_rows=512)
     if a.variable_length:
-        emit(name="eos_raised", probability=round(raise_eos(model, dataset), 4))
+        if a.eos_context == "grid_world":   # the episodes' own first turns
+            prompts = grid_world_prompts()
+        else:
+            with open(dataset) as f:
+                prompts = [json.loads(line)["messages"] for line in f][:32]
+        emit(name="eos_raised", context=a.eos_context,
+             probability=round(raise_eos(model, prompts), 4))
     return model, dataset
 
 
@@ -248,6 +267,8 @@ def main():
     parser.add_argument("--rollout_batches", type=int, default=5)
     parser.add_argument("--completion_length", type=int, default=256)
     parser.add_argument("--variable_length", action="store_true")
+    parser.add_argument("--eos_context", default="dataset", choices=["dataset", "grid_world"],
+                        help="--variable_length: the prompts the EOS is calibrated on")
     parser.add_argument("--tool", default="both", choices=["both", "ours", "trl"])
     parser.add_argument("--nproc", type=int, default=1, help="GPUs, data parallel")
     parser.add_argument("--work_dir", default="/tmp/trl_compare")

@@ -34,7 +34,8 @@
 #   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
 #                     32k at CP=2 (2 GPUs), train-step time and peak memory
 #   long_recompute    32k tokens with full activation recomputation, CP=1 then CP=2 (2 GPUs)
-#   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler)
+#   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler),
+#                     the EOS calibrated on the grid-world prompts
 #   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
 #                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
 #   qwen3_5_vllm      GRPO on the Qwen3.5 9B-layer-shape 4-layer model, vLLM colocate with sleep
@@ -121,7 +122,8 @@ phase() {
                         python3 -m torch.distributed.run --nproc_per_node 2 \
                             benchmarks/long_context.py --seq 32768 --cp 2 --recompute full ;;
         multi_turn) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 3 \
-                        --tool ours --variable_length --work_dir /tmp/multi_turn -- \
+                        --tool ours --variable_length --eos_context grid_world \
+                        --work_dir /tmp/multi_turn -- \
                         --multi_turn_scheduler gym_scheduler --gym_env grid_world --max_turns 3 \
                         --use_gym_env true ;;
         qwen3_5) python3 -m pytest tests/gpu/test_bridge_gpu.py -q -s -k qwen3_5 &&
