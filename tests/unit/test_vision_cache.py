@@ -120,7 +120,7 @@ def test_cache_gives_the_same_step_with_one_tower_run_per_image(tiny_model_dir, 
     assert (calls, images) == (2, 2)
     assert plain.keys() == cached.keys() and any("@" in k and "embedding" in k for k in plain)
     worst = max(float((plain[k] - cached[k]).abs().max()) for k in plain)
-    assert worst <= 1e-6, worst
+    assert worst <= 1e-6, worst   # measured: 0.0 (bit for bit) on CPU
     assert float(plain["loss0"].abs().sum()) > 0 and not torch.equal(plain["loss0"],
                                                                       plain["loss1"])
 
