@@ -74,9 +74,13 @@ class TowerCache:
 def cacheable(visual: torch.nn.Module) -> bool:
     """Whether a tower's outputs are a fixed function of its pixels: no parameter requires grad
     and no dropout (a Dropout with p > 0, or an `attention_dropout` > 0)."""
-    return not any(p.requires_grad for p in visual.parameters()) and not any(
-        (isinstance(m, torch.nn.Dropout) and m.p > 0) or getattr(m, "attention_dropout", 0) > 0
-        for m in visual.modules())
+    def drops(module: torch.nn.Module) -> bool:
+        rate = getattr(module, "attention_dropout", 0)
+        return (isinstance(module, torch.nn.Dropout) and module.p > 0) or \
+            (isinstance(rate, (int, float)) and rate > 0)
+
+    return not any(p.requires_grad for p in visual.parameters()) and \
+        not any(drops(m) for m in visual.modules())
 
 
 def same_tower(a: torch.nn.Module, b: torch.nn.Module) -> bool:

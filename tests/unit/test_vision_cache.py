@@ -4,7 +4,8 @@ trainer runs them (old-policy logprobs, reference logprobs from a frozen copy of
 weights, then two --num_iterations passes of training steps over two micro-batches of two
 completions of one image prompt each) give the same logprobs, losses and gradients with the
 cache as without, while the tower runs once per image instead of once per micro-batch and pass;
-an unfrozen tower gets no cache, runs in every pass and gets gradients."""
+an unfrozen tower gets no cache, runs in every pass and gets gradients; towers share a cache only
+when equal, and only frozen ones without dropout get one."""
 from contextlib import nullcontext
 from functools import partial
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from swift_megatron.model.vision import VISUAL, freeze
-from swift_megatron.model.vision_cache import frozen_tower_cache, same_tower
+from swift_megatron.model.vision_cache import cacheable, frozen_tower_cache, same_tower
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches
 from swift_megatron.rlhf.grpo.objective import (LossSettings, StepConstants, collect_logprobs,
                                                 grpo_loss)
@@ -143,3 +144,14 @@ def test_towers_are_shared_only_when_equal():
     assert same_tower(a, b)
     b.weight.data[0, 0] += 1e-3
     assert not same_tower(a, b)
+
+
+def test_only_frozen_towers_without_dropout_are_cached():
+    tower = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+    assert not cacheable(tower)   # trains
+    tower.requires_grad_(False)
+    assert cacheable(tower)
+    tower[1].p = 0.1
+    assert not cacheable(tower)
+    tower[1].p, tower[0].attention_dropout = 0.0, 0.1   # transformers' attention modules
+    assert not cacheable(tower)
