@@ -10,12 +10,12 @@ Qwen3-VL's and Qwen3.5's M-RoPE cycle t, h, w, t, h, w... (`InterleavedMRoPE`). 
 config without a `vision_config` (a text-only save) builds a plain GPTModel (`has_vision`).
 
 `VisionGPTModel.forward` takes, besides GPTModel's arguments, `pixel_values` and
-`image_grid_thw` (as the Qwen2-VL image processor returns them), and `image_keys` (names of the
-images, for a frozen tower's per-rollout-batch cache: vision_cache.py). On the first stage it embeds
-the tokens without the sequence-parallel scatter, writes the merged image embeddings over the
-`image_token_id` positions of the prompts (as transformers' `masked_scatter`), then scatters the
-sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s] (text-only batches,
-where the three axes are equal) are broadcast to the three axes.
+`image_grid_thw` (as the Qwen2-VL image processor returns them), and `image_keys` (names of
+the images, for a frozen tower's per-rollout-batch cache: vision_cache.py). On the first stage
+it embeds the tokens without the sequence-parallel scatter, writes the merged image embeddings
+over the `image_token_id` positions of the prompts (as transformers' `masked_scatter`), then
+scatters the sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s]
+(text-only batches, where the three axes are equal) are broadcast to the three axes.
 
 Deepstack (Qwen3-VL): the tower also returns the merged features of some of its blocks
 (`deepstack_visual_indexes`); transformers adds the k-th to the hidden states at the image
@@ -68,8 +68,8 @@ OPTIONAL_TOWER = ("qwen3_5", "qwen3_5_moe")  # text-only saves of these have no 
 # transformers' default `mrope_section` of each family when rope_parameters has none
 DEFAULT_MROPE_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10],
                          "qwen3_5_moe": [11, 11, 10]}
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask", "image_keys")  # micro-batch
-#                                                     entries it takes
+# the micro-batch entries it takes (`image_keys`: vision_cache.py)
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask", "image_keys")
 VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
 
