@@ -11,8 +11,8 @@ with other pixels, (Qwen3-VL, Qwen3.5) with megatron-core's contiguous M-RoPE se
 of the interleaved ones, and (Qwen3-VL) without the deepstack features; then the vision
 tower's gradients of sum(logits^2) against transformers' (first stage); and the logits of two
 passes with the tower frozen and cached (model/vision_cache.py) and the tower's runs. With
---alias_dir (one per --hf_dir) it also loads a copy of each checkpoint saved in the other prefix layout and
-exports it. Writes {out_dir}/rank{R}.json.
+--alias_dir (one per --hf_dir) it also loads a copy of each checkpoint saved in the other
+prefix layout and exports it. Writes {out_dir}/rank{R}.json.
 """
 import argparse
 import json
