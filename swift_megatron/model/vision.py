@@ -10,11 +10,12 @@ Qwen3-VL's and Qwen3.5's M-RoPE cycle t, h, w, t, h, w... (`InterleavedMRoPE`). 
 config without a `vision_config` (a text-only save) builds a plain GPTModel (`has_vision`).
 
 `VisionGPTModel.forward` takes, besides GPTModel's arguments, `pixel_values` and
-`image_grid_thw` (as the Qwen2-VL image processor returns them). On the first stage it embeds
-the tokens without the sequence-parallel scatter, writes the merged image embeddings over the
-`image_token_id` positions of the prompts (as transformers' `masked_scatter`), then scatters the
-sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s] (text-only batches,
-where the three axes are equal) are broadcast to the three axes.
+`image_grid_thw` (as the Qwen2-VL image processor returns them), and `image_keys` (names of
+the images, for a frozen tower's per-rollout-batch cache: vision_cache.py). On the first stage
+it embeds the tokens without the sequence-parallel scatter, writes the merged image embeddings
+over the `image_token_id` positions of the prompts (as transformers' `masked_scatter`), then
+scatters the sequence. `position_ids` are the 3-D M-RoPE ids [3, b, s]; 2-D ids [b, s]
+(text-only batches, where the three axes are equal) are broadcast to the three axes.
 
 Deepstack (Qwen3-VL): the tower also returns the merged features of some of its blocks
 (`deepstack_visual_indexes`); transformers adds the k-th to the hidden states at the image
@@ -39,6 +40,7 @@ from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_thi
 from megatron.core.models.gpt import GPTModel
 
 from swift_megatron.errors import UserError
+from swift_megatron.model.vision_cache import TowerCache, tower_outputs
 
 
 class HFClasses(NamedTuple):
@@ -66,7 +68,8 @@ OPTIONAL_TOWER = ("qwen3_5", "qwen3_5_moe")  # text-only saves of these have no 
 # transformers' default `mrope_section` of each family when rope_parameters has none
 DEFAULT_MROPE_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10],
                          "qwen3_5_moe": [11, 11, 10]}
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask")  # micro-batch entries it takes
+# the micro-batch entries it takes (`image_keys`: vision_cache.py)
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask", "image_keys")
 VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
 
@@ -143,6 +146,8 @@ def mrope_positions(position_ids: torch.Tensor) -> torch.Tensor:
 class VisionGPTModel(GPTModel):
     """GPTModel plus the HF vision tower on the first stage (see the module docstring)."""
 
+    tower_cache: Optional[TowerCache] = None   # set inside frozen_tower_cache (vision_cache.py)
+
     def __init__(self, config, *, hf_config: Mapping[str, Any], dtype: torch.dtype, **kwargs):
         super().__init__(config, **kwargs)
         if hf_config["model_type"] in INTERLEAVED_MROPE:
@@ -174,12 +179,14 @@ class VisionGPTModel(GPTModel):
 
     def embed(self, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
               image_grid_thw: Optional[torch.Tensor],
-              prompt_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict]:
+              prompt_mask: Optional[torch.Tensor] = None,
+              image_keys: Optional[Sequence] = None) -> Tuple[torch.Tensor, Dict]:
         """[s, b, h] token embeddings with the image embeddings merged in at the image tokens
         (of the prompts only, where `prompt_mask` [b, s] says which positions those are: a
         completion may sample the image token id, which then is a plain token, as in vLLM and
         transformers' generation); sequence-parallel scattered when SP is on. Also the
-        decoder's deepstack arguments (`deepstack_context`; {} without)."""
+        decoder's deepstack arguments (`deepstack_context`; {} without). With a `tower_cache`
+        and `image_keys` (one per image), the tower's outputs come from the cache."""
         emb = self.embedding(input_ids=input_ids, position_ids=None)
         deepstack = {}
         if pixel_values is not None:
@@ -187,15 +194,17 @@ class VisionGPTModel(GPTModel):
             if prompt_mask is not None:
                 mask &= prompt_mask.to(mask.device)
             visual = getattr(self, VISUAL)
-            out = visual(pixel_values.to(visual.dtype), grid_thw=image_grid_thw)
-            image = out.pooler_output
+            if self.tower_cache is not None and image_keys is not None:
+                image, features = self.tower_cache.outputs(visual, pixel_values, image_grid_thw,
+                                                           image_keys)
+            else:
+                image, features = tower_outputs(visual, pixel_values, image_grid_thw)
             if int(mask.sum()) != image.shape[0]:
                 raise UserError(f"the batch has {int(mask.sum())} image tokens but its images "
                                 f"give {image.shape[0]} embeddings")
             # row by row (images are in row order), as transformers' [b, s, h] masked_scatter
             emb = emb.transpose(0, 1).masked_scatter(mask.unsqueeze(-1), image.to(emb.dtype))
             emb = emb.transpose(0, 1).contiguous()
-            features = getattr(out, "deepstack_features", None)
             if features:
                 deepstack = self.deepstack_context(mask, features, emb.dtype)
         if self.config.sequence_parallel:
@@ -228,11 +237,11 @@ class VisionGPTModel(GPTModel):
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *args,
                 pixel_values: Optional[torch.Tensor] = None,
                 image_grid_thw: Optional[torch.Tensor] = None,
-                prompt_mask: Optional[torch.Tensor] = None, extra_block_kwargs=None,
-                **kwargs):
+                prompt_mask: Optional[torch.Tensor] = None, image_keys: Optional[Sequence] = None,
+                extra_block_kwargs=None, **kwargs):
         if self.pre_process and decoder_input is None:
             decoder_input, deepstack = self.embed(input_ids, pixel_values, image_grid_thw,
-                                                  prompt_mask)
+                                                  prompt_mask, image_keys)
             if deepstack:
                 extra_block_kwargs = {**(extra_block_kwargs or {}), **deepstack}
         return super().forward(input_ids, mrope_positions(position_ids), attention_mask,

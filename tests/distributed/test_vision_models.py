@@ -22,6 +22,8 @@ one-block Qwen3_5VisionModel), in one launch per layout.
   transformers' on every rank of the first stage (relative to the largest gradient); with
   sequence parallelism a rank's deepstack rows cover its own chunk only, so their gradients are
   summed over TP (Qwen3-VL; without that sum: 0.18 and 0.50 on the two ranks).
+- With the tower frozen and its outputs cached (model/vision_cache.py), two passes run it once
+  (on each rank of the first stage) and give the same logits bit for bit, in every layout.
 """
 import json
 import shutil
@@ -88,6 +90,9 @@ def check(result, total: int, family: str):
         assert result["vision_grad_rel_diff"] <= ATOL
     logits = result["logits"]
     assert logits["max_abs_diff"] <= ATOL and logits["argmax_agreement"] == 1.0
+    # a frozen tower's cached outputs (model/vision_cache.py): one run for two passes, the
+    # same logits bit for bit
+    assert logits["cached_tower"] == 0.0 and result["cached_tower_runs"] in (None, 1)
     assert logits["control_1d_positions"] > 100 * ATOL
     assert logits["control_other_pixels"] > 100 * ATOL
     if family.startswith("qwen3"):

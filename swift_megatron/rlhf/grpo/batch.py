@@ -21,9 +21,10 @@ What the model reads, two layouts:
 Images (a vision-language model): samples whose prompt holds images carry the processor's
 `pixel_values` / `image_grid_thw` and the prompt's 3-D M-RoPE ids [3, P]; a micro-batch with any
 of them gets `pixel_values` / `image_grid_thw` (concatenated in sample order, which is the
-order of their image tokens in the rows), `prompt_mask` (the prompt positions, in the layout
-of `tokens`: only there do image tokens take image embeddings) and 3-D `position_ids`
-[3, B, S'] or [3, 1, T]
+order of their image tokens in the rows), `image_keys` (a tuple: (group id, index in the
+prompt) per image, which names it within a rollout batch: model/vision_cache.py), `prompt_mask`
+(the prompt positions, in the layout of `tokens`: only there do image tokens take image
+embeddings) and 3-D `position_ids` [3, B, S'] or [3, 1, T]
 (completion tokens continue the prompt's last position on all three axes, as transformers'
 generation does; text-only samples get the same id on the three axes).
 `length` (the interleaved pipeline, whose stages exchange activations of one fixed shape): the
@@ -120,6 +121,8 @@ def image_inputs(samples: Sequence[Sample], micro: Dict[str, torch.Tensor]) -> d
         prompt = torch.stack([sample_prompt_mask(s, width) for s in samples])
     return dict(pixel_values=torch.cat([s.pixel_values for s in with_images]),
                 image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]),
+                image_keys=tuple((s.group_id, j) for s in with_images
+                                 for j in range(len(s.image_grid_thw))),
                 position_ids=positions, prompt_mask=prompt)
 
 

@@ -4,7 +4,8 @@
   forward-only passes, passes.py) -> advantages -> num_iterations x steps_per_generation
   optimizer steps of global_batch_size completions through forward_backward_func (with
   --sync_ref_model, the reference follows the policy every ref_model_sync_steps) -> weight sync
-  to the engine -> metrics -> checkpoint. With --async_generate (server mode) the next batch's
+  to the engine -> metrics -> checkpoint. A frozen vision tower runs once per image of the
+  rollout batch (model/vision_cache.py). With --async_generate (server mode) the next batch's
   generation runs in a background thread from the rollout to the weight sync (prefetch.py).
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
@@ -30,6 +31,7 @@ from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import save_adapter
 from swift_megatron.model.config import load_hf_config
+from swift_megatron.model.vision_cache import frozen_tower_cache
 from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
@@ -133,12 +135,14 @@ class GRPOTrainer:
         with measure_phase("rollout", timings, device):
             samples, metrics = self.collect()
         steps = self.step_micro_batches(samples)
-        with measure_phase("logprobs", timings, device):
-            self.fill_logprobs(steps)
-        metrics.update(self.assign_advantages(samples, [mb for step in steps for mb in step]))
-        with measure_phase("train", timings, device):
-            train_metrics = [self.optimizer_step(micro)
-                             for micro in steps * self.args.grpo.num_iterations]
+        # a frozen vision tower runs once per image of the rollout batch (vision_cache.py)
+        with frozen_tower_cache(self.policy.chunks, self.reference.frozen):
+            with measure_phase("logprobs", timings, device):
+                self.fill_logprobs(steps)
+            metrics.update(self.assign_advantages(samples, [mb for step in steps for mb in step]))
+            with measure_phase("train", timings, device):
+                train_metrics = [self.optimizer_step(micro)
+                                 for micro in steps * self.args.grpo.num_iterations]
         with measure_phase("sync", timings, device):
             metrics.update(self.sync_weights())
         metrics.update(reduce_metrics(train_metrics))

@@ -9,9 +9,10 @@ Megatron model through the trainer's micro-batch path) and reports the float32 l
 differences; controls: the same Megatron model with 1-D positions on all three M-RoPE axes,
 with other pixels, (Qwen3-VL, Qwen3.5) with megatron-core's contiguous M-RoPE sections instead
 of the interleaved ones, and (Qwen3-VL) without the deepstack features; then the vision
-tower's gradients of sum(logits^2) against transformers' (first stage). With --alias_dir (one
-per --hf_dir) it also loads a copy of each checkpoint saved in the other prefix layout and
-exports it. Writes {out_dir}/rank{R}.json.
+tower's gradients of sum(logits^2) against transformers' (first stage); and the logits of two
+passes with the tower frozen and cached (model/vision_cache.py) and the tower's runs. With
+--alias_dir (one per --hf_dir) it also loads a copy of each checkpoint saved in the other
+prefix layout and exports it. Writes {out_dir}/rank{R}.json.
 """
 import argparse
 import json
@@ -39,9 +40,10 @@ def inputs(hf_config: dict):
     return ids, pixels, grid, (ids == pad).int()
 
 
-def megatron_logits(loaded, state, ids, positions, pixels, grid):
-    """float32 logits through the trainer's path: one micro-batch with the image entries
-    through megatron's (pipelined) schedule (training/step.py), broadcast from the last stage."""
+def megatron_logits(loaded, state, ids, positions, pixels, grid, **entries):
+    """float32 logits through the trainer's path: one micro-batch with the image entries (and
+    `entries`) through megatron's (pipelined) schedule (training/step.py), broadcast from the
+    last stage."""
     import functools
 
     import torch
@@ -52,7 +54,7 @@ def megatron_logits(loaded, state, ids, positions, pixels, grid):
 
     vocab = loaded.shape.vocab_size
     batch = {"tokens": ids, "position_ids": positions, "pixel_values": pixels,
-             "image_grid_thw": grid}
+             "image_grid_thw": grid, **entries}
     with torch.no_grad():
         out = forward_backward([loaded.model], [batch], functools.partial(_gathered_logits, vocab),
                                forward_only=True)
@@ -61,6 +63,31 @@ def megatron_logits(loaded, state, ids, positions, pixels, grid):
     if state.pp > 1:
         dist.broadcast(logits, src=state.last_stage_rank(), group=state.pp_group)
     return logits
+
+
+def cached_tower_logits(loaded, state, ids, positions, pixels, grid, plain):
+    """(max |logits - `plain`| over two passes with the tower frozen and cached
+    (model/vision_cache.py), its runs on the stage holding it: None elsewhere)."""
+    from swift_megatron.model.vision import VISUAL
+    from swift_megatron.model.vision_cache import frozen_tower_cache
+
+    visual = getattr(loaded.model, VISUAL, None)
+    params = [] if visual is None else list(visual.parameters())
+    runs = []
+    hook = None if visual is None else visual.register_forward_hook(lambda *_: runs.append(1))
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        with frozen_tower_cache([loaded.model]):
+            worst = max(diff(megatron_logits(loaded, state, ids, positions, pixels, grid,
+                                             image_keys=((0, 0), (1, 0))), plain)
+                        for _ in range(2))
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+        if hook is not None:
+            hook.remove()
+    return worst, None if visual is None else len(runs)
 
 
 def diff(a, b) -> float:
@@ -166,6 +193,8 @@ def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
     shallow = no_deepstack_logits(loaded, state, hf_config, ids, positions, pixels, grid)
     if shallow is not None:
         result["logits"]["control_no_deepstack"] = diff(shallow, reference)
+    result["logits"]["cached_tower"], result["cached_tower_runs"] = cached_tower_logits(
+        loaded, state, ids, positions, pixels, grid, ours)
     result["vision_grad_rel_diff"] = vision_gradients(loaded, state, hf, ids, positions,
                                                       pixels, grid, types)
     if alias_dir:
