@@ -60,6 +60,7 @@ def test_loss_and_gradients_equal_no_recomputation(reports, layout, family):
     for cases in each_rank(reports, layout, family):
         for name, case in cases.items():
             assert case["loss"] == cases["none"]["loss"], name
+            assert case["eval_logits_equal"], name   # no-grad forwards (reference, old policy)
             assert case["grad_names_equal"], name
             if "layernorm" in case["modules"]:
                 assert case["max_grad_diff"] <= 1e-5 * case["max_grad"], name

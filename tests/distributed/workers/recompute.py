@@ -8,11 +8,13 @@ kind we build; writes {out_dir}/rank0.json for tests/unit/test_recompute.py.
     rank, each rank's gradients are its own shards)
 
 For each model and each flag setting: one packed micro-batch of three sequences (packed RoPE
-attention, Gated DeltaNet's packed path), a forward pass, the mean squared logit as the loss,
-and the backward pass. Reported: the loss, the largest gradient difference against --recompute_granularity
-none, and the bytes autograd holds for the backward once the forward is done (the tensors handed
-to saved_tensors_hooks, deduplicated by storage, parameters left out; a discarded output, whose
-storage megatron shrinks to nothing until the backward recomputes it, counts 0).
+attention, Gated DeltaNet's packed path), a no-grad forward pass in eval mode (its logits), a
+training forward pass, the mean squared logit as the loss, and the backward pass. Reported: the
+loss, whether the eval logits equal those of --recompute_granularity none, the largest gradient
+difference against it, and the bytes autograd holds for the backward once the forward is done
+(the tensors handed to saved_tensors_hooks, deduplicated by storage, parameters left out; a
+discarded output, whose storage megatron shrinks to nothing until the backward recomputes it,
+counts 0).
 """
 import argparse
 import json
@@ -67,8 +69,12 @@ def run_case(model_dir: str, state, extra) -> dict:
     hf_config = load_hf_config(model_dir)
     chunks, config, _ = components._load_model(args, state, model_dir, hf_config, torch.float32,
                                                None)
-    model = chunks[0].train()
+    model = chunks[0]
     batch = packed_batch(text_config(hf_config)["vocab_size"])
+    with torch.no_grad():   # the reference / old-logprob forward: eval mode, no autograd
+        eval_logits = model.eval()(batch["tokens"], batch["position_ids"], attention_mask=None,
+                                   packed_seq_params=packed_seq_params(batch))
+    model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = []
 
@@ -85,7 +91,7 @@ def run_case(model_dir: str, state, extra) -> dict:
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
              if p.grad is not None}
-    return dict(loss=loss.item(), saved_bytes=held, grads=grads,
+    return dict(loss=loss.item(), saved_bytes=held, grads=grads, eval_logits=eval_logits,
                 granularity=config.recompute_granularity,
                 modules=list(config.recompute_modules or []))
 
@@ -95,9 +101,10 @@ def check_model(model_dir: str, state, settings: dict) -> dict:
     for name, extra in settings.items():
         flags = ["--recompute_granularity", "none"] if name == "none" else extra
         case = run_case(model_dir, state, flags)
-        grads = case.pop("grads")
+        grads, eval_logits = case.pop("grads"), case.pop("eval_logits")
         if base is None:
-            base = grads
+            base, base_logits = grads, eval_logits
+        case["eval_logits_equal"] = torch.equal(eval_logits, base_logits)
         case["grad_names_equal"] = sorted(grads) == sorted(base)
         case["max_grad_diff"] = max(float((grads[n] - base[n]).abs().max()) for n in base)
         case["max_grad"] = max(float(g.abs().max()) for g in base.values())
