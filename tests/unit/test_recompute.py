@@ -2,7 +2,8 @@
 spec, CPU, float32, through the code the trainer runs (one worker run:
 tests/distributed/workers/recompute.py): tiny qwen3 (dense), qwen3_moe (MoE), qwen3_5 (Gated
 DeltaNet + gated attention) and qwen3_5_moe (both, with a shared expert), one packed micro-batch;
-qwen3 and qwen3_moe also at TP=2 with sequence parallelism (two processes, each rank's shards).
+qwen3 and qwen3_moe also at TP=2 with sequence parallelism (two processes, each rank's shards),
+qwen3 also with LoRA adapters (--train_type lora).
 
 Recomputation reruns the same float32 ops on the same inputs: the loss equals the one without
 recomputation bit for bit, and so do the gradients with core_attn, mlp and moe. With layernorm
@@ -17,7 +18,7 @@ import pytest
 
 from tests.distributed.launch import run_workers
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_lora")
 TP_FAMILIES = ("qwen3", "qwen3_moe")
 
 
@@ -27,7 +28,8 @@ def reports(tiny_model_dir, tmp_path_factory):
     result = {}
     for layout, nproc, families in (("tp1", 1, FAMILIES), ("tp2", 2, TP_FAMILIES)):
         out = tmp_path_factory.mktemp(f"recompute_{layout}")
-        models = [f"--model={family}={tiny_model_dir(family)}" for family in families]
+        models = [f"--model={family}={tiny_model_dir(family.replace('_lora', ''))}"
+                  for family in families]
         result[layout] = run_workers("recompute.py", nproc, out, [*models, "--tp", nproc])
     print(json.dumps(result))
     return result
@@ -43,7 +45,7 @@ def each_rank(reports, layout, family):
 EXPECTED = {"default": ["core_attn"], "dense": ["core_attn", "mlp", "layernorm"],
             "moe": ["core_attn", "moe"], "moe_layernorm": ["core_attn", "moe", "layernorm"]}
 CHOSEN = {"qwen3": ["dense"], "qwen3_moe": ["moe", "moe_layernorm"], "qwen3_5": ["dense"],
-          "qwen3_5_moe": ["moe_layernorm"]}
+          "qwen3_5_moe": ["moe_layernorm"], "qwen3_lora": ["dense"]}
 
 
 @pytest.mark.parametrize("layout,family", CASES)

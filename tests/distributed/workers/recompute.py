@@ -3,7 +3,7 @@ trainer runs (the parsed flags -> components.py -> megatron), on tiny checkpoint
 kind we build; writes {out_dir}/rank0.json for tests/unit/test_recompute.py.
 
     python -m torch.distributed.run --nproc_per_node 1 tests/distributed/workers/recompute.py \\
-        --out_dir OUT --model qwen3=DIR --model qwen3_moe=DIR ...
+        --out_dir OUT --model qwen3=DIR --model qwen3_moe=DIR --model qwen3_lora=QWEN3_DIR ...
     (--nproc_per_node 2 ... --tp 2: tensor parallelism with sequence parallelism, one file per
     rank, each rank's gradients are its own shards)
 
@@ -40,7 +40,9 @@ SETTINGS = {
     "qwen3_5": {"none": [], "dense": ["--recompute_modules", "core_attn", "mlp", "layernorm"]},
     "qwen3_5_moe": {"none": [],
                     "moe_layernorm": ["--recompute_modules", "core_attn", "moe", "layernorm"]},
+    "qwen3_lora": {"none": [], "dense": ["--recompute_modules", "core_attn", "mlp", "layernorm"]},
 }
+EXTRA = {"qwen3_lora": ["--train_type", "lora"]}   # adapters on every linear (dropout 0.05)
 
 
 def packed_batch(vocab: int) -> dict:
@@ -67,14 +69,16 @@ def run_case(model_dir: str, state, extra) -> dict:
     args = parse_command(RlhfArguments, ["--model", model_dir, "--dataset", "unused", *layout,
                                          *extra], "megatron rlhf")
     hf_config = load_hf_config(model_dir)
-    chunks, config, _ = components._load_model(args, state, model_dir, hf_config, torch.float32,
-                                               None)
+    chunks, config, bridge = components._load_model(args, state, model_dir, hf_config,
+                                                    torch.float32, None)
     model = chunks[0]
+    components.attach_lora(args, model, bridge, None, hf_config)   # --train_type lora only
     batch = packed_batch(text_config(hf_config)["vocab_size"])
     with torch.no_grad():   # the reference / old-logprob forward: eval mode, no autograd
         eval_logits = model.eval()(batch["tokens"], batch["position_ids"], attention_mask=None,
                                    packed_seq_params=packed_seq_params(batch))
     model.train()
+    state.seed(11)   # the same dropout masks (LoRA's, torch's and the TP tracker's) in every case
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = []
 
@@ -96,10 +100,11 @@ def run_case(model_dir: str, state, extra) -> dict:
                 modules=list(config.recompute_modules or []))
 
 
-def check_model(model_dir: str, state, settings: dict) -> dict:
+def check_model(model_dir: str, state, family: str) -> dict:
     report, base = {}, None
-    for name, extra in settings.items():
-        flags = ["--recompute_granularity", "none"] if name == "none" else extra
+    for name, extra in SETTINGS[family].items():
+        flags = EXTRA.get(family, []) + (["--recompute_granularity", "none"] if name == "none"
+                                         else extra)
         case = run_case(model_dir, state, flags)
         grads, eval_logits = case.pop("grads"), case.pop("eval_logits")
         if base is None:
@@ -123,7 +128,7 @@ def main():
     report = {}
     for item in a.model:
         family, model_dir = item.split("=", 1)
-        report[family] = check_model(model_dir, state, SETTINGS[family])
+        report[family] = check_model(model_dir, state, family)
     with open(os.path.join(a.out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(report, f, indent=1)
     ParallelState.destroy()
