@@ -266,6 +266,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         distributed_optimizer=p.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,
         full_recompute=p.recompute_granularity == "full",
+        recompute_modules=tuple(p.selective_recompute),
         vllm_fraction=args.vllm.vllm_gpu_memory_utilization if colocate else 0.0,
         offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else

@@ -1,9 +1,18 @@
 """Parallelism flags (Megatron naming): TP, PP, VPP, CP, EP, ETP, SP, optimizer sharding, recompute."""
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
+
+# ms-swift's --recompute_modules values; the ones our layer spec cannot take, with the reason
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe")
+REFUSED_RECOMPUTE_MODULES = {
+    "moe_act": "megatron-core recomputes the expert activation only in grouped-GEMM experts "
+               "(Transformer Engine); ours are sequential: use moe (the whole MoE layer)",
+    "mla_up_proj": "it recomputes multi-latent attention's up-projection, and no supported "
+                   "model uses MLA",
+}
 
 
 @dataclass
@@ -33,9 +42,16 @@ class ParallelArguments:
     use_distributed_optimizer: bool = arg(True, "Shard optimizer state across data-parallel "
                                           "ranks (Megatron's distributed optimizer).")
     recompute_granularity: Optional[str] = arg("selective", "Activation recomputation: full "
-                                               "(whole layers), selective (the attention core "
-                                               "only) or none.",
+                                               "(whole layers), selective (the modules of "
+                                               "--recompute_modules) or none.",
                                                choices=["full", "selective", "none"])
+    recompute_modules: List[str] = arg(
+        ["core_attn"], "With --recompute_granularity selective: the parts of each layer "
+        "recomputed in the backward pass. core_attn (attention's softmax(QK^T)V), mlp (a dense "
+        "layer's MLP), moe (a whole MoE layer: router, dispatch, experts) checkpoint their "
+        "input; layernorm (both norms of a layer) discards its output and recomputes it. "
+        "moe_act and mla_up_proj are refused (sequential experts, no MLA model). Ignored with "
+        "the other granularities, as in ms-swift.", choices=RECOMPUTE_MODULES)
     recompute_method: Optional[str] = arg(None, "With --recompute_granularity full: uniform or "
                                           "block.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "With --recompute_granularity full: layers "
@@ -43,6 +59,7 @@ class ParallelArguments:
                                               "layers per stage (block).")
 
     def __post_init__(self):
+        self.adjustments: List[str] = []
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size",
                      "expert_tensor_parallel_size"):
@@ -54,8 +71,9 @@ class ParallelArguments:
         if vpp == 1:
             self.virtual_pipeline_model_parallel_size = None
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            self.adjustments = ["--sequence_parallel true needs --tensor_model_parallel_size > 1: "
-                                "turned off (as ms-swift does)"]
+            self.adjustments.append("--sequence_parallel true needs "
+                                    "--tensor_model_parallel_size > 1: turned off (as ms-swift "
+                                    "does)")
             self.sequence_parallel = False
         if self.expert_model_parallel_size == 1 and \
                 self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
@@ -66,6 +84,24 @@ class ParallelArguments:
             self.recompute_method, self.recompute_num_layers = "uniform", self.recompute_num_layers or 1
         if self.recompute_method and self.recompute_granularity != "full":
             raise UserError("--recompute_method needs --recompute_granularity full")
+        self._check_recompute_modules()
+
+    def _check_recompute_modules(self) -> None:
+        """Unknown names are refused by the parser (the field's choices)."""
+        for module in self.recompute_modules:
+            if module in REFUSED_RECOMPUTE_MODULES:
+                raise UserError(f"--recompute_modules {module} is not supported: "
+                                f"{REFUSED_RECOMPUTE_MODULES[module]}")
+        if self.recompute_granularity != "selective" and self.recompute_modules != ["core_attn"]:
+            self.adjustments.append(
+                f"--recompute_modules {' '.join(self.recompute_modules)} takes effect with "
+                f"--recompute_granularity selective only: ignored with "
+                f"{self.recompute_granularity or 'none'} (as ms-swift does)")
+
+    @property
+    def selective_recompute(self) -> List[str]:
+        """The modules megatron recomputes (none unless --recompute_granularity selective)."""
+        return list(self.recompute_modules) if self.recompute_granularity == "selective" else []
 
     @property
     def model_parallel_size(self) -> int:

@@ -14,7 +14,11 @@ Per rank, in bytes:
   saved inputs and outputs; flash attention keeps no S x S scores), / TP with sequence
   parallelism, a layer's worth only with full recomputation; with context parallelism a rank
   holds tokens / CP of them, plus each layer's keys and values all-gathered over the whole
-  sequence (kept for the backward);
+  sequence (kept for the backward). Selective recomputation (--recompute_modules) drops what
+  a recomputed module alone keeps: layernorm its two outputs (2 x 2 hidden), mlp (dense) or
+  moe (MoE) the MLP's 6 x ffn (its input, a norm output, stays); core_attn nothing here (with
+  flash attention it keeps only q, k, v and its output, which its checkpoint and the output
+  projection keep anyway);
 - logits: the micro-batch's [tokens / CP, vocab / TP] in the model dtype, twice (output and its
   gradient), plus the chunked log-softmax's float32 working set;
 - vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
@@ -23,7 +27,7 @@ The peak is the larger of training (everything but vLLM) and generation (vLLM + 
 resident: the weights and, unless offloaded, gradients, optimizer and reference).
 """
 import dataclasses
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 from swift_megatron.model.text_config import text_config
 
@@ -50,6 +54,7 @@ class RunShape:
     optimizer_cpu_offload: bool = False
     micro_batch_tokens: int = 4096       # prompt + completion tokens of one micro-batch
     full_recompute: bool = False
+    recompute_modules: Tuple[str, ...] = ("core_attn",)  # recomputed selectively; () for none
     vllm_fraction: float = 0.0           # colocate: --vllm_gpu_memory_utilization; else 0
     offload_model: bool = False
     offload_optimizer: bool = False
@@ -102,9 +107,11 @@ def _trainable(hf: Mapping, run: RunShape, params: int) -> int:
 def activation_bytes(hf: Mapping, run: RunShape) -> int:
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = (hf.get("num_key_value_heads") or heads) * (hf.get("head_dim") or hidden // heads)
-    ffn = hf.get("moe_intermediate_size", 0) * hf.get("num_experts_per_tok", 0) \
-        or hf["intermediate_size"]
-    per_token_layer = 2 * (7 * hidden + 2 * kv) + 6 * ffn
+    moe_ffn = hf.get("moe_intermediate_size", 0) * hf.get("num_experts_per_tok", 0)
+    ffn = moe_ffn or hf["intermediate_size"]
+    norms = 0 if "layernorm" in run.recompute_modules else 2 * hidden
+    mlp = 0 if ("moe" if moe_ffn else "mlp") in run.recompute_modules else 3 * ffn
+    per_token_layer = 2 * (5 * hidden + 2 * kv + norms + mlp)
     layers = 1 if run.full_recompute else hf["num_hidden_layers"] // run.pp
     scale = run.tp if run.sequence_parallel else 1
     gathered_kv = 2 * 2 * kv / run.tp if run.cp > 1 else 0  # bf16 K and V of every position

@@ -29,6 +29,23 @@ def test_activations_per_micro_batch():
         4 * (100 * per_token_layer // 2 + 100 * 2 * 2 * 32)
 
 
+def test_selective_recomputation_drops_what_the_modules_keep():
+    def per_token_layer(hf, *modules):
+        return activation_bytes(hf, RunShape(micro_batch_tokens=1, recompute_modules=modules)) \
+            // hf["num_hidden_layers"]
+
+    full = 2 * (7 * 64 + 2 * 32) + 6 * 128
+    assert per_token_layer(HF) == per_token_layer(HF, "core_attn") == full
+    assert per_token_layer(HF, "core_attn", "layernorm") == full - 2 * 2 * 64  # norm outputs
+    assert per_token_layer(HF, "core_attn", "mlp") == full - 6 * 128            # SwiGLU MLP
+    assert per_token_layer(HF, "moe") == full                                  # dense: no MoE
+    assert per_token_layer(HF, "mlp", "layernorm") == 2 * (5 * 64 + 2 * 32)
+    moe = dict(HF, moe_intermediate_size=32, num_experts_per_tok=2, num_experts=8)
+    full_moe = 2 * (7 * 64 + 2 * 32) + 6 * 64                                  # ffn 2 x 32
+    assert per_token_layer(moe, "core_attn", "mlp") == full_moe                # MoE: no MLP
+    assert per_token_layer(moe, "core_attn", "moe") == full_moe - 6 * 64
+
+
 def test_full_parameter_run_and_peak():
     params = 4 * LAYER + 2 * 64000
     run = RunShape(dtype="bfloat16", dp=2, micro_batch_tokens=100, vllm_fraction=0.5)
@@ -56,3 +73,23 @@ def test_lora_and_offloads_shrink_it():
     assert offloaded["generate"] == pytest.approx(resident["generate"] - resident["optimizer"])
     assert offloaded["train"] == resident["train"]   # the optimizer comes back to train
     assert estimate(HF, RunShape(optimizer_cpu_offload=True))["optimizer"] == 0
+
+
+def test_the_dry_run_estimate_follows_the_recompute_flags():
+    """preflight.run_shape: the modules reach the estimate with selective recomputation only."""
+    from swift_megatron.arguments.batch_plan import make_batch_plan
+    from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.preflight import run_shape
+
+    def shape(*flags):
+        args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *flags],
+                             "megatron rlhf")
+        return run_shape(args, make_batch_plan(batch_inputs(args, 1)), HF)
+
+    assert shape().recompute_modules == ("core_attn",)
+    chosen = shape("--recompute_modules", "core_attn", "mlp", "layernorm")
+    assert chosen.recompute_modules == ("core_attn", "mlp", "layernorm")
+    assert activation_bytes(HF, chosen) < activation_bytes(HF, shape())
+    assert shape("--recompute_granularity", "full", "--recompute_modules", "mlp") \
+        .recompute_modules == ()

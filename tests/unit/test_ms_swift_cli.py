@@ -176,6 +176,41 @@ def test_silent_adjustments_and_ignored_flags_are_noticed():
     assert notices(rlhf()) == []
 
 
+def test_recompute_modules_as_ms_swift():
+    """ms-swift's default ["core_attn"], a list of its names, passed on with selective only;
+    with another granularity the list is ignored (as megatron does under ms-swift), noticed."""
+    assert rlhf().parallel.recompute_modules == ["core_attn"]
+    p = rlhf("--recompute_modules", "core_attn", "moe", "layernorm").parallel
+    assert p.selective_recompute == ["core_attn", "moe", "layernorm"]
+    for granularity in ("full", "none"):
+        args = rlhf("--recompute_granularity", granularity, "--recompute_modules", "mlp")
+        assert args.parallel.selective_recompute == []
+        assert any(f"--recompute_modules mlp takes effect with --recompute_granularity "
+                   f"selective only: ignored with {granularity}" in line
+                   for line in notices(args))
+    assert notices(rlhf("--recompute_granularity", "full")) == []
+
+
+@pytest.mark.parametrize("modules, message", [
+    (["core_attn", "attention"], "--recompute_modules: invalid choice 'attention'; choose from "
+                                 "core_attn, moe_act, layernorm, mla_up_proj, mlp, moe"),
+    (["moe_act"], "--recompute_modules moe_act is not supported: .* grouped-GEMM experts .* "
+                  "use moe"),
+    (["core_attn", "mla_up_proj"], "--recompute_modules mla_up_proj is not supported: .* MLA"),
+])
+def test_recompute_modules_refused_with_the_reason(modules, message):
+    with pytest.raises(UserError, match=message):
+        rlhf("--recompute_modules", *modules)
+
+
+def test_recompute_modules_error_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--dry_run",
+                           "true", "--recompute_modules", "moe_act"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--recompute_modules moe_act" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_algorithm_flags_of_the_examples_parse_together():
     """examples/megatron/grpo/sapo.sh, real.sh and opd_rl.sh: their algorithm flags together."""
     sapo = rlhf("--loss_type", "sapo", "--tau_pos", 1, "--tau_neg", "1.05", "--epsilon_high", "0.2")

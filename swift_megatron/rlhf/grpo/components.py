@@ -94,7 +94,8 @@ def _config_overrides(args: RlhfArguments) -> dict:
     if p.recompute_granularity:
         overrides.update(recompute_granularity=p.recompute_granularity,
                          recompute_method=p.recompute_method,
-                         recompute_num_layers=p.recompute_num_layers)
+                         recompute_num_layers=p.recompute_num_layers,
+                         recompute_modules=p.selective_recompute)
     if capacity is not None:
         # tokens past an expert's capacity are dropped, lowest router probability first (the
         # drop policy ms-swift and megatron default to)
