@@ -11,8 +11,10 @@ started with dummy weights. Seconds, the median over --repeats after one warm-up
     bucket          cutting the exported list into --bucket_mb buckets (iter_buckets)
     begin / load / finish
                     inside the vLLM worker: vllm_compat.begin_weight_update, the model's
-                    load_weights over every bucket, vllm_compat.finish_weight_update (vLLM's
-                    layerwise reload and, on the CPU, the whole-model repacking pass)
+                    load_weights over every bucket (with vLLM's layerwise reload: each
+                    layer's post-processing, on the CPU its oneDNN repacking), and
+                    vllm_compat.finish_weight_update (the reload's end; on the CPU the tied
+                    lm_head's repack)
     reset           LLM.reset_prefix_cache
     push            ColocateEngine.update_weights of the exported list (the pieces above but
                     the export, end to end)
