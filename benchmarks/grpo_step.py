@@ -53,6 +53,7 @@ PRESETS = {
                         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}),
 }
 PHASES = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
+          "time/sync_check_s",
           "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "rollout/completion_tokens",
           "rollout/logprob_abs_diff_mean", "sync/logprob_abs_diff_mean", "reward/mean",
           "perf/max_memory_allocated_gib")

@@ -22,11 +22,11 @@ What differs, and how it is handled here:
   which re-runs each layer's post-processing once it is complete and copies the result into
   the live storage):
   - on the CPU, which repacks linear weights for its GEMM kernels and drops the originals;
-    there `process_weights_after_loading` then runs for the whole model, to repack the tied
-    lm_head (it shares the embedding weight, is never loaded itself and would keep the old
-    packed copy), and the MoE experts are prepacked again (`_repack_cpu_experts`); the GDN
-    conv1d weights (Qwen3.5) that the CPU prepacks are kept out of that second pass
-    (`_cpu_conv_weights_kept`);
+    there `process_weights_after_loading` then runs for the tied lm_head only (it shares the
+    embedding weight, is never loaded itself and would keep the old packed copy;
+    `_tied_modules`), and the MoE experts are prepacked again (`_repack_cpu_experts`). A
+    second pass over the whole model repacked every layer twice (a third of a CPU update) and
+    emptied the GDN conv1d weights (Qwen3.5) the CPU prepacks;
   - for MoE models on any platform (some CUDA MoE backends reorder or shuffle the experts).
 - Request errors: vLLM 0.26 raises ValueError subclasses for a request it cannot take; 0.32
   has its own `VLLMClientError` hierarchy (not ValueError): `is_request_error` knows both.
@@ -432,9 +432,24 @@ def finish_weight_update(worker) -> None:
     if on_cpu():
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        with _cpu_conv_weights_kept(model):
-            process_weights_after_loading(model, model_config, worker.device)
+        for head in _tied_modules(model):
+            process_weights_after_loading(head, model_config, worker.device)
         _repack_cpu_experts(model)
+
+
+def _tied_modules(model) -> List[Any]:
+    """The modules whose weight is another module's (a tied lm_head holds the embedding's):
+    never loaded themselves, the layerwise reload leaves their CPU-packed copy of the old weight,
+    so only they are processed again (not the whole model: every other layer was packed once
+    by the reload, and packing is most of a CPU update's time)."""
+    owners, tied = set(), []
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and id(weight) in owners:
+            tied.append(module)
+        elif weight is not None:
+            owners.add(id(weight))
+    return tied
 
 
 @contextlib.contextmanager
@@ -457,23 +472,6 @@ def _kept_layers_counted():
         yield kept
     finally:
         reload_logger.removeFilter(keep)
-
-
-@contextlib.contextmanager
-def _cpu_conv_weights_kept(model):
-    """Keep the prepacked GDN conv1d weights (Qwen3.5) through a whole-model
-    `process_weights_after_loading`. On CPUs with bf16 dot products (AVX512-BF16, ARM bf16) the
-    CPU platform packs each [C, 1, 4] bf16 conv1d weight into a [C, 4] kernel layout when the
-    layer is processed (layerwise reload does that); processed again, the packed weight looks
-    like a linear's, and the GEMM dispatch replaces it with an empty one (decode then reads
-    garbage and the next update fails). The packed layers are the ones carrying the unpacked copy
-    (`_cpu_unpacked_conv_weight`); elsewhere nothing is packed and nothing is kept."""
-    kept = {module: module.weight for module in model.modules()
-            if getattr(module, "_cpu_unpacked_conv_weight", None) is not None}
-    yield
-    for module, weight in kept.items():
-        module.weight = weight
-        module.__dict__.pop("cpu_linear", None)
 
 
 def _repack_cpu_experts(model) -> None:

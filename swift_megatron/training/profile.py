@@ -1,13 +1,14 @@
 """What a rollout batch's phases cost, for performance work.
 
-`measure_phase` times each phase (rollout, logprobs, train, sync) into `time/<phase>_s` and, on
-CUDA, its peak allocated memory into `memory/<phase>_peak_gib` (torch's counter, reset at the
-phase's start). The optional torch-profiler capture of one rollout batch:
+`measure_phase` times each phase (rollout, logprobs, train, sync, sync_check) into
+`time/<phase>_s` and, on CUDA, its peak allocated memory into `memory/<phase>_peak_gib` (torch's
+counter, reset at the phase's start). The optional torch-profiler capture of one rollout batch:
 
     SWIFT_MEGATRON_PROFILE=DIR megatron rlhf ...    # profiles the 3rd rollout batch on rank 0
 
 writes DIR/profile_rank0.txt: the operators sorted by their CUDA (else CPU) self time, and the
-time each named phase took (record_function ranges: rollout, logprobs, train, sync)."""
+time each named phase took (record_function ranges: rollout, logprobs, train, sync,
+sync_check)."""
 import contextlib
 import os
 import time

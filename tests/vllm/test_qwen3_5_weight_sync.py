@@ -8,8 +8,8 @@ of its GDN kernels):
   the same greedy tokens, logprobs within 1e-5;
 - a second push (perturbed weights) changes the output, and a third (the checkpoint again)
   restores it. On CPUs with bf16 dot products (AVX512-BF16) vLLM prepacks the GDN conv1d
-  weights; before vllm_compat kept them through its whole-model pass, the first push left them
-  empty (decode garbage) and the second one crashed;
+  weights; when vllm_compat processed the whole model again after the layerwise reload, the
+  first push left them empty (decode garbage) and the second one crashed;
 - the engine's logprobs of its greedy tokens (perturbed weights) are transformers' (float32,
   same weights) within bfloat16 noise, and (dense) each prompt's first greedy token agrees.
 

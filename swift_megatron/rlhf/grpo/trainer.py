@@ -143,8 +143,7 @@ class GRPOTrainer:
             with measure_phase("train", timings, device):
                 train_metrics = [self.optimizer_step(micro)
                                  for micro in steps * self.args.grpo.num_iterations]
-        with measure_phase("sync", timings, device):
-            metrics.update(self.sync_weights())
+        metrics.update(self.sync_weights(timings))
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
         metrics.update(self._throughput(samples, timings))
@@ -306,19 +305,26 @@ class GRPOTrainer:
                         for j, name in enumerate(names)})
         return metrics
 
-    def sync_weights(self) -> Dict[str, float]:
+    def sync_weights(self, timings: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         """Stream the policy's weights into the engine (once the generation --async_generate
         started is done: never while a request is in flight); after the first sync, without
         the frozen parts of a vision tower (build.sync_filter); with --check_weight_sync,
-        verify."""
-        if self.prefetch:
-            self.prefetch.wait()
-        tensors = self.policy.bridge.export(self.policy.chunks)
-        if self.synced and self.sync_filter is not None:   # every rank runs the whole export
-            tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
-        self.engine.update_weights(tensors)
+        verify. Into `timings`: the sync as `time/sync_s`, the check apart as
+        `time/sync_check_s` (a generation, with --offload_optimizer / --offload_model their
+        moves to host memory and back, and a forward pass: often longer than the sync)."""
+        timings = {} if timings is None else timings
+        with measure_phase("sync", timings, self.state.device):
+            if self.prefetch:
+                self.prefetch.wait()
+            tensors = self.policy.bridge.export(self.policy.chunks)
+            if self.synced and self.sync_filter is not None:   # every rank runs the whole export
+                tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
+            self.engine.update_weights(tensors)
         self.synced = True
-        return self.check_weight_sync() if self.args.rollout.check_weight_sync else {}
+        if not self.args.rollout.check_weight_sync:
+            return {}
+        with measure_phase("sync_check", timings, self.state.device):
+            return self.check_weight_sync()
 
     @torch.no_grad()
     def check_weight_sync(self) -> Dict[str, float]:
