@@ -39,6 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--hidden_size", type=int, default=512,
                         help="2048 is the preset's; experts' widths scale with it (1/4)")
+    parser.add_argument("--moe_intermediate_size", type=int,
+                        help="each expert's and the shared expert's width (default hidden/4, "
+                             "the preset's ratio; smaller keeps a wide model in CPU memory)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=8)
@@ -56,14 +59,14 @@ def parse_args(argv=None):
 
 def overrides(args) -> dict:
     """The preset's proportions (REAL_SHAPES["qwen3.5-moe-small"]) at width --hidden_size."""
+    width = args.moe_intermediate_size or args.hidden_size // 4
     return dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                 num_attention_heads=max(2, args.hidden_size // 128), num_key_value_heads=2,
                 head_dim=64, linear_num_key_heads=max(1, args.hidden_size // 256),
                 linear_num_value_heads=max(2, args.hidden_size // 128),
                 linear_key_head_dim=128, linear_value_head_dim=128,
                 num_experts=args.experts, num_experts_per_tok=args.topk,
-                moe_intermediate_size=args.hidden_size // 4,
-                shared_expert_intermediate_size=args.hidden_size // 4,
+                moe_intermediate_size=width, shared_expert_intermediate_size=width,
                 vocab_size=args.vocab_size, max_position_embeddings=4096,
                 tie_word_embeddings=False, initializer_range=args.initializer_range)
 
@@ -165,7 +168,8 @@ def main(argv=None):
         return
     from swift_megatron.fixtures import build_tiny_model
 
-    config = dict(device=args.device, hidden_size=args.hidden_size, layers=args.layers,
+    config = dict(device=args.device, hidden_size=args.hidden_size,
+                  moe_intermediate_size=overrides(args)["moe_intermediate_size"], layers=args.layers,
                   experts=args.experts, topk=args.topk, initializer_range=args.initializer_range,
                   sequences=args.sequences, length=args.length)
     tmp = tempfile.TemporaryDirectory()
