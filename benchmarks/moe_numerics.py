@@ -13,6 +13,8 @@ the logprob of every next token under:
     mcore_bf16         Megatron bf16, router in fp32 (moe_router_dtype="fp32", what GRPO runs)
     mcore_bf16_router_bf16   Megatron bf16, router in bf16 (moe_router_dtype=None)
     vllm_bf16          vLLM bf16 loaded from disk (prompt_logprobs), unless --no_vllm
+    vllm_bf16_pushed   vLLM bf16 started with dummy weights, asleep (level 1) and woken by a
+                       push of mcore_bf16's bridge export (a GRPO weight sync), unless --no_vllm
 
 and prints one JSON line per pair (mean / max |logprob difference| over all predicted tokens):
 each run against hf_fp32, and the pairs a GRPO run compares (vllm_bf16 vs mcore_bf16).
@@ -52,7 +54,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no_vllm", action="store_true")
     parser.add_argument("--model_dir", help="where the checkpoint is written (default: a tmp dir)")
-    parser.add_argument("--vllm_worker", nargs=2, metavar=("MODEL_DIR", "TOKENS_PT"),
+    parser.add_argument("--vllm_worker", nargs="+", metavar="MODEL_DIR TOKENS_PT [PUSHED]",
                         help=argparse.SUPPRESS)   # internal: the vLLM run, in a subprocess
     return parser.parse_args(argv)
 
@@ -82,31 +84,53 @@ def gap(a: torch.Tensor, b: torch.Tensor) -> dict:
     return dict(mean=round(diff.mean().item(), 5), max=round(diff.max().item(), 5))
 
 
-def run_vllm(model_dir: str, tokens_path: str) -> None:
-    """Subprocess: vLLM bf16 from disk, the prompt logprob of every token, saved next to tokens."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+def prompt_logprobs(llm, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, s-1] the engine's logprob of every prompt token after the first."""
+    from vllm import SamplingParams
 
-    from swift_megatron.rollout.vllm_compat import model_defaults
-
-    tokens = torch.load(tokens_path)
-    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True,
-              max_model_len=tokens.shape[1] + 8, gpu_memory_utilization=0.5, seed=0,
-              **model_defaults(model_dir))
     outs = llm.generate([{"prompt_token_ids": row.tolist()} for row in tokens],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    rows = [[entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], row[1:].tolist())]
-            for out, row in zip(outs, tokens)]
-    torch.save(torch.tensor(rows), tokens_path + ".vllm")
+    return torch.tensor([[entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:],
+                                                                row[1:].tolist())]
+                         for out, row in zip(outs, tokens)])
 
 
-def vllm_logprobs(model_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+def run_vllm(model_dir: str, tokens_path: str, pushed: str = "") -> None:
+    """Subprocess: vLLM bf16 loaded from disk, or (`pushed`: a safetensors file of the bridge's
+    export) started with dummy weights, put to sleep (level 1, where vLLM can), woken by the
+    push as the GRPO colocate engine is; the prompt logprobs are saved next to the tokens."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    tokens = torch.load(tokens_path)
+    length = tokens.shape[1] + 8
+    if not pushed:
+        from vllm import LLM
+
+        from swift_megatron.rollout.vllm_compat import model_defaults
+
+        llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=length,
+                  gpu_memory_utilization=0.5, seed=0, **model_defaults(model_dir))
+        torch.save(prompt_logprobs(llm, tokens), tokens_path + ".vllm")
+        return
+    from safetensors.torch import load_file
+
+    from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
+
+    engine = ColocateEngine(ColocateSettings(model_dir, max_model_len=length, enforce_eager=True,
+                                             gpu_memory_utilization=0.5, sleep_level=1),
+                            eos_token_ids=[0])
+    engine.sleep()
+    engine.update_weights(iter(load_file(pushed).items()))
+    engine.wake_up()
+    torch.save(prompt_logprobs(engine.llm, tokens), tokens_path + ".vllm")
+
+
+def vllm_logprobs(model_dir: str, tokens: torch.Tensor, pushed: str = "") -> torch.Tensor:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tokens.pt")
         torch.save(tokens.cpu(), path)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--vllm_worker", model_dir,
-                        path], check=True)
+                        path, *([pushed] if pushed else [])], check=True)
         return torch.load(path + ".vllm")
 
 
@@ -137,7 +161,9 @@ def hf_runs(model_dir: str, tokens: torch.Tensor, topk: int):
     return fp32, bf16, flips
 
 
-def mcore_runs(model_dir: str, tokens: torch.Tensor, device: str) -> dict:
+def mcore_runs(model_dir: str, tokens: torch.Tensor, device: str, export_to: str = "") -> dict:
+    """The three Megatron runs; `export_to`: where the bf16 model's export (what a GRPO weight
+    sync sends) is saved as safetensors."""
     from swift_megatron.export import load_mcore_model, mcore_logits
     from swift_megatron.model.config import load_hf_config
     from swift_megatron.model.text_config import text_config
@@ -156,6 +182,11 @@ def mcore_runs(model_dir: str, tokens: torch.Tensor, device: str) -> dict:
         for module in routers:   # read at every forward (TopKRouter.gating)
             module.config.moe_router_dtype = router
         out[name] = token_logprobs(mcore_logits(loaded, tokens, state), tokens)
+        if export_to and name == "mcore_bf16":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous().cpu() for k, v in loaded.bridge.export([loaded.model])},
+                      export_to)
         del loaded
     ParallelState.destroy()
     return out
@@ -169,8 +200,8 @@ def main(argv=None):
     from swift_megatron.fixtures import build_tiny_model
 
     config = dict(device=args.device, hidden_size=args.hidden_size,
-                  moe_intermediate_size=overrides(args)["moe_intermediate_size"], layers=args.layers,
-                  experts=args.experts, topk=args.topk, initializer_range=args.initializer_range,
+                  moe_intermediate_size=overrides(args)["moe_intermediate_size"],
+                  layers=args.layers, experts=args.experts, topk=args.topk, initializer_range=args.initializer_range,
                   sequences=args.sequences, length=args.length)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model_dir or os.path.join(tmp.name, "qwen3_5_moe")
@@ -185,12 +216,18 @@ def main(argv=None):
         runs["vllm_bf16"] = vllm_logprobs(model_dir, tokens)
     device_tokens = tokens.to(args.device)
     runs["hf_fp32"], runs["hf_bf16"], flips = hf_runs(model_dir, device_tokens, args.topk)
-    runs.update(mcore_runs(model_dir, device_tokens, args.device))
+    pushed = "" if args.no_vllm else os.path.join(tmp.name, "pushed.safetensors")
+    runs.update(mcore_runs(model_dir, device_tokens, args.device, pushed))
+    if pushed:
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        runs["vllm_bf16_pushed"] = vllm_logprobs(model_dir, tokens, pushed)
     pairs = [(name, "hf_fp32") for name in runs if name != "hf_fp32"]
     pairs += [("mcore_bf16", "hf_bf16"), ("mcore_bf16_router_bf16", "hf_bf16"),
               ("mcore_bf16_router_bf16", "mcore_bf16")]
     if "vllm_bf16" in runs:
-        pairs += [("vllm_bf16", "mcore_bf16"), ("vllm_bf16", "hf_bf16"),
+        pairs += [("vllm_bf16_pushed", "vllm_bf16"), ("vllm_bf16", "mcore_bf16"),
+                  ("vllm_bf16_pushed", "mcore_bf16"), ("vllm_bf16", "hf_bf16"),
                   ("vllm_bf16", "mcore_bf16_router_bf16")]
     for a, b in pairs:
         print(json.dumps(dict(name="logprob_gap", run=a, against=b, **gap(runs[a], runs[b]),
