@@ -201,7 +201,8 @@ def main(argv=None):
 
     config = dict(device=args.device, hidden_size=args.hidden_size,
                   moe_intermediate_size=overrides(args)["moe_intermediate_size"],
-                  layers=args.layers, experts=args.experts, topk=args.topk, initializer_range=args.initializer_range,
+                  layers=args.layers, experts=args.experts, topk=args.topk,
+                  initializer_range=args.initializer_range,
                   sequences=args.sequences, length=args.length)
     tmp = tempfile.TemporaryDirectory()
     model_dir = args.model_dir or os.path.join(tmp.name, "qwen3_5_moe")
