@@ -18,6 +18,8 @@ the logprob of every next token under:
 
 and prints one JSON line per pair (mean / max |logprob difference| over all predicted tokens):
 each run against hf_fp32, and the pairs a GRPO run compares (vllm_bf16 vs mcore_bf16).
+For scale, `error_*` runs are hf_fp32 with one small sync error in the first layer (SYNC_ERRORS:
+its shared-expert gate zeroed, its router rows reversed, its input norm zeroed), against hf_fp32.
 A last line `router_topk` counts, in the hf_bf16 run, how often the top-k expert set of a token
 differs between router logits computed in fp32 and in bf16 from the same bf16 hidden states
 (Megatron's router against vLLM's), per layer and overall.
@@ -134,14 +136,31 @@ def vllm_logprobs(model_dir: str, tokens: torch.Tensor, pushed: str = "") -> tor
         return torch.load(path + ".vllm")
 
 
+# small sync errors in the first layer, as a wrong push would make them (float32 transformers)
+SYNC_ERRORS = {
+    "shared_expert_gate_zero": lambda layer: layer.mlp.shared_expert_gate.weight.zero_(),
+    "router_rows_reversed": lambda layer: layer.mlp.gate.weight.copy_(
+        layer.mlp.gate.weight.flip(0)),
+    "input_norm_zero": lambda layer: layer.input_layernorm.weight.zero_(),
+}
+
+
 def hf_runs(model_dir: str, tokens: torch.Tensor, topk: int):
-    """hf_fp32 and hf_bf16 logprobs, and the router top-k disagreement of the bf16 run."""
+    """hf_fp32 and hf_bf16 logprobs, the router top-k disagreement of the bf16 run, and float32
+    with each of SYNC_ERRORS (`error_<name>`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = model.to(tokens.device).eval()
+    runs = {}
     with torch.no_grad():
-        fp32 = token_logprobs(model(input_ids=tokens, use_cache=False).logits, tokens)
+        runs["hf_fp32"] = token_logprobs(model(input_ids=tokens, use_cache=False).logits, tokens)
+        saved = {k: v.clone() for k, v in model.model.layers[0].state_dict().items()}
+        for name, error in SYNC_ERRORS.items():
+            error(model.model.layers[0])
+            logits = model(input_ids=tokens, use_cache=False).logits
+            runs[f"error_{name}"] = token_logprobs(logits, tokens)
+            model.model.layers[0].load_state_dict(saved)
     model = model.to(torch.bfloat16)
     flips = []
 
@@ -155,10 +174,10 @@ def hf_runs(model_dir: str, tokens: torch.Tensor, topk: int):
 
     hooks = [layer.mlp.gate.register_forward_pre_hook(count) for layer in model.model.layers]
     with torch.no_grad():
-        bf16 = token_logprobs(model(input_ids=tokens, use_cache=False).logits, tokens)
+        runs["hf_bf16"] = token_logprobs(model(input_ids=tokens, use_cache=False).logits, tokens)
     for hook in hooks:
         hook.remove()
-    return fp32, bf16, flips
+    return runs, flips
 
 
 def mcore_runs(model_dir: str, tokens: torch.Tensor, device: str, export_to: str = "") -> dict:
@@ -216,7 +235,8 @@ def main(argv=None):
     if not args.no_vllm:   # first: on a GPU it must find the memory free
         runs["vllm_bf16"] = vllm_logprobs(model_dir, tokens)
     device_tokens = tokens.to(args.device)
-    runs["hf_fp32"], runs["hf_bf16"], flips = hf_runs(model_dir, device_tokens, args.topk)
+    hf, flips = hf_runs(model_dir, device_tokens, args.topk)
+    runs.update(hf)
     pushed = "" if args.no_vllm else os.path.join(tmp.name, "pushed.safetensors")
     runs.update(mcore_runs(model_dir, device_tokens, args.device, pushed))
     if pushed:
