@@ -1,10 +1,12 @@
-"""How far bfloat16 numerics alone move the sampled-token logprobs of a random Qwen3.5-MoE
-(issue 11: vLLM-vs-trainer logprob gap of the `qwen3.5-moe-8l` preset), with no weight sync.
+"""How far bfloat16 numerics alone move the token logprobs of a random Qwen3.5-MoE, and whether
+a weight push adds anything (issue 11: the vLLM-vs-trainer logprob gap of the `qwen3.5-moe-8l`
+preset).
 
 Writes a random qwen3_5_moe checkpoint (the fixtures' init, as grpo_step.py's presets; weights
 saved in bf16, so every implementation below runs the very same weights) with the preset's
 proportions, shrunk by --hidden_size (64 experts, top 8, a shared expert, 8 layers, the real
-initializer_range 0.02 by default), then, on --sequences random sequences of --length tokens,
+initializer_range 0.02 by default; attention and Gated DeltaNet heads scaled with the width,
+vocab 8192), then, on --sequences random sequences of --length tokens,
 the logprob of every next token under:
 
     hf_fp32            transformers, float32 (the reference)
