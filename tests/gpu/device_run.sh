@@ -43,6 +43,10 @@
 #                     --offload_optimizer (to fit an H100)
 #   qwen3_5_moe_vllm  the same on the Qwen3.5-35B-A3B layer shape with 8 layers (64 experts);
 #                     --check_weight_sync_atol 0.15 (bf16 router near-ties, docs/export.md)
+#   moe_numerics      benchmarks/moe_numerics.py --device cuda at the preset width: a pushed vLLM
+#                     engine against a disk-loaded one, and the bf16 gaps of a random Qwen3.5-MoE
+#   sync_split        benchmarks/sync_split.py: the weight sync's pieces, Qwen2.5-1.5B vs
+#                     Qwen3.5 9B-layer shape (the offload moves --check_weight_sync adds)
 #   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
 #                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check,
 #                     --offload_optimizer and micro batch 2 (to fit an H100)
@@ -138,6 +142,8 @@ phase() {
                               --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
                               --check_weight_sync_atol 0.15 --torch_dtype bfloat16 \
                               --offload_optimizer true ;;
+        moe_numerics) python3 benchmarks/moe_numerics.py --device cuda --hidden_size 2048 ;;
+        sync_split) python3 benchmarks/sync_split.py --presets qwen2.5-1.5b qwen3.5-9b-4l ;;
         vl_grpo) $GRPO --preset qwen2.5-vl-3b --run_name vl_grpo -- $VLLM \
                      --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
                      --offload_optimizer true --micro_batch_size 2 ;;
