@@ -42,7 +42,8 @@
 #                     level 1, weight-sync check (engine-vs-trainer logprob gap), bf16,
 #                     --offload_optimizer (to fit an H100)
 #   qwen3_5_moe_vllm  the same on the Qwen3.5-35B-A3B layer shape with 8 layers (64 experts);
-#                     --check_weight_sync_atol 0.15 (bf16 router near-ties, docs/export.md)
+#                     --check_weight_sync_atol 0.5 (bf16 routing of a random router: 0.18-0.24
+#                     measured on an H200, 0.19 on the CPU; docs/export.md)
 #   moe_numerics      benchmarks/moe_numerics.py --device cuda at the preset width: a pushed vLLM
 #                     engine against a disk-loaded one, and the bf16 gaps of a random Qwen3.5-MoE
 #   sync_split        benchmarks/sync_split.py: the weight sync's pieces, Qwen2.5-1.5B vs
@@ -140,7 +141,7 @@ phase() {
                           --torch_dtype bfloat16 --offload_optimizer true ;;
         qwen3_5_moe_vllm) $GRPO --preset qwen3.5-moe-8l --run_name qwen3_5_moe_vllm -- $VLLM \
                               --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
-                              --check_weight_sync_atol 0.15 --torch_dtype bfloat16 \
+                              --check_weight_sync_atol 0.5 --torch_dtype bfloat16 \
                               --offload_optimizer true ;;
         moe_numerics) python3 benchmarks/moe_numerics.py --device cuda --hidden_size 2048 ;;
         sync_split) python3 benchmarks/sync_split.py --presets qwen2.5-1.5b qwen3.5-9b-4l ;;
