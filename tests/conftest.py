@@ -24,6 +24,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _restore(before: dict) -> None:
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(autouse=True)
 def _environment_kept():
     """Each test leaves os.environ as it found it: an in-process ParallelState sets RANK /
@@ -32,9 +38,16 @@ def _environment_kept():
     attention backend in NVTE_* (a later subprocess choosing another backend fails its check)."""
     before = dict(os.environ)
     yield
-    if os.environ != before:
-        os.environ.clear()
-        os.environ.update(before)
+    _restore(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept_by_module():
+    """The same for a test module: its module-scoped fixtures (set up before the per-test
+    snapshot above) may build models in this process too."""
+    before = dict(os.environ)
+    yield
+    _restore(before)
 
 
 @pytest.fixture(scope="session")
