@@ -73,6 +73,17 @@ def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extr
     return proc, address, log
 
 
+def stopped_output(proc, log, also=()) -> str:
+    """Kill `proc` (and `also`) if a failed test left it running; the server's log, closed."""
+    if proc.poll() is None:
+        for process in [proc, *also]:
+            process.kill()
+    log.seek(0)
+    output = log.read()
+    log.close()
+    return output
+
+
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
     proc, address, log = start_server(vllm_model_dir, tmp_path_factory.mktemp("server"), 2)
@@ -460,11 +471,7 @@ def test_a_dead_replica_stops_the_server_with_exit_1(vllm_model_dir, tmp_path):
         replica.kill()
         code = proc.wait(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.seek(0)
-        output = log.read()
-        log.close()
+        output = stopped_output(proc, log)
     assert code == 1, output[-3000:]
     assert f"rollout replica 0 (pid {replica.pid}) exited (killed by SIGKILL)" in output, \
         output[-3000:]
@@ -502,13 +509,8 @@ def test_sigterm_stops_a_wedged_server(vllm_model_dir, tmp_path):
             code = proc.wait(timeout=90)
             took = time.monotonic() - started
             status, answer = pending.result(timeout=10)
-    finally:
-        if proc.poll() is None:   # a failed test: leave no stopped replica behind
-            for process in [proc, *children]:
-                process.kill()
-        log.seek(0)
-        output = log.read()
-        log.close()
+    finally:   # a failed test leaves no stopped replica behind
+        output = stopped_output(proc, log, children)
     assert code == 0, output[-3000:]
     assert took < SHUTDOWN_GRACE_S + 20, took
     assert status == 500 and "rollout replica 0 exited" in answer["detail"], answer
@@ -538,10 +540,7 @@ def test_sigterm_while_starting_stops_the_replicas(vllm_model_dir, tmp_path):
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=30)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-        log.seek(0)
-        output = log.read()
+            output = stopped_output(proc, log)
     assert code == 0 and "Traceback" not in output, output[-3000:]
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
