@@ -23,6 +23,14 @@ line with the ratios.
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5 --variable_length
     python benchmarks/trl_compare.py --tool ours -- --train_type lora   # extra megatron rlhf flags
     python benchmarks/trl_compare.py --nproc 2   # data parallel over 2 GPUs, twice the work
+    python benchmarks/trl_compare.py --variant 8k="--max_tokens_per_micro_batch 8192" \
+        --variant 16k="--max_tokens_per_micro_batch 16384"   # ours twice, TRL once
+
+Each `--variant NAME="FLAGS"` runs ours once more with those flags after the shared extra flags
+(one TRL run serves them all; a summary and a ratio line per variant). For every run of ours the
+dry run's memory estimate (model/memory.py) is printed next to what was measured: each phase's
+peak (`memory/<phase>_peak_gib`) less what the sleeping vLLM engine still holds in torch's counter
+(`memory/engine_asleep_gib`), i.e. the training's own memory, against the estimate's `train`.
 
 With --nproc N (weak scaling) each tool runs data-parallel over N GPUs of this machine (ours with
 NPROC_PER_NODE, TRL under torchrun) and does N times the work per rollout batch: 16N prompts,
@@ -33,6 +41,7 @@ TRL is a benchmark-only dependency (requirements/benchmarks.txt).
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -125,29 +134,48 @@ def prepare(a) -> tuple:
 
 # ---- ours -------------------------------------------------------------------------------------
 
-def run_ours(a, model: str, dataset: str) -> dict:
-    out = os.path.join(a.work_dir, "ours")
+def ours_command(a, model: str, dataset: str, out: str, extra: list) -> list:
+    return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+            "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations",
+            str(GENERATIONS), "--micro_batch_size", str(MICRO), "--global_batch_size",
+            str(GLOBAL * a.nproc), "--steps_per_generation", str(STEPS_PER_ROLLOUT),
+            "--max_completion_length", str(a.completion_length), "--beta", str(SETTINGS["beta"]),
+            "--temperature", str(SETTINGS["temperature"]), "--lr", str(SETTINGS["lr"]),
+            "--lr_decay_style", "constant", "--train_iters",
+            str(a.rollout_batches * STEPS_PER_ROLLOUT), "--use_vllm", "true", "--vllm_mode",
+            "colocate", "--sleep_level", "1", "--vllm_gpu_memory_utilization",
+            str(SETTINGS["gpu_memory_utilization"]), "--recompute_granularity", "none",
+            "--logging_steps", "1", "--report_to", "none", "--output_dir", out,
+            "--add_version", "false", "--save_safetensors", "false", "--no_save_optim", "true",
+            *a.rlhf_args, *extra]
+
+
+def memory_estimate(cmd: list, env: dict) -> dict:
+    """The dry run's per-GPU estimate ({part: GiB}) for the same command."""
+    proc = subprocess.run([*cmd, "--dry_run", "true"], capture_output=True, text=True, env=env)
+    text = proc.stdout + proc.stderr
+    match = re.search(r"memory per GPU \(estimate, GiB\): (.*)", text)
+    if proc.returncode != 0 or not match:   # reported, and the measurement still runs
+        emit(name="dry_run_failed", returncode=proc.returncode, tail=text[-2000:])
+        return {}
+    return {name: float(value) for name, value in
+            (part.rsplit(" ", 1) for part in match.group(1).split(", "))}
+
+
+def run_ours(a, model: str, dataset: str, label: str = "ours", extra: list = ()) -> dict:
+    out = os.path.join(a.work_dir, label)
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
-           "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations", str(GENERATIONS),
-           "--micro_batch_size", str(MICRO), "--global_batch_size", str(GLOBAL * a.nproc),
-           "--steps_per_generation", str(STEPS_PER_ROLLOUT), "--max_completion_length",
-           str(a.completion_length), "--beta", str(SETTINGS["beta"]), "--temperature",
-           str(SETTINGS["temperature"]), "--lr", str(SETTINGS["lr"]), "--lr_decay_style",
-           "constant", "--train_iters", str(a.rollout_batches * STEPS_PER_ROLLOUT),
-           "--use_vllm", "true", "--vllm_mode", "colocate", "--sleep_level", "1",
-           "--vllm_gpu_memory_utilization", str(SETTINGS["gpu_memory_utilization"]),
-           "--recompute_granularity", "none", "--logging_steps", "1", "--report_to", "none",
-           "--output_dir", out, "--add_version", "false", "--save_safetensors", "false",
-           "--no_save_optim", "true", *a.rlhf_args]
-    subprocess.run(cmd, check=True, env=dict(os.environ, SWIFT_MEGATRON_NO_BAR="1",
-                                             NPROC_PER_NODE=str(a.nproc)))
+    cmd = ours_command(a, model, dataset, out, list(extra))
+    env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE=str(a.nproc))
+    estimate = memory_estimate(cmd, env)
+    subprocess.run(cmd, check=True, env=env)
     with open(os.path.join(out, "logging.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     walls = [b["time"] - a_["time"] for a_, b in zip(rows, rows[1:])]
     for k, (row, wall) in enumerate(zip(rows[1:], walls), start=2):
-        emit(name="rollout_batch", tool="ours", batch=k, wall_s=round(wall, 3),
-             **{key: round(row[key], 4) for key in PHASE_KEYS if row.get(key) is not None})
+        emit(name="rollout_batch", tool=label, batch=k, wall_s=round(wall, 3),
+             **{key: round(value, 4) for key, value in row.items()
+                if key in PHASE_KEYS or key.startswith("memory/")})
     later = rows[1:]
     summary = dict(wall_s=statistics.mean(walls),
                    peak_gib=max(r.get("perf/max_memory_allocated_gib") or 0 for r in rows),
@@ -155,7 +183,28 @@ def run_ours(a, model: str, dataset: str) -> dict:
     summary.update({key: statistics.mean(r[key] for r in later) for key in PHASE_KEYS
                     if all(r.get(key) is not None for r in later)})
     summary["train_tflops"] = train_tflops(model, summary.get("perf/train_tokens_per_s"))
+    summary.update(memory_check(rows, estimate))
     return summary
+
+
+def memory_check(rows: list, estimate: dict) -> dict:
+    """The measured training memory (the logprob and train phases' peak less the sleeping
+    engine's share of torch's counter; CUDA runs log both) next to the dry run's estimate."""
+    def peak(key):
+        return max((r.get(key) or 0.0 for r in rows), default=0.0)
+
+    result = {f"estimate/{key}_gib": estimate[key] for key in ("train", "generate", "peak")
+              if key in estimate}
+    phases = {phase: peak(f"memory/{phase}_peak_gib") for phase in ("rollout", "logprobs", "train",
+                                                                    "sync", "sync_check")}
+    if any(phases.values()):
+        asleep = peak("memory/engine_asleep_gib")
+        training = max(phases["logprobs"], phases["train"]) - asleep
+        result.update({f"measured/{phase}_peak_gib": v for phase, v in phases.items() if v},
+                      engine_asleep_gib=asleep, training_gib=training,
+                      estimate_vs_training=estimate["train"] / training
+                      if training > 0 and "train" in estimate else None)
+    return result
 
 
 PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
@@ -275,6 +324,8 @@ def main():
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
     parser.add_argument("--dataset_path", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
+                        help="run ours again with these extra flags (repeatable)")
     parser.add_argument("rlhf_args", nargs="*")
     a = parser.parse_args()
     if a.trl_worker:
@@ -283,16 +334,34 @@ def main():
     model, dataset = prepare(a)
     results = {}
     if a.tool in ("both", "ours"):
-        results["ours"] = run_ours(a, model, dataset)
-        emit(name="summary", tool="ours", nproc=a.nproc, **{k: round(v, 4) for k, v in results["ours"].items()})
+        for label, extra in [("ours", [])] + [parse_variant(v) for v in a.variant]:
+            try:
+                results[label] = run_ours(a, model, dataset, label, extra)
+            except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
+                emit(name="failed", tool=label, returncode=exc.returncode)
+                continue
+            emit(name="summary", tool=label, nproc=a.nproc, **rounded(results[label]))
     if a.tool in ("both", "trl"):
         results["trl"] = run_trl(a, model, dataset)
-        emit(name="summary", tool="trl", nproc=a.nproc, **{k: round(v, 4) for k, v in results["trl"].items()})
-    if len(results) == 2:
-        ours, trl = results["ours"], results["trl"]
-        emit(name="ratio", variable_length=a.variable_length, nproc=a.nproc,
-             speedup_vs_trl=round(trl["wall_s"] / ours["wall_s"], 3),
-             memory_vs_trl=round(ours["peak_gib"] / trl["peak_gib"], 3))
+        emit(name="summary", tool="trl", nproc=a.nproc, **rounded(results["trl"]))
+    if "trl" in results:
+        trl = results["trl"]
+        for label, ours in results.items():
+            if label != "trl":
+                emit(name="ratio", tool=label, variable_length=a.variable_length, nproc=a.nproc,
+                     speedup_vs_trl=round(trl["wall_s"] / ours["wall_s"], 3),
+                     memory_vs_trl=round(ours["peak_gib"] / trl["peak_gib"], 3))
+
+
+def parse_variant(text: str) -> tuple:
+    label, _, flags = text.partition("=")
+    if not label or not flags or label in ("ours", "trl"):
+        raise SystemExit(f"--variant {text!r}: expected NAME=\"FLAGS\" (NAME not ours/trl)")
+    return label, flags.split()
+
+
+def rounded(values: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in values.items()}
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
 #   bridge_tests    tests/gpu/test_bridge_gpu.py (HF vs Megatron logits; TP=2 parts need 2 GPUs)
 #   trl_compare     benchmarks/trl_compare.py: ours vs TRL's GRPOTrainer, Qwen2.5-1.5B shape
 #   trl_varlen      the same with completions of spread lengths (--variable_length)
-#   trl_tokens      trl_compare with ours forming micro-batches by a 16k-token budget
-#                   (--max_tokens_per_micro_batch 16384: 8 completions of 256 -> 64 per pass)
+#   trl_tokens      trl_compare with ours forming micro-batches by an 8k-token budget, then a
+#                   16k one (--max_tokens_per_micro_batch; one TRL run for both)
 #   trl_varlen_tokens  trl_varlen with the same token budget
 #   rollout_probe   benchmarks/rollout.py colocate (0.5B shape): sync speed, logprob mismatch,
 #                   sleep levels 1 and 2 with the tensors each changed
@@ -30,7 +30,8 @@
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 # One GPU:
-#   lora_vs_full      ours on the trl_compare setup, --train_type full then lora (same run)
+#   lora_vs_full      ours on the trl_compare setup with the 8k-token budget: full, LoRA, and
+#                     full with --recompute_granularity full (the memory-lean setting)
 #   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
 #                     32k at CP=2 (2 GPUs), train-step time and peak memory
 #   long_recompute    32k tokens with full activation recomputation, CP=1 then CP=2 (2 GPUs)
@@ -106,7 +107,9 @@ phase() {
         trl_varlen) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --work_dir /tmp/trl_varlen --variable_length ;;
         trl_tokens) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
-                        --work_dir /tmp/trl_tokens -- --max_tokens_per_micro_batch 16384 ;;
+                        --work_dir /tmp/trl_tokens \
+                        --variant 16k="--max_tokens_per_micro_batch 16384" \
+                        -- --max_tokens_per_micro_batch 8192 ;;
         trl_varlen_tokens) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b \
                                --rollout_batches 4 --work_dir /tmp/trl_varlen_tokens \
                                --variable_length -- --max_tokens_per_micro_batch 16384 ;;
@@ -115,9 +118,11 @@ phase() {
         profile_lora) SWIFT_MEGATRON_PROFILE=$OUT/profile_lora python3 benchmarks/trl_compare.py \
                           --preset qwen2.5-1.5b --rollout_batches 3 --tool ours \
                           --work_dir /tmp/profile_lora -- --train_type lora ;;
-        lora_vs_full) for mode in full lora; do python3 benchmarks/trl_compare.py \
-                          --preset qwen2.5-1.5b --rollout_batches 4 --tool ours \
-                          --work_dir /tmp/$mode -- --train_type $mode || return 1; done ;;
+        lora_vs_full) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                          --tool ours --work_dir /tmp/lora_vs_full \
+                          --variant lora="--train_type lora" \
+                          --variant full_recompute="--recompute_granularity full" \
+                          -- --max_tokens_per_micro_batch 8192 ;;
         long_context) python3 benchmarks/long_context.py --seq 16384   # 32k at CP=1: OOM on an H200
                       [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ] || return 0
                       for seq in 16384 32768; do python3 -m torch.distributed.run --nproc_per_node 2 \
