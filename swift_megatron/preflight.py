@@ -261,7 +261,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         ep=p.expert_model_parallel_size, dp=plan.dp_size, cp=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
-        lora=t.uses_lora, lora_rank=args.lora.lora_rank,
+        lora=t.uses_lora, lora_rank=args.lora.lora_rank, lora_dropout=args.lora.lora_dropout > 0,
         reference_copy=g.beta > 0 and (t.train_type != "lora" or bool(g.ref_model)),
         distributed_optimizer=p.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,

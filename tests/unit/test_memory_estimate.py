@@ -29,6 +29,15 @@ def test_activations_per_micro_batch():
         4 * (100 * per_token_layer // 2 + 100 * 2 * 2 * 32)
 
 
+def test_lora_dropout_keeps_masks_and_a_dropped_attention_output():
+    plain = activation_bytes(HF, RunShape(micro_batch_tokens=1, lora=True)) // 4
+    dropped = activation_bytes(HF, RunShape(micro_batch_tokens=1, lora=True, lora_dropout=True))
+    # masks of q/k/v, o, gate/up inputs (64 each) and of down's (128), one byte each, plus
+    # o_proj's dropped input (4 heads x 16, bf16)
+    assert dropped // 4 - plain == 3 * 64 + 128 + 2 * 64
+    assert activation_bytes(HF, RunShape(micro_batch_tokens=1, lora_dropout=True)) == plain * 4
+
+
 def test_selective_recomputation_drops_what_the_modules_keep():
     def per_token_layer(hf, *modules):
         return activation_bytes(hf, RunShape(micro_batch_tokens=1, recompute_modules=modules)) \
