@@ -32,6 +32,7 @@
 # One GPU:
 #   lora_vs_full      ours on the trl_compare setup with the 8k-token budget: full, LoRA, and
 #                     full with --recompute_granularity full (the memory-lean setting)
+#   lora_dropout      LoRA on the same setup with --lora_dropout 0.05 (ms-swift's default), then 0
 #   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
 #                     32k at CP=2 (2 GPUs), train-step time and peak memory
 #   long_recompute    32k tokens with full activation recomputation, CP=1 then CP=2 (2 GPUs)
@@ -52,7 +53,7 @@
 #   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
 #                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check,
 #                     --offload_optimizer and micro batch 2 (to fit an H100)
-#   profile_lora      the profile phase with --train_type lora ($OUT/profile_lora/)
+#   profile_lora      the profile phase with --train_type lora and the 8k budget ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
@@ -115,9 +116,13 @@ phase() {
                                --variable_length -- --max_tokens_per_micro_batch 16384 ;;
         profile) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile ;;
+        lora_dropout) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                          --tool ours --work_dir /tmp/lora_dropout --variant nodrop="--lora_dropout 0" \
+                          -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
         profile_lora) SWIFT_MEGATRON_PROFILE=$OUT/profile_lora python3 benchmarks/trl_compare.py \
                           --preset qwen2.5-1.5b --rollout_batches 3 --tool ours \
-                          --work_dir /tmp/profile_lora -- --train_type lora ;;
+                          --work_dir /tmp/profile_lora -- --train_type lora \
+                          --max_tokens_per_micro_batch 8192 ;;
         lora_vs_full) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/lora_vs_full \
                           --variant lora="--train_type lora" \
