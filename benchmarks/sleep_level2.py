@@ -69,6 +69,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -78,18 +79,25 @@ CAP = 30            # changed tensors listed per variant
 COPY_CAP = 8 << 30  # bytes of pre-sleep copies kept for the copy_back repair
 # group -> engine options and its cycles (variant name, cycle options), in priority order
 GROUPS = {
-    "ours": dict(engine="ours", cycles=[("ours", {})]),
+    # the fixes chained after `ours` run on its engine only while it is healthy (`ours` unchanged
+    # or a repair restored it); the same fixes on fresh engines come last
+    "ours": dict(engine="ours", cycles=[
+        ("ours", {}), ("ours_wake_all_first", {"wake_all_first": True}),
+        ("ours_cpu_tensors", {"cuda": False}),
+        ("ours_process_after_load", {"process_after_load": True})]),
+    # rollout.py's sequence (level 1, then level 2 on the same engine)
+    "ours_level1": dict(engine="ours", cycles=[("ours_level1", {"level": 1}),
+                                               ("ours_level2_after_level1", {})]),
     "plain": dict(engine="plain", cycles=[("plain", {}), ("plain_gpu_tensors", {"cuda": True})]),
     "dummy_start": dict(engine="plain", load_format="dummy", cycles=[("dummy_start", {})]),
     "ours_eager": dict(engine="ours", eager=True, cycles=[("ours_eager", {})]),
     "ours_real_start": dict(engine="ours", load_format="auto", cycles=[("ours_real_start", {})]),
+    "ours_no_dist": dict(engine="ours", dist=False, cycles=[("ours_no_dist", {})]),
     "ours_wake_all_first": dict(engine="ours", cycles=[("ours_wake_all_first",
                                                         {"wake_all_first": True})]),
-    "ours_level1": dict(engine="ours", cycles=[("ours_level1", {"level": 1})]),
     "ours_cpu_tensors": dict(engine="ours", cycles=[("ours_cpu_tensors", {"cuda": False})]),
     "ours_process_after_load": dict(engine="ours", cycles=[("ours_process_after_load",
                                                             {"process_after_load": True})]),
-    "ours_no_dist": dict(engine="ours", dist=False, cycles=[("ours_no_dist", {})]),
 }
 
 
@@ -285,14 +293,16 @@ def probe_tensors(dev: str, exclude: set) -> dict:
     """{key: tensor} of every plain tensor / Parameter on `dev` that gc sees, KV caches excluded."""
     import torch
 
+    gc.unfreeze()   # vLLM gc.freeze()s its start-up objects: gc.get_objects() would skip them
     gc.collect()
     found = {}
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():   # isinstance on deprecated module aliases warns
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        tensors = [obj for obj in objects if _is_tensor(obj, torch)]
+    del objects
+    for obj in tensors:
         try:
-            if not isinstance(obj, torch.Tensor):
-                continue
-            if not (type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter)):
-                continue   # FakeTensors and other subclasses of the compiler
             if obj.device.type != dev or obj.layout != torch.strided or obj.numel() == 0:
                 continue
             if obj.untyped_storage().data_ptr() in exclude:
@@ -301,6 +311,15 @@ def probe_tensors(dev: str, exclude: set) -> dict:
         except Exception:   # objects whose attributes cannot be read
             continue
     return found
+
+
+def _is_tensor(obj, torch) -> bool:
+    """A plain tensor or a Parameter (not the compiler's FakeTensors and other subclasses)."""
+    try:
+        return isinstance(obj, torch.Tensor) and (type(obj) is torch.Tensor
+                                                  or isinstance(obj, torch.nn.Parameter))
+    except Exception:   # objects whose __class__ cannot be read
+        return False
 
 
 def checksums(found: dict) -> dict:
@@ -486,10 +505,14 @@ def repairs(run: Run, g0, before: Snapshot, after: Snapshot) -> dict:
 def run_group(a) -> None:
     group = GROUPS[a.child]
     run = Run(a, group)
-    broken = False
-    for variant, opts in group["cycles"]:
-        start = time.perf_counter()
+    healthy = True   # False once a cycle changed the output and no repair restored it
+    for index, (variant, opts) in enumerate(group["cycles"]):
         level = opts.get("level", 2)
+        fields = dict(variant=variant, group=a.child, level=level, chained=index > 0)
+        if not healthy:
+            emit("variant", skipped="the engine is broken by an earlier cycle", **fields)
+            continue
+        start = time.perf_counter()
         g0 = run.generate()
         before = Snapshot(run, copies=True)
         process = opts.get("process_after_load", False)
@@ -502,9 +525,8 @@ def run_group(a) -> None:
         result = dict(compare(g0, g1), **diff(run, before, after))
         if not result["greedy_unchanged"]:
             result["repairs"] = repairs(run, g0, before, after)
-        emit("variant", variant=variant, group=a.child, level=level, after_failure=broken,
-             seconds=round(time.perf_counter() - start, 1), **result)
-        broken = broken or not result["greedy_unchanged"]
+            healthy = any(r.get("restores") for r in result["repairs"].values())
+        emit("variant", seconds=round(time.perf_counter() - start, 1), **fields, **result)
         del before, after
     if run.engine is not None:
         run.engine.close()
@@ -512,15 +534,19 @@ def run_group(a) -> None:
 
 # ---- the parent ---------------------------------------------------------------------------------
 def summarize(lines: list, skipped: list) -> None:
-    variants = [x for x in lines if x.get("name") == "variant"]
-    noise = {c["name"] or f"{c['shape']}:{c['dtype']}" for x in variants
-             if x["greedy_unchanged"] for c in x["changed_tensors"]}
-    suspects = sorted({c["name"] or f"{c['shape']}:{c['dtype']}" for x in variants
-                       if not x["greedy_unchanged"] and not x["after_failure"]
-                       for c in x["changed_tensors"]} - noise)
-    emit("summary", unchanged=sorted(x["variant"] for x in variants if x["greedy_unchanged"]),
-         changed=sorted(x["variant"] for x in variants if not x["greedy_unchanged"]),
-         suspects=suspects[:CAP], skipped=skipped)
+    variants = [x for x in lines if x.get("name") == "variant" and "skipped" not in x]
+
+    def label(x):
+        return f"{x['variant']}@{x['group']}"
+
+    def names(x):
+        return {c["name"] or f"{c['shape']}:{c['dtype']}" for c in x["changed_tensors"]}
+
+    noise = set().union(*[names(x) for x in variants if x["greedy_unchanged"]])
+    suspects = set().union(*[names(x) for x in variants if not x["greedy_unchanged"]]) - noise
+    emit("summary", unchanged=[label(x) for x in variants if x["greedy_unchanged"]],
+         changed=[label(x) for x in variants if not x["greedy_unchanged"]],
+         suspects=sorted(suspects)[:CAP], skipped_groups=skipped)
 
 
 def main() -> None:
@@ -533,7 +559,7 @@ def main() -> None:
     p.add_argument("--prompt_len", type=int, default=32)
     p.add_argument("--max_tokens", type=int, default=64)
     p.add_argument("--gpu_memory_utilization", type=float, default=0.2)
-    p.add_argument("--budget_s", type=float, default=320,
+    p.add_argument("--budget_s", type=float, default=330,
                    help="start no further group when the next one would end after this")
     p.add_argument("--child", choices=list(GROUPS), help=argparse.SUPPRESS)
     p.add_argument("--model_dir", help=argparse.SUPPRESS)
