@@ -16,22 +16,39 @@ generation: `copy_back` writes the pre-sleep values back into the changed tensor
 those tensors ARE the cause), `reload_awake` loads the weights again with everything awake,
 `process_weights` runs vLLM's process_weights_after_loading over the model.
 
-Groups (run in this order until --budget_s; --groups picks some):
+Groups (run in this order while --budget_s allows; --groups picks some):
   ours            ColocateEngine(sleep_level 2) exactly as the trainer: torch.distributed up
                   (external launcher), load_format dummy, update_weights(CUDA tensors made lazily,
-                  as the bridge export does) before G0; sleep(); update_weights(); wake_up()
+                  as the bridge export does) before G0; sleep(); update_weights(); wake_up().
+                  Then, on the same engine while it is healthy (`ours` unchanged, or a repair
+                  restored it; else they print `skipped`), the fixes chained (`chained`: true):
+                  ours_wake_all_first (wake everything before the update), ours_cpu_tensors,
+                  ours_process_after_load (process_weights_after_loading after the update)
+  ours_level1     `ours` at level 1 (control), then `ours_level2_after_level1` on the same engine
+                  (rollout.py's measure_sleep order, where the failure was seen)
   plain           the issue's experiment: vllm.LLM from disk, sleep(2), wake weights, load CPU
                   tensors, wake kv_cache (`plain`); then on the same engine the same with CUDA
                   tensors made after waking the weights (`plain_gpu_tensors`)
   dummy_start     plain LLM with load_format dummy, the checkpoint loaded before G0, then `plain`
   ours_eager      `ours` with enforce_eager (no torch.compile, no CUDA graphs)
   ours_real_start `ours` with load_format auto (real weights from disk at start)
-  ours_wake_all_first  `ours`, but everything woken before the update (then no wake_up needed)
-  ours_level1     `ours` with sleep level 1 (control: the probe's changes common to both levels
-                  are harmless, e.g. the kv_cache pool's metadata buffers)
-  ours_cpu_tensors     `ours` with CPU tensors in the update
-  ours_process_after_load  `ours` + process_weights_after_loading after the update
   ours_no_dist    `ours` without torch.distributed (vLLM's uniproc executor)
+  ours_wake_all_first, ours_cpu_tensors, ours_process_after_load: the chained fixes again, each
+                  on a fresh engine (only if the budget is left)
+
+Reading the output (the `summary` line lists variant@group unchanged / changed, and the
+`suspects`: tensors changed in a broken variant and in no unchanged one):
+  - `ours` unchanged but `ours_level2_after_level1` changed: the loss needs a level-1 cycle
+    first (the benchmark's order; the trainer never mixes levels) -> allow level 2, fix the test;
+  - `ours` changed, `plain` unchanged: the first unchanged of dummy_start (changed = the dummy
+    start), ours_real_start, ours_no_dist, ours_eager and the chained fixes names the step
+    and a fix; `ours_eager` unchanged = compiled code / CUDA graphs read lost state;
+  - repairs of the first broken variant: `copy_back.restores` -> the `changed_tensors` (and
+    `suspects`) ARE the cause: back them up around a level-2 sleep, or re-create them;
+    only `reload_awake` -> the load while asleep loses something: wake everything first;
+    only `process_weights` -> vLLM's post-processing must run again after an update;
+    none, nothing in `changed_tensors` / `moved` -> state outside Python's reach (CUDA-graph
+    pool, Inductor constants): compare with `ours_eager`.
 
 Reading of vLLM's sleep code (0.32 installed here, vllm/v1/worker/gpu_worker.py and
 vllm/device_allocator/{cumem,sleep_mode_backend}.py; the older worker in the code index is the
@@ -592,13 +609,17 @@ def main() -> None:
             except subprocess.TimeoutExpired as exc:
                 out, rc = exc.stdout or "", "timeout"
                 out = out.decode() if isinstance(out, bytes) else out
-        for line in out.splitlines():
-            if line.startswith("{"):
-                print(line, flush=True)
-                lines.append(json.loads(line))
+        with open(log, "a") as f:   # vLLM logs to stdout: kept with stderr
+            f.write("---- stdout ----\n")
+            for line in out.splitlines():
+                if line.startswith("{"):
+                    print(line, flush=True)
+                    lines.append(json.loads(line))
+                else:
+                    f.write(line + "\n")
         if rc != 0:
             with open(log) as f:
-                tail = f.read().splitlines()[-25:]
+                tail = f.read().split("---- stdout ----")[0].splitlines()[-25:]
             emit("group_failed", group=group, rc=rc, log=log, tail=tail)
         if i:   # the first group also compiles (torch.compile cache)
             estimate = max(estimate if i > 1 else 0, time.perf_counter() - t0)
