@@ -591,7 +591,8 @@ def main() -> None:
     a.max_model_len = a.prompt_len + a.max_tokens + 32
     if a.child:
         run_group(a)
-        return
+        sys.stdout.flush()
+        os._exit(0)   # no engine / NCCL teardown at exit: a hang there would eat the budget
     start = time.perf_counter()
     os.makedirs(os.path.join(a.work_dir, "logs"), exist_ok=True)
     model_dir = write_model(a.preset, a.work_dir, a.dtype)
