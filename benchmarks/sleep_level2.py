@@ -76,7 +76,7 @@ parameters the sender omits: both are fixes of exactly this class of loss. Candi
       distributed external launcher (ours_no_dist), CUDA vs CPU tensors, the wake order.
 
     python benchmarks/sleep_level2.py                                  # GPU, ~5-6 min
-    python benchmarks/sleep_level2.py --preset tiny --dtype float32 --groups ours plain  # CPU
+    python benchmarks/sleep_level2.py --preset tiny --dtype float32 --budget_s 1100   # CPU, ~3 min
 """
 import argparse
 import gc
