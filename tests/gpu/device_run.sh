@@ -19,6 +19,8 @@
 #   trl_varlen_tokens  trl_varlen with the same token budget
 #   rollout_probe   benchmarks/rollout.py colocate (0.5B shape): sync speed, logprob mismatch,
 #                   sleep levels 1 and 2 with the tensors each changed
+#   sleep_level2    benchmarks/sleep_level2.py (0.5B shape, ~6 min): which step of the colocate
+#                   flow breaks sleep level 2 and which candidate fix keeps the greedy output
 #   profile         ours alone on the trl_compare setup, the 3rd rollout batch under the torch
 #                   profiler ($OUT/profile/profile_rank0.txt, training/profile.py)
 # Two GPUs (nvidia-h200-x2):
@@ -160,6 +162,7 @@ phase() {
                      --offload_optimizer true --micro_batch_size 2 ;;
         rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
                            --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
+        sleep_level2) python3 benchmarks/sleep_level2.py ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
                               --rollout_batches 4 --work_dir /tmp/trl_compare2 ;;
         lora_scaling) for n in 1 2; do python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b \
