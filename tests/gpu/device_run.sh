@@ -32,8 +32,8 @@
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 # One GPU:
-#   lora_vs_full      ours on the trl_compare setup with the 8k-token budget: full, LoRA, and
-#                     full with --recompute_granularity full (the memory-lean setting)
+#   lora_vs_full      ours on the trl_compare setup with the 8k-token budget: full, LoRA, LoRA
+#                     without dropout, and full with --recompute_granularity full
 #   lora_dropout      LoRA on the same setup with --lora_dropout 0.05 (ms-swift's default), then 0
 #   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
 #                     32k at CP=2 (2 GPUs), train-step time and peak memory
@@ -128,6 +128,7 @@ phase() {
         lora_vs_full) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/lora_vs_full \
                           --variant lora="--train_type lora" \
+                          --variant lora_nodrop="--train_type lora --lora_dropout 0" \
                           --variant full_recompute="--recompute_granularity full" \
                           -- --max_tokens_per_micro_batch 8192 ;;
         long_context) python3 benchmarks/long_context.py --seq 16384   # 32k at CP=1: OOM on an H200
@@ -160,8 +161,9 @@ phase() {
         vl_grpo) $GRPO --preset qwen2.5-vl-3b --run_name vl_grpo -- $VLLM \
                      --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
                      --offload_optimizer true --micro_batch_size 2 ;;
-        rollout_probe) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b \
-                           --work_dir /tmp/rollout_probe --prompts 64 --max_tokens 128 ;;
+        rollout_probe) for level in 1 2; do python3 benchmarks/rollout.py --mode colocate \
+                           --preset qwen2.5-0.5b --work_dir /tmp/rollout_probe --prompts 64 \
+                           --max_tokens 128 --sleep_level $level || return 1; done ;;
         sleep_level2) python3 benchmarks/sleep_level2.py ;;
         trl_compare_2gpu) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
                               --rollout_batches 4 --work_dir /tmp/trl_compare2 ;;
