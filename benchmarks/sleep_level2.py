@@ -346,12 +346,21 @@ def _is_tensor(obj, torch) -> bool:
         return False
 
 
+def real_tensor_mode():
+    """Leaves a FakeTensor mode the compiler may have left active (seen on an H200 with vLLM
+    0.26 once an engine came from the compile cache: the probe's torch.stack raised "Please
+    convert all Tensors to FakeTensors first")."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def checksums(found: dict) -> dict:
     import torch
 
     if not found:
         return {}
-    with torch.inference_mode():
+    with real_tensor_mode(), torch.inference_mode():
         sums = torch.stack([torch.stack([t.double().sum(), t.double().abs().sum()])
                             for t in found.values()]).cpu().tolist()
     return dict(zip(found, sums))
@@ -367,6 +376,10 @@ class Snapshot:
     """Checksums of the probed tensors (and, before the sleep, CPU copies for copy_back)."""
 
     def __init__(self, run: Run, copies: bool):
+        with real_tensor_mode():
+            self._take(run, copies)
+
+    def _take(self, run: Run, copies: bool):
         self.found = probe_tensors(run.dev, kv_storages(run.worker))
         self.sums = checksums(self.found)
         self.pointers = model_pointers(run.model)
@@ -507,7 +520,7 @@ def repairs(run: Run, g0, before: Snapshot, after: Snapshot) -> dict:
     out = {}
     changed = [k for k, v in before.sums.items() if k in after.sums and not same(v, after.sums[k])]
     copied = [k for k in changed if k in before.copies]
-    with torch.inference_mode():
+    with real_tensor_mode(), torch.inference_mode():
         for k in copied:
             after.found[k].copy_(before.copies[k].to(after.found[k].device))
     out["copy_back"] = dict(tensors=len(copied), of=len(changed),
