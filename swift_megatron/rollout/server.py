@@ -628,17 +628,16 @@ def serve(args) -> None:
 
     serve_args, engine = args.serve, args.vllm
     _check_port_free(serve_args.host, serve_args.port)
+    model_dir = resolve_model_dir(args.model.model, args.model.use_hf, args.model.model_revision)
+    if args.model.check_model:
+        from swift_megatron.model.files import check_model_dir
+
+        check_model_dir(model_dir)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
-    # the replicas import vLLM while this process checks the flags and the model
+    # the replicas import vLLM (seconds) while this process does for its checks
     replicas = spawn_replicas(serve_args.vllm_data_parallel_size, engine.vllm_tensor_parallel_size)
     try:
-        model_dir = resolve_model_dir(args.model.model, args.model.use_hf,
-                                      args.model.model_revision)
-        if args.model.check_model:
-            from swift_megatron.model.files import check_model_dir
-
-            check_model_dir(model_dir)
         vllm_compat.check_model_supported(model_dir, args.model.torch_dtype)
         settings = engine_settings(args, model_dir)
         vllm_compat.check_engine_settings(settings)
