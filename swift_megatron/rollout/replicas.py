@@ -57,11 +57,23 @@ class ReplicaEngine:
         self.llm.collective_rpc("weight_sync_close")
 
 
-def _replica_main(conn, settings, cuda_devices: Optional[str]) -> None:
-    """Entry point of a replica process: build the engine, then serve commands until told to
-    stop or the HTTP process goes away."""
+def _replica_main(conn, cuda_devices: Optional[str]) -> None:
+    """Entry point of a replica process: import vLLM's engine (seconds) while the HTTP process
+    checks the flags and the model, build the engine with the settings it then sends, then serve
+    commands until told to stop or the HTTP process goes away."""
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    try:   # vLLM's engine, imported while the HTTP process checks the flags
+        vllm_compat.import_vllm()
+        from vllm import LLM  # noqa: F401
+    except Exception:   # no vLLM: building the engine reports it
+        pass
+    try:
+        name, settings = conn.recv()
+    except (EOFError, OSError):
+        return
+    if name != "start":   # stopped before its engine was asked for
+        return
     try:
         engine = ReplicaEngine(settings)
     except Exception as exc:  # reported to the HTTP process, which exits with it
@@ -188,20 +200,32 @@ def _gpu_slices(replicas: int, tp: int) -> List[Optional[str]]:
     return [",".join(ids[r * tp:(r + 1) * tp]) for r in range(replicas)]
 
 
-def start_replicas(settings, replicas: int) -> List[Replica]:
-    """Start the replica processes and wait until every engine is ready (on any failure or
-    interruption, SIGTERM included, the ones started are stopped)."""
+def spawn_replicas(replicas: int, tensor_parallel_size: int) -> List[Replica]:
+    """Start the replica processes, which import vLLM until start_engines hands them the engine
+    settings (the caller stops them, with stop_all(grace_s=0), if it never does)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     handles = []
     try:
-        for index, devices in enumerate(_gpu_slices(replicas, settings.tensor_parallel_size)):
+        for index, devices in enumerate(_gpu_slices(replicas, tensor_parallel_size)):
             parent, child = context.Pipe()
-            process = context.Process(target=_replica_main, args=(child, settings, devices),
+            process = context.Process(target=_replica_main, args=(child, devices),
                                       name=f"rollout-replica-{index}")
             process.start()
             handles.append(Replica(index, process, parent))
+    except BaseException:
+        stop_all(handles, grace_s=0)
+        raise
+    return handles
+
+
+def start_engines(handles: List[Replica], settings) -> None:
+    """Build every replica's engine and wait until all are ready (on any failure or
+    interruption, SIGTERM included, the replicas are stopped)."""
+    try:
+        for handle in handles:
+            handle._send("start", settings)
         for handle in handles:
             _wait_ready(handle)
     except BaseException:   # nothing to finish while starting: terminate at once
@@ -209,7 +233,6 @@ def start_replicas(settings, replicas: int) -> List[Replica]:
         raise
     for handle in handles:
         handle.engine_processes = _descendants(handle.process.pid)
-    return handles
 
 
 def _wait_ready(handle: Replica) -> None:

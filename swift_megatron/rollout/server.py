@@ -52,7 +52,7 @@ from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
 from swift_megatron.rollout.replicas import (STOP_GRACE_S, Replica, ReplicaError,
-                                             start_replicas, stop_all)
+                                             spawn_replicas, start_engines, stop_all)
 
 logger = get_logger(__name__)
 
@@ -633,13 +633,19 @@ def serve(args) -> None:
         from swift_megatron.model.files import check_model_dir
 
         check_model_dir(model_dir)
-    vllm_compat.check_model_supported(model_dir, args.model.torch_dtype)
-    settings = engine_settings(args, model_dir)
-    vllm_compat.check_engine_settings(settings)
-    multi_turn = multi_turn_service(args, model_dir)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
-    replicas = start_replicas(settings, serve_args.vllm_data_parallel_size)
+    # the replicas import vLLM (seconds) while this process does for its checks
+    replicas = spawn_replicas(serve_args.vllm_data_parallel_size, engine.vllm_tensor_parallel_size)
+    try:
+        vllm_compat.check_model_supported(model_dir, args.model.torch_dtype)
+        settings = engine_settings(args, model_dir)
+        vllm_compat.check_engine_settings(settings)
+        multi_turn = multi_turn_service(args, model_dir)
+    except BaseException:   # no engine to finish: terminate at once
+        stop_all(replicas, grace_s=0)
+        raise
+    start_engines(replicas, settings)
     stop_replicas = _once(lambda grace_s=STOP_GRACE_S: stop_all(replicas, grace_s))
     served, died = threading.Event(), []
     try:

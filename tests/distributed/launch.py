@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 WORKERS = Path(__file__).parent / "workers"
@@ -20,14 +22,41 @@ def free_port() -> int:
 
 
 def run_workers(script: str, nproc: int, out_dir, args=(), timeout: int = 300):
-    os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(WORKERS / script), "--out_dir", str(out_dir), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1",   # keeps a PYTHONPATH the packages need
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-8000:]}")
-    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return run_workers_together([(script, nproc, out_dir, args)], timeout)[0]
+
+
+def run_workers_together(jobs, timeout: int = 300):
+    """run_workers of each (script, nproc, out_dir, args) in `jobs`, all started at once (a
+    one-process run next to another leaves no core idle); their results in that order."""
+    started = []
+    for script, nproc, out_dir, args in jobs:
+        os.makedirs(out_dir, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+               str(WORKERS / script), "--out_dir", str(out_dir), *map(str, args)]
+        env = dict(os.environ, OMP_NUM_THREADS="1",   # keeps a PYTHONPATH the packages need
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                            os.environ.get("PYTHONPATH")])))
+        logs = [tempfile.TemporaryFile("w+") for _ in range(2)]   # stdout, stderr
+        started.append((subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True, env=env),
+                        logs))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in started:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    finally:
+        for proc, _ in started:   # the others, after one failed or timed out
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = []
+    for (script, nproc, out_dir, _), (proc, logs) in zip(jobs, started):
+        stdout, stderr = (log.seek(0) or log.read() for log in logs)
+        for log in logs:
+            log.close()
+        if proc.returncode != 0:
+            raise AssertionError(f"{script} failed ({proc.returncode}):\n{stdout[-4000:]}\n"
+                                 f"{stderr[-8000:]}")
+        results.append([json.loads((Path(out_dir) / f"rank{r}.json").read_text())
+                        for r in range(nproc)])
+    return results

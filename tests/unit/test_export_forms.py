@@ -2,7 +2,7 @@
 (examples/megatron/export/{lora,merge_lora}.sh) and ours, on the tiny Qwen3 with an adapter
 peft itself made (rank 4 on all seven projections, random nonzero B), in float32.
 
-The forms run as one chain in one subprocess (tests/export_jobs.py, ~1.5 min):
+The forms run as one chain in one subprocess (tests/export_jobs.py, ~15 s on 2 cores):
 
     lora_ckpt      --model HF --adapters PEFT --to_mcore true            -> LoRA checkpoint L
     peft           --model HF --mcore_adapter L --to_hf true --merge_lora false -> PEFT

@@ -1,6 +1,7 @@
-"""LoRA (swift_megatron/lora): config and PEFT-format rules in process, and one single-process
-worker run (tests/distributed/workers/lora_checks.py, ~30 s for four families) measuring LoRA
-models against references, against peft, and merged exports against peft's merge_and_unload.
+"""LoRA (swift_megatron/lora): config and PEFT-format rules in process, and two single-process
+worker runs at once (tests/distributed/workers/lora_checks.py, half of the families each, ~15 s)
+measuring LoRA models against references, against peft, and merged exports against peft's
+merge_and_unload.
 
     python -m pytest tests/unit/test_lora.py -q -s     # -s prints the measured differences
 """
@@ -16,7 +17,7 @@ from swift_megatron.fixtures import FAMILIES
 from swift_megatron.lora import HF_PROJECTIONS, LoraConfig, read_adapter
 from swift_megatron.lora.peft_io import config_from_peft, peft_config_dict
 from swift_megatron.lora.targets import LoraTarget, rows_on, split_index
-from tests.distributed.launch import run_workers
+from tests.distributed.launch import run_workers_together
 
 LOGITS_ATOL = 1e-4
 MERGE_ATOL = 1e-6
@@ -130,7 +131,11 @@ def checks(tiny_model_dir, tmp_path_factory):
 
     root = Path([tiny_model_dir(family) for family in FAMILIES][0]).parent
     out = tmp_path_factory.mktemp("lora_checks")
-    return run_workers("lora_checks.py", 1, out, ["--root", root, "--families", *FAMILIES])[0]
+    halves = (FAMILIES[0::2], FAMILIES[1::2])   # two worker processes, one per core
+    ranks = run_workers_together([("lora_checks.py", 1, out / str(i),
+                                   ["--root", root, "--families", *families])
+                                  for i, families in enumerate(halves)])
+    return {**ranks[0][0], **ranks[1][0]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import run_workers
+from tests.distributed.launch import run_workers_together
 
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_lora")
 TP_FAMILIES = ("qwen3", "qwen3_moe")
@@ -25,12 +25,13 @@ TP_FAMILIES = ("qwen3", "qwen3_moe")
 @pytest.fixture(scope="module")
 def reports(tiny_model_dir, tmp_path_factory):
     """[one report per rank] for each layout: "tp1" (every family), "tp2" (TP=2 + SP)."""
-    result = {}
-    for layout, nproc, families in (("tp1", 1, FAMILIES), ("tp2", 2, TP_FAMILIES)):
+    layouts, jobs = ("tp1", "tp2"), []
+    for layout, nproc, families in zip(layouts, (1, 2), (FAMILIES, TP_FAMILIES)):
         out = tmp_path_factory.mktemp(f"recompute_{layout}")
         models = [f"--model={family}={tiny_model_dir(family.replace('_lora', ''))}"
                   for family in families]
-        result[layout] = run_workers("recompute.py", nproc, out, [*models, "--tp", nproc])
+        jobs.append(("recompute.py", nproc, out, [*models, "--tp", nproc]))
+    result = dict(zip(layouts, run_workers_together(jobs)))
     print(json.dumps(result))
     return result
 
