@@ -31,6 +31,11 @@
 #   async_server      grpo_server's setup twice on one server: --async_generate false, then true
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
+#   trl_2gpu_tokens   trl_compare_2gpu with ours at the 8k-token micro-batch budget
+#   server_check      grpo_server at the 8k budget with --check_weight_sync true (engine vs
+#                     trainer logprob gap after every NCCL push)
+#   tp2_lora_vs_full  ours at TP=2 on 2 GPUs (DP=1, the 2-GPU work), full then LoRA, 8k budget
+#   moe_ep2           qwen3_5_moe_vllm on 2 GPUs with --expert_model_parallel_size 2 (DP=2)
 # One GPU:
 #   lora_vs_full      ours on the trl_compare setup with the 8k-token budget: full, LoRA, LoRA
 #                     without dropout, and full with --recompute_granularity full
@@ -170,7 +175,19 @@ phase() {
         lora_scaling) for n in 1 2; do python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b \
                           --tool ours --nproc $n --rollout_batches 4 --work_dir /tmp/lora$n \
                           -- --train_type lora || return 1; done ;;
+        trl_2gpu_tokens) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
+                             --rollout_batches 4 --work_dir /tmp/trl_2gpu_tokens \
+                             -- --max_tokens_per_micro_batch 8192 ;;
         grpo_server) grpo_server "" ;;
+        server_check) grpo_server "--max_tokens_per_micro_batch 8192 --check_weight_sync true" ;;
+        tp2_lora_vs_full) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --nproc 2 \
+                              --tool ours --rollout_batches 4 --work_dir /tmp/tp2_lora_vs_full \
+                              --variant lora="--train_type lora" \
+                              -- --tensor_model_parallel_size 2 --max_tokens_per_micro_batch 8192 ;;
+        moe_ep2) NPROC_PER_NODE=2 $GRPO --preset qwen3.5-moe-8l --run_name moe_ep2 -- $VLLM \
+                     --vllm_gpu_memory_utilization 0.35 --check_weight_sync true \
+                     --check_weight_sync_atol 0.5 --torch_dtype bfloat16 --offload_optimizer true \
+                     --expert_model_parallel_size 2 ;;
         async_server) grpo_server "--async_generate false" "--async_generate true" ;;
         tp2_colocate) NPROC_PER_NODE=2 $GRPO --preset qwen2.5-1.5b --run_name tp2 -- $VLLM \
                           --vllm_gpu_memory_utilization 0.3 --tensor_model_parallel_size 2 ;;
