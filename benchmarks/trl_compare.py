@@ -234,17 +234,22 @@ def train_tflops(model_dir: str, tokens_per_s) -> float:
 
 # ---- TRL --------------------------------------------------------------------------------------
 
+def trl_command(a, model: str, dataset: str) -> list:
+    """The TRL worker's command line, under torchrun with --nproc > 1. The worker takes its
+    world size from torchrun's WORLD_SIZE: an option named like one of torchrun's own (`--nproc`)
+    anywhere on its line is refused by torchrun as ambiguous (seen on 2 GPUs)."""
+    launcher = [sys.executable] if a.nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc)]
+    return [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
+            "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
+            str(a.rollout_batches), "--completion_length", str(a.completion_length)]
+
+
 def run_trl(a, model: str, dataset: str) -> dict:
     log = os.path.join(a.work_dir, "trl_steps.jsonl")
     if os.path.exists(log):
         os.remove(log)
-    launcher = [sys.executable] if a.nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc)]
-    cmd = [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
-           "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
-           str(a.rollout_batches), "--completion_length", str(a.completion_length),
-           "--nproc", str(a.nproc)]
-    subprocess.run(cmd, check=True)
+    subprocess.run(trl_command(a, model, dataset), check=True)
     with open(log) as f:
         steps = [json.loads(line) for line in f]
     ends = [s for s in steps if s["step"] % STEPS_PER_ROLLOUT == 0]
@@ -297,7 +302,8 @@ def trl_worker(a) -> None:
     config = GRPOConfig(
         output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GLOBAL // MICRO, num_generations=GENERATIONS,
-        generation_batch_size=GLOBAL * a.nproc * STEPS_PER_ROLLOUT, max_completion_length=a.completion_length,
+        generation_batch_size=GLOBAL * int(os.environ.get("WORLD_SIZE", 1)) * STEPS_PER_ROLLOUT,
+        max_completion_length=a.completion_length,
         beta=SETTINGS["beta"], temperature=SETTINGS["temperature"],
         learning_rate=SETTINGS["lr"], lr_scheduler_type="constant", loss_type="grpo", bf16=True,
         use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,

@@ -24,6 +24,12 @@ def test_activations_per_micro_batch():
         100 * per_token_layer
     assert activation_bytes(HF, RunShape(micro_batch_tokens=100, tp=2, sequence_parallel=True)) \
         == 100 * per_token_layer * 4 // 2
+    # TP 2 without sequence parallelism: q, k, v, the attention output and the MLP's 3 ffn split,
+    # the residual stream, the attention block's output and the norm outputs (2 x 5 hidden) whole
+    whole, split = 2 * 5 * 64, 2 * (2 * 64 + 2 * 32) + 6 * 128
+    assert whole + split == per_token_layer
+    assert activation_bytes(HF, RunShape(micro_batch_tokens=100, tp=2)) == \
+        100 * 4 * (whole + split // 2)
     # CP 2: half the tokens per rank, plus each layer's gathered K and V (bf16) of all 100
     assert activation_bytes(HF, RunShape(micro_batch_tokens=100, cp=2)) == \
         4 * (100 * per_token_layer // 2 + 100 * 2 * 2 * 32)
@@ -36,6 +42,25 @@ def test_lora_dropout_keeps_masks_and_a_dropped_attention_output():
     # o_proj's dropped input (4 heads x 16, bf16)
     assert dropped // 4 - plain == 3 * 64 + 128 + 2 * 64
     assert activation_bytes(HF, RunShape(micro_batch_tokens=1, lora_dropout=True)) == plain * 4
+    # TP 2 without sequence parallelism: the q/k/v and gate/up inputs' masks stay whole
+    tp2 = dict(micro_batch_tokens=1, lora=True, tp=2)
+    assert activation_bytes(HF, RunShape(**tp2, lora_dropout=True)) // 4 - \
+        activation_bytes(HF, RunShape(**tp2)) // 4 == 2 * 64 + (64 + 128 + 2 * 64) // 2
+
+
+def test_tp2_estimate_matches_the_gpu_measurement():
+    """Training memory measured on an H200 (docs/gpu.md, 2026-11-26 fourth session: GRPO at
+    TP=2 without sequence parallelism on 2 GPUs, Qwen2.5-1.5B shape, 8k-token micro-batches,
+    the peak of the logprob and train phases less the sleeping engine): full 27.46 GiB (with its
+    reference copy), LoRA with dropout 0.05 16.67 GiB; within 15% (the dry run's promise)."""
+    from swift_megatron.fixtures.shapes import REAL_SHAPES
+
+    hf = REAL_SHAPES["qwen2.5-1.5b"]
+    run = RunShape(tp=2, micro_batch_tokens=8192)
+    assert estimate(hf, run)["train"] == pytest.approx(27.46, rel=0.15)
+    lora = RunShape(tp=2, micro_batch_tokens=8192, lora=True, lora_dropout=True,
+                    reference_copy=False)
+    assert estimate(hf, lora)["train"] == pytest.approx(16.67, rel=0.15)
 
 
 def test_selective_recomputation_drops_what_the_modules_keep():
