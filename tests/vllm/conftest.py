@@ -6,8 +6,13 @@ GDN kernels take (64; the shared fixtures use 16) and run in bfloat16 (the only 
 kernels on a CPU).
 
 vLLM on 2 CPU cores takes ~15-25 s per engine start: engines are module-scoped and shared.
+A module whose parametrized cases each run one `megatron rlhf` subprocess (one core busy:
+OMP_NUM_THREADS=1, vLLM in the process) starts its selected cases' runs side by side, two at a
+time (`side_by_side`, `selected`); each test then waits for its own run and asserts on it as
+before, so a two-core machine runs two cases in about the time of one.
 """
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -51,3 +56,22 @@ def vllm_hybrid_dir(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def side_by_side():
+    """A pool that runs a module's subprocesses two at a time (`submit`); waits for them at the
+    module's end."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield pool
+
+
+def selected(request, name: str) -> list:
+    """The values of parameter `name` among this module's tests that this session runs (-k
+    honoured), in their order."""
+    values = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and name in params:
+            values.append(params[name])
+    return list(dict.fromkeys(values))

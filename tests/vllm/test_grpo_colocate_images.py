@@ -15,7 +15,8 @@ out; vLLM's layerwise reload keeps its weights (its per-layer warning is collect
 rollout/vllm_compat.py `_kept_layers_counted`).
 
 vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh makes it importable on a CPU
-torch): skipped without it.
+torch): skipped without it. The three runs go side by side, two at a time (conftest.py
+`side_by_side`).
 """
 import json
 import os
@@ -32,6 +33,7 @@ except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
                 allow_module_level=True)
 
 from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.conftest import selected  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
@@ -63,11 +65,10 @@ def vl_task(tmp_path_factory):
     return vision_task("qwen2_5_vl", tmp_path_factory.mktemp("vllm_vl"))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_colocate_grpo_with_images(family, vl_task, tmp_path):
-    model, colours = vl_task if family == "qwen2_5_vl" else vision_task(family, tmp_path)
-    flags, bound = FAMILIES[family][1:]
-    out = tmp_path / "run"
+def run(family: str, model: str, colours: str, out) -> subprocess.CompletedProcess:
+    """Two GRPO steps of the tiny `family` checkpoint `model` on the colour task, logged to
+    `out`/logging.jsonl."""
+    flags = FAMILIES[family][1]
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
            "--dataset", colours, "--external_plugins", PLUGIN, "--reward_funcs", "colour_parity",
            "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "2",
@@ -78,7 +79,26 @@ def test_colocate_grpo_with_images(family, vl_task, tmp_path):
            "--check_weight_sync", "true", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def runs(request, side_by_side, vl_task, tmp_path_factory):
+    """family -> (future of its run, output dir) for the selected families, side by side."""
+    runs = {}
+    for family in selected(request, "family"):
+        root = tmp_path_factory.mktemp(family)
+        model, colours = vl_task if family == "qwen2_5_vl" else vision_task(family, root)
+        runs[family] = (side_by_side.submit(run, family, model, colours, root / "run"),
+                        root / "run")
+    return runs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_colocate_grpo_with_images(family, runs):
+    future, out = runs[family]
+    proc = future.result()
+    bound = FAMILIES[family][2]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "colocate engine ready" in proc.stdout
     # the frozen tower is left out of every sync; vLLM keeps its weights without a warning

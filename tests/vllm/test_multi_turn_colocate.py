@@ -3,7 +3,8 @@ two-turn lookup_tool task for a few GRPO steps. vLLM continues each episode from
 token ids so far (its own tokens plus the tool's), and the trainer's logprobs of the model's
 tokens over the whole two-turn sequence equal vLLM's (`rollout/logprob_abs_diff_mean` < 1e-4,
 the tool tokens masked out). Two layouts, as test_grpo_colocate.py: one process, and two
-processes forming one vLLM TP=2 group, whose ranks must run the same number of turns."""
+processes forming one vLLM TP=2 group, whose ranks must run the same number of turns. The two
+runs go side by side (conftest.py `side_by_side`)."""
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.conftest import selected  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEMO = os.path.join(REPO, "swift_megatron", "demo")
@@ -21,12 +23,11 @@ LAYOUTS = {"single": ([], {}),
            "dp2_vllm_tp2": (["--vllm_tensor_parallel_size", "2"], {"NPROC_PER_NODE": "2"})}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_colocate_two_turn_steps(layout, vllm_model_dir, math_dataset_path, tmp_path):
+def run(layout: str, model: str, dataset: str, out) -> subprocess.CompletedProcess:
+    """Two GRPO steps of two-turn episodes in `layout`, logged to `out`/logging.jsonl."""
     extra, launch = LAYOUTS[layout]
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", vllm_model_dir,
-           "--dataset", math_dataset_path, "--external_plugins", os.path.join(DEMO, "rewards.py"),
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+           "--dataset", dataset, "--external_plugins", os.path.join(DEMO, "rewards.py"),
            os.path.join(DEMO, "multi_turn.py"), "--multi_turn_scheduler", "lookup_tool",
            "--max_turns", "2", "--reward_funcs", "digit_ratio", "contains_answer",
            "--num_generations", "4", "--global_batch_size", "8", "--micro_batch_size", "1",
@@ -37,7 +38,22 @@ def test_colocate_two_turn_steps(layout, vllm_model_dir, math_dataset_path, tmp_
            "--log_rollout_offpolicy_metrics", "true", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()), **launch)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def runs(request, side_by_side, vllm_model_dir, math_dataset_path, tmp_path_factory):
+    """layout -> (future of its run, output dir) for the selected layouts, side by side."""
+    root = tmp_path_factory.mktemp("multi_turn_colocate")
+    return {layout: (side_by_side.submit(run, layout, vllm_model_dir, math_dataset_path,
+                                         root / layout), root / layout)
+            for layout in selected(request, "layout")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_colocate_two_turn_steps(layout, runs):
+    future, out = runs[layout]
+    proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "colocate engine ready" in proc.stdout
     with open(out / "logging.jsonl") as f:

