@@ -1,4 +1,6 @@
-"""Run a worker script under torch.distributed.run on CPU (gloo) and collect its JSON results.
+"""Run a worker script under torch.distributed.run on CPU (gloo) and collect its JSON results,
+or several `megatron` commands at once (run_cli_together: two one-process runs on 2 cores take
+about the time of one).
 
 Each worker writes `{out_dir}/rank{RANK}.json`; `run_workers` returns those dicts by rank.
 """
@@ -28,35 +30,56 @@ def run_workers(script: str, nproc: int, out_dir, args=(), timeout: int = 300):
 def run_workers_together(jobs, timeout: int = 300):
     """run_workers of each (script, nproc, out_dir, args) in `jobs`, all started at once (a
     one-process run next to another leaves no core idle); their results in that order."""
-    started = []
+    commands = []
     for script, nproc, out_dir, args in jobs:
         os.makedirs(out_dir, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               str(WORKERS / script), "--out_dir", str(out_dir), *map(str, args)]
+        commands.append(([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                          str(WORKERS / script), "--out_dir", str(out_dir), *map(str, args)], {}))
+    results = []
+    for (script, nproc, out_dir, _), proc in zip(jobs, run_together(commands, timeout)):
+        if proc.returncode != 0:
+            raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                                 f"{proc.stderr[-8000:]}")
+        results.append([json.loads((Path(out_dir) / f"rank{r}.json").read_text())
+                        for r in range(nproc)])
+    return results
+
+
+def run_cli_together(commands, timeout: int = 600):
+    """`python -m swift_megatron.cli.main ARGV` for each (argv, env overrides) in `commands`, all
+    started at once, each with its own MASTER_PORT; their CompletedProcess in that order."""
+    return run_together([([sys.executable, "-m", "swift_megatron.cli.main", *map(str, argv)],
+                          dict(env, SWIFT_MEGATRON_NO_BAR="1", MASTER_PORT=str(free_port())))
+                         for argv, env in commands], timeout, cwd=REPO)
+
+
+def run_together(commands, timeout: int, cwd=None):
+    """Each (cmd, env overrides) in `commands` started at once (in `cwd`, OMP_NUM_THREADS=1 unless
+    overridden); their CompletedProcess (text stdout and stderr) in that order. After a timeout
+    the ones still running are killed and subprocess.TimeoutExpired is raised."""
+    started = []
+    for cmd, extra in commands:
         env = dict(os.environ, OMP_NUM_THREADS="1",   # keeps a PYTHONPATH the packages need
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                             os.environ.get("PYTHONPATH")])))
+        env.update(extra)
         logs = [tempfile.TemporaryFile("w+") for _ in range(2)]   # stdout, stderr
-        started.append((subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True, env=env),
-                        logs))
+        started.append((cmd, subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True,
+                                              env=env, cwd=cwd), logs))
     deadline = time.monotonic() + timeout
     try:
-        for proc, _ in started:
+        for _, proc, _ in started:
             proc.wait(timeout=max(deadline - time.monotonic(), 0))
     finally:
-        for proc, _ in started:   # the others, after one failed or timed out
+        for _, proc, _ in started:   # the others, after one failed or timed out
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     results = []
-    for (script, nproc, out_dir, _), (proc, logs) in zip(jobs, started):
+    for cmd, proc, logs in started:
         stdout, stderr = (log.seek(0) or log.read() for log in logs)
         for log in logs:
             log.close()
-        if proc.returncode != 0:
-            raise AssertionError(f"{script} failed ({proc.returncode}):\n{stdout[-4000:]}\n"
-                                 f"{stderr[-8000:]}")
-        results.append([json.loads((Path(out_dir) / f"rank{r}.json").read_text())
-                        for r in range(nproc)])
+        results.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
     return results

@@ -16,12 +16,10 @@ rank) and PP=2 reproduce the single-process packed run, grad norms and KL to 5e-
 an unsummed TP-partial gradient of the Gated DeltaNet output norm (1e-5 off in the grad norm)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.distributed.launch import REPO, free_port
+from tests.distributed.launch import REPO, run_cli_together
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +36,24 @@ LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"],
 
 
 def run_rlhf(model, dataset, out_dir, extra, nproc):
+    return run_rlhf_together([(model, dataset, out_dir, extra, nproc)])[0]
+
+
+def run_rlhf_together(runs):
+    """The logged rows of `megatron rlhf` for each (model, dataset, out_dir, extra flags, nproc)
+    in `runs`, all started at once."""
     plugin = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
-           "--dataset", dataset, "--external_plugins", plugin, "--output_dir", str(out_dir),
-           *COMMON, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
-               MASTER_PORT=str(free_port()))
-    if nproc > 1:
-        env["NPROC_PER_NODE"] = str(nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    with open(os.path.join(out_dir, "logging.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    procs = run_cli_together([
+        (["rlhf", "--model", model, "--dataset", dataset, "--external_plugins", plugin,
+          "--output_dir", out_dir, *COMMON, *extra],
+         {"NPROC_PER_NODE": str(nproc)} if nproc > 1 else {})
+        for model, dataset, out_dir, extra, nproc in runs])
+    rows = []
+    for (_, _, out_dir, _, _), proc in zip(runs, procs):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        with open(os.path.join(out_dir, "logging.jsonl")) as f:
+            rows.append([json.loads(line) for line in f])
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +73,19 @@ def setup(tiny_model_dir, math_dataset_path, tmp_path_factory):
     return tiny_model_dir("qwen3"), math_dataset_path, root, configs
 
 
-_REFERENCES = {}
+QWEN3_5_FLAGS = ["--global_batch_size", "16", "--micro_batch_size", "4", "--steps_per_generation",
+                 "1", "--max_completion_length", "16", "--train_iters", "3", "--beta", "0.1",
+                 "--reward_funcs", "digit_ratio", "contains_answer"]  # after COMMON: they win
 
 
-def reference(setup, config):
-    """The single-process run of a configuration (run once per module)."""
-    if config not in _REFERENCES:
-        model, dataset, root, configs = setup
-        _REFERENCES[config] = run_rlhf(model, dataset, root / f"single_{config}", configs[config], 1)
-    return _REFERENCES[config]
+@pytest.fixture(scope="module")
+def references(setup, tiny_model_dir):
+    """The single-process run of each configuration and of Qwen3.5, all four at once."""
+    model, dataset, root, configs = setup
+    runs = {config: (model, dataset, root / f"single_{config}", flags, 1)
+            for config, flags in configs.items()}
+    runs["qwen3_5"] = (tiny_model_dir("qwen3_5"), dataset, root / "single_qwen3_5", QWEN3_5_FLAGS, 1)
+    return dict(zip(runs, run_rlhf_together(list(runs.values()))))
 
 
 KEYS = ["loss/policy", "grad_norm", "reward/mean", "entropy", "rollout/completion_tokens"]
@@ -96,8 +104,8 @@ CASES = [("mix", "tp2"), ("mix", "pp2"), ("mix", "dp2"), ("grpo", "dp2"), ("real
 
 
 @pytest.mark.parametrize("config,layout", CASES)
-def test_layout_reproduces_single_process(setup, config, layout):
-    expected = reference(setup, config)
+def test_layout_reproduces_single_process(setup, references, config, layout):
+    expected = references[config]
     model, dataset, root, configs = setup
     got = run_rlhf(model, dataset, root / f"{layout}_{config}", LAYOUTS[layout] + configs[config], 2)
     assert len(got) == len(expected) == 2
@@ -120,8 +128,9 @@ def test_moe_lora_example_layout_runs(tiny_model_dir, math_dataset_path, tmp_pat
              "--importance_sampling_level", "sequence"]
     layout = ["--tensor_model_parallel_size", "2", "--sequence_parallel", "true",
               "--context_parallel_size", "2", "--expert_model_parallel_size", "2"]
-    expected = run_rlhf(model, math_dataset_path, tmp_path / "single", flags, 1)
-    got = run_rlhf(model, math_dataset_path, tmp_path / "layout", flags + layout, 4)
+    expected, got = run_rlhf_together([(model, math_dataset_path, tmp_path / "single", flags, 1),
+                                       (model, math_dataset_path, tmp_path / "layout",
+                                        flags + layout, 4)])
     assert len(got) == len(expected) == 2
     assert got[0]["reward/mean"] == expected[0]["reward/mean"]  # the same first rollout
     for mine, ref in zip(got, expected):
@@ -132,21 +141,12 @@ def test_moe_lora_example_layout_runs(tiny_model_dir, math_dataset_path, tmp_pat
 
 QWEN3_5_LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"],
                    "pp2": ["--pipeline_model_parallel_size", "2"]}
-QWEN3_5_FLAGS = ["--global_batch_size", "16", "--micro_batch_size", "4", "--steps_per_generation",
-                 "1", "--max_completion_length", "16", "--train_iters", "3", "--beta", "0.1",
-                 "--reward_funcs", "digit_ratio", "contains_answer"]  # after COMMON: they win
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_reference(setup, tiny_model_dir):
-    _, dataset, root, _ = setup
-    return run_rlhf(tiny_model_dir("qwen3_5"), dataset, root / "single_qwen3_5", QWEN3_5_FLAGS, 1)
 
 
 @pytest.mark.parametrize("layout", sorted(QWEN3_5_LAYOUTS))
-def test_qwen3_5_layout_reproduces_single_process(setup, tiny_model_dir, qwen3_5_reference,
-                                                  layout):
+def test_qwen3_5_layout_reproduces_single_process(setup, tiny_model_dir, references, layout):
     _, dataset, root, _ = setup
+    qwen3_5_reference = references["qwen3_5"]
     got = run_rlhf(tiny_model_dir("qwen3_5"), dataset, root / f"qwen3_5_{layout}",
                    QWEN3_5_FLAGS + QWEN3_5_LAYOUTS[layout], 2)
     assert len(got) == len(qwen3_5_reference) == 3

@@ -29,7 +29,7 @@ from swift_megatron.checkpoint import sources
 from swift_megatron.checkpoint.ms_swift import (is_ms_swift_checkpoint, read_ms_swift_checkpoint,
                                                 stored_keys)
 from swift_megatron.errors import UserError
-from tests.distributed.launch import REPO, run_workers
+from tests.distributed.launch import REPO, run_cli_together, run_workers
 from tests.helpers import safetensors_of
 
 ATOL = 1e-4
@@ -262,21 +262,23 @@ def test_a_lora_checkpoint_is_never_read_as_a_full_model(tmp_path):
 
 # ---- megatron rlhf starting from them -----------------------------------------------------
 
-def first_step(tmp_path, name, math_dataset_path, *start):
-    """Step 1's logged metrics of a one-step `megatron rlhf` run starting from `start`."""
-    out = tmp_path / name
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1")
+def first_steps(tmp_path, math_dataset_path, starts):
+    """Step 1's logged metrics and output of a one-step `megatron rlhf` run starting from each
+    name's flags in `starts`, all run at once: {name: (metrics, stdout + stderr)}."""
     plugin = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
-    argv = [*start, "--dataset", math_dataset_path, "--external_plugins", plugin,
-            "--reward_funcs", "digit_ratio", "contains_answer",
-            "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
-            "--max_completion_length", "16", "--beta", "0.1", "--lr", "1e-3", "--train_iters", "1",
-            "--report_to", "none", "--output_dir", str(out), "--add_version", "false",
-            "--save_safetensors", "false"]
-    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", *argv],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(open(out / "logging.jsonl").readline()), proc.stdout + proc.stderr
+    common = ["--dataset", math_dataset_path, "--external_plugins", plugin,
+              "--reward_funcs", "digit_ratio", "contains_answer",
+              "--num_generations", "4", "--global_batch_size", "16", "--micro_batch_size", "4",
+              "--max_completion_length", "16", "--beta", "0.1", "--lr", "1e-3", "--train_iters",
+              "1", "--report_to", "none", "--add_version", "false", "--save_safetensors", "false"]
+    procs = run_cli_together([(["rlhf", *start, *common, "--output_dir", tmp_path / name], {})
+                              for name, start in starts.items()])
+    result = {}
+    for name, proc in zip(starts, procs):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        result[name] = (json.loads(open(tmp_path / name / "logging.jsonl").readline()),
+                        proc.stdout + proc.stderr)
+    return result
 
 
 @pytest.mark.slow
@@ -291,17 +293,17 @@ def test_rlhf_starts_from_ms_swift_checkpoints(run, models, math_dataset_path, t
         for key in keys:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
 
-    hf, _ = first_step(tmp_path, "hf", math_dataset_path, "--model", models["dense"])
-    swift, _ = first_step(tmp_path, "swift", math_dataset_path, "--mcore_model", ckpt["dense"])
-    same(swift, hf)
-    assert hf["grad_norm"] > 0
     peft_dir = tmp_path / "peft_dense"   # the adapter with the checkpoint's dropout (args.json)
     shutil.copytree(ckpt["peft_dense"], peft_dir)
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     (peft_dir / "adapter_config.json").write_text(json.dumps(dict(config, lora_dropout=0.05)))
-    peft, _ = first_step(tmp_path, "peft", math_dataset_path, "--model", models["dense"],
-                         "--adapters", peft_dir)
-    lora, log = first_step(tmp_path, "lora", math_dataset_path, "--model", models["dense"],
-                           "--mcore_adapter", ckpt["lora_dense"])
+    runs = first_steps(tmp_path, math_dataset_path, {
+        "hf": ["--model", models["dense"]], "swift": ["--mcore_model", ckpt["dense"]],
+        "peft": ["--model", models["dense"], "--adapters", peft_dir],
+        "lora": ["--model", models["dense"], "--mcore_adapter", ckpt["lora_dense"]]})
+    (hf, _), (swift, _), (peft, _), (lora, log) = (runs[name] for name in
+                                                   ("hf", "swift", "peft", "lora"))
+    same(swift, hf)
+    assert hf["grad_norm"] > 0
     same(lora, peft)
     assert "--train_type lora" in log

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.e2e.test_rlhf_e2e import PLUGIN, logged, rlhf
+from tests.e2e.test_rlhf_e2e import PLUGIN, logged, rlhf, rlhf_together
 from tests.helpers import build_peft_adapter, build_tiny_reward_model
 
 pytestmark = pytest.mark.slow
@@ -64,12 +64,26 @@ CISPO = dict(loss_type="cispo", epsilon_high=5, advantage_estimator="rloo", num_
              split_dataset_ratio="0.1", eval_steps=8, num_generations_eval=2, save_steps=4)
 
 
-def test_cispo_rloo_sync_ref_reward_model_and_resume(files, tmp_path):
-    flags = dict(CISPO, reward_model=files["reward_model"])
-    out = tmp_path / "straight"
-    proc = rlhf(*base(files, output_dir=out, **flags))
+def cispo_flags(files):
+    return dict(CISPO, reward_model=files["reward_model"])
+
+
+@pytest.fixture(scope="module")
+def first_runs(files, tmp_path_factory):
+    """The runs the two tests below start from, at once: cispo's straight run (to be resumed)
+    and a trained checkpoint of ours (--mcore_ref_model of the real run)."""
+    root = tmp_path_factory.mktemp("first_runs")
+    straight, reference = root / "straight", root / "reference"
+    proc, _ = rlhf_together([base(files, output_dir=straight, **cispo_flags(files)),
+                             base(files, output_dir=reference, train_iters=2)])
+    return dict(straight=straight, straight_stdout=proc.stdout, reference=reference)
+
+
+def test_cispo_rloo_sync_ref_reward_model_and_resume(files, first_runs, tmp_path):
+    flags = cispo_flags(files)
+    out = first_runs["straight"]
     assert f"{LONG_ROWS} of 72 prompts were longer than max_length - max_completion_length " \
-           f"= 24 tokens and were dropped" in proc.stdout
+           f"= 24 tokens and were dropped" in first_runs["straight_stdout"]
     rows = logged(out)
     assert [r["step"] for r in rows] == [4, 8]  # num_iterations 2 x steps_per_generation 2
     first, second = rows
@@ -90,9 +104,8 @@ def test_cispo_rloo_sync_ref_reward_model_and_resume(files, tmp_path):
         assert resumed[key] == pytest.approx(second[key], rel=1e-6, abs=1e-9), key
 
 
-def test_real_padded_with_an_mcore_reference(files, tmp_path):
-    reference = tmp_path / "reference"
-    rlhf(*base(files, output_dir=reference, train_iters=2))  # a trained checkpoint of ours
+def test_real_padded_with_an_mcore_reference(files, first_runs, tmp_path):
+    reference = first_runs["reference"]  # a trained checkpoint of ours
     out = tmp_path / "real"
     rlhf(*base(files, output_dir=out, loss_type="real", micro_batch_size=4,
                advantage_estimator="reinforce_plus_plus", mcore_ref_model=reference,

@@ -11,20 +11,22 @@ import sys
 import pytest
 import torch
 
-from tests.distributed.launch import REPO, free_port
+from tests.distributed.launch import REPO, free_port, run_cli_together
 
 pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
 
 
 def rlhf(*argv, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
-               MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", *map(str, argv)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    if check:
+    return rlhf_together([argv], check)[0]
+
+
+def rlhf_together(argvs, check=True):
+    """`megatron rlhf ARGV` for each ARGV in `argvs`, all at once; their CompletedProcess."""
+    procs = run_cli_together([(["rlhf", *argv], {}) for argv in argvs])
+    for proc in procs if check else ():
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+    return procs
 
 
 def logged(out_dir):
@@ -67,11 +69,10 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
 
 
 def test_resume_continues_bit_identically(base, tmp_path):
-    straight = tmp_path / "straight"
-    rlhf(*base, "--train_iters", 4, "--output_dir", straight)
-    save = tmp_path / "ckpt"
-    rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "first", "--save", save,
-         "--save_interval", 2, "--exit_interval", 2)
+    straight, save = tmp_path / "straight", tmp_path / "ckpt"
+    rlhf_together([[*base, "--train_iters", 4, "--output_dir", straight],
+                   [*base, "--train_iters", 4, "--output_dir", tmp_path / "first", "--save", save,
+                    "--save_interval", 2, "--exit_interval", 2]])
     assert open(save / "latest_checkpointed_iteration.txt").read() == "2"
     summary = open(tmp_path / "first" / "report" / "summary.md").read()  # written at the save
     assert "- 2 logged steps, step 1 to 2 of 4: stopped or still running" in summary
@@ -81,9 +82,11 @@ def test_resume_continues_bit_identically(base, tmp_path):
     # without --save the output directory holds the checkpoints; final_hf links the last one
     assert os.path.samefile(straight / "checkpoint-4" / "model.safetensors",
                             straight / "final_hf" / "model.safetensors")
-    rlhf(*base, "--train_iters", 4, "--output_dir", tmp_path / "resumed", "--load", save)
-    late = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path / "late", "--load", save,
-                check=False)
+    resuming, late = rlhf_together([[*base, "--train_iters", 4, "--output_dir", tmp_path / "resumed",
+                                     "--load", save],
+                                    [*base, "--train_iters", 1, "--output_dir", tmp_path / "late",
+                                     "--load", save]], check=False)
+    assert resuming.returncode == 0, resuming.stdout[-3000:] + resuming.stderr[-5000:]
     assert late.returncode == 2 and "is at step 2, beyond this run's 1 optimizer steps" in \
         late.stderr and "Traceback" not in late.stderr
     expected, resumed = logged(straight)[2:], logged(tmp_path / "resumed")
