@@ -11,6 +11,7 @@ OMP_NUM_THREADS=1, vLLM in the process) starts its selected cases' runs side by 
 time (`side_by_side`, `selected`); each test then waits for its own run and asserts on it as
 before, so a two-core machine runs two cases in about the time of one.
 """
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,3 +76,21 @@ def selected(request, name: str) -> list:
         if getattr(item, "module", None) is request.module and name in params:
             values.append(params[name])
     return list(dict.fromkeys(values))
+
+
+def submit_selected(request, pool, run, name: str, root, *args) -> dict:
+    """value -> (future of run(value, *args, root / value), root / value) for each selected value
+    of parameter `name` (`selected`), submitted to `pool` (`side_by_side`)."""
+    return {value: (pool.submit(run, value, *args, root / value), root / value)
+            for value in selected(request, name)}
+
+
+def colocate_rows(runs: dict, value) -> list:
+    """The logged rows of `submit_selected`'s run of `value`, after checking that it exited 0
+    with its colocate engine up."""
+    future, out = runs[value]
+    proc = future.result()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "colocate engine ready" in proc.stdout
+    with open(out / "logging.jsonl") as f:
+        return [json.loads(line) for line in f]

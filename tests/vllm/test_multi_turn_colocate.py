@@ -5,17 +5,15 @@ tokens over the whole two-turn sequence equal vLLM's (`rollout/logprob_abs_diff_
 the tool tokens masked out). Two layouts, as test_grpo_colocate.py: one process, and two
 processes forming one vLLM TP=2 group, whose ranks must run the same number of turns. The two
 runs go side by side (conftest.py `side_by_side`)."""
-import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.distributed.launch import REPO, free_port  # noqa: E402
-from tests.vllm.conftest import selected  # noqa: E402
+from tests.distributed.launch import REPO, run_cli_together  # noqa: E402
+from tests.vllm.conftest import colocate_rows, submit_selected  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEMO = os.path.join(REPO, "swift_megatron", "demo")
@@ -26,7 +24,7 @@ LAYOUTS = {"single": ([], {}),
 def run(layout: str, model: str, dataset: str, out) -> subprocess.CompletedProcess:
     """Two GRPO steps of two-turn episodes in `layout`, logged to `out`/logging.jsonl."""
     extra, launch = LAYOUTS[layout]
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+    argv = ["rlhf", "--model", model,
            "--dataset", dataset, "--external_plugins", os.path.join(DEMO, "rewards.py"),
            os.path.join(DEMO, "multi_turn.py"), "--multi_turn_scheduler", "lookup_tool",
            "--max_turns", "2", "--reward_funcs", "digit_ratio", "contains_answer",
@@ -36,28 +34,19 @@ def run(layout: str, model: str, dataset: str, out) -> subprocess.CompletedProce
            "--logging_steps", "1", "--output_dir", str(out), "--use_vllm", "true",
            "--vllm_mode", "colocate", "--vllm_enforce_eager", "true", "--vllm_max_model_len", "128",
            "--log_rollout_offpolicy_metrics", "true", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
-               VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(free_port()), **launch)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    return run_cli_together([(argv, launch)], timeout=900)[0]   # VLLM_CPU_KVCACHE_SPACE: conftest
 
 
 @pytest.fixture(scope="module")
 def runs(request, side_by_side, vllm_model_dir, math_dataset_path, tmp_path_factory):
     """layout -> (future of its run, output dir) for the selected layouts, side by side."""
-    root = tmp_path_factory.mktemp("multi_turn_colocate")
-    return {layout: (side_by_side.submit(run, layout, vllm_model_dir, math_dataset_path,
-                                         root / layout), root / layout)
-            for layout in selected(request, "layout")}
+    return submit_selected(request, side_by_side, run, "layout",
+                           tmp_path_factory.mktemp("multi_turn_colocate"), vllm_model_dir, math_dataset_path)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_colocate_two_turn_steps(layout, runs):
-    future, out = runs[layout]
-    proc = future.result()
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "colocate engine ready" in proc.stdout
-    with open(out / "logging.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    rows = colocate_rows(runs, layout)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["multi_turn/num_turns_mean"] == 2.0
