@@ -70,15 +70,22 @@ def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extr
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"
-    if not wait:
-        return proc, address, log
+    if wait:
+        wait_healthy(address, log, proc)
+    return proc, address, log
+
+
+def wait_healthy(address: str, log, proc=None) -> None:
+    """Wait until the server at `address` answers /health; else kill `proc` (when given) and
+    fail with the end of its log."""
     try:
         ServerConnection(address, timeout=30, api_key=API_KEY).wait_healthy(240)
     except UserError:
-        proc.kill()
+        if proc is not None:
+            proc.kill()
         log.seek(0)
-        raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
-    return proc, address, log
+        raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:]) \
+            from None
 
 
 def stopped_output(proc, log, also=()) -> str:

@@ -28,12 +28,10 @@ except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
     pytest.skip(f"torchvision is not importable ({error}); run scripts/install_cpu_vllm.sh",
                 allow_module_level=True)
 
-from swift_megatron.errors import UserError  # noqa: E402
-from swift_megatron.rollout.client import ServerConnection  # noqa: E402
 from tests.distributed.launch import REPO, free_port  # noqa: E402
 from tests.vllm.test_grpo_colocate_images import PLUGIN, vision_task, vl_task  # noqa: E402,F401
 from tests.vllm.conftest import selected  # noqa: E402
-from tests.vllm.test_server import API_KEY, post, start_server  # noqa: E402
+from tests.vllm.test_server import API_KEY, post, start_server, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -67,14 +65,8 @@ def vl_server(vl_task, tmp_path_factory):   # noqa: F811
 
 def healthy(served) -> str:
     """The address of a `serving` server, once it answers /health."""
-    address, log = served
-    try:
-        ServerConnection(address, timeout=30, api_key=API_KEY).wait_healthy(240)
-    except UserError:
-        with open(log.name) as f:
-            raise AssertionError("the rollout server did not come up:\n"
-                                 + f.read()[-6000:]) from None
-    return address
+    wait_healthy(*served)
+    return served[0]
 
 
 def grpo_through(served, model: str, tmp_path, *flags) -> list:
