@@ -144,6 +144,7 @@ class ServerEngine:
         self.bucket_bytes = bucket_bytes
         self.device = device
         self.weight_version = 0
+        self.weights_discarded = False
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if distributed else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0

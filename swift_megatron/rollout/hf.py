@@ -76,6 +76,7 @@ class HFEngine:
         self.pad = pad_token_id
         self.max_batch_size = max_batch_size
         self.weight_version = 0
+        self.weights_discarded = False
         self.image_token_id = getattr(config, "image_token_id", None)
         self._params = dict(self.model.named_parameters())
 

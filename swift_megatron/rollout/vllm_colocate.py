@@ -15,7 +15,11 @@ weight_sync.py), then resets the prefix cache and bumps `weight_version`.
 
 Memory hand-over (`--sleep_level`): `sleep()` after generation releases the KV cache and
 offloads (1) or discards (2) the weights; `update_weights` wakes the weights only, `wake_up()`
-the rest before the next generation. On the CPU vLLM has no sleep mode: the calls are accepted
+the rest before the next generation. After a level-2 sleep the engine holds no weights
+(`weights_discarded`) until the next `update_weights`: waking it before that raises, since vLLM
+would generate from whatever the re-mapped memory holds (a GRPO run measured 0.67 mean logprob
+mismatch that way, docs/gpu.md); the trainer pushes again when a level-2 sleep followed its
+sync (e.g. after --check_weight_sync's generation). On the CPU vLLM has no sleep mode: the calls are accepted
 and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's allocated-memory
 counter the sleeping engine still holds (what it allocated at construction less what a sleep
 took off the counter): per-phase peaks minus it are the training's own memory.
@@ -95,6 +99,7 @@ class ColocateEngine:
         self.allocated_while_asleep: Optional[int] = None   # CUDA, after the first sleep()
         self.image_token_id = load_hf_config(settings.model_dir).get("image_token_id")
         self._asleep: List[str] = []  # memory kinds released by sleep(): "weights", "kv_cache"
+        self.weights_discarded = False  # a level-2 sleep since the last update_weights
 
     def _build(self):
         s = self.settings
@@ -158,6 +163,7 @@ class ColocateEngine:
             self.llm.collective_rpc("weight_sync_load", args=(bucket, last))
         self.llm.reset_prefix_cache()
         self.weight_version += 1
+        self.weights_discarded = False
 
     # ---- memory hand-over ------------------------------------------------------------------
     def sleep(self) -> None:
@@ -166,10 +172,14 @@ class ColocateEngine:
         before = _allocated()
         vllm_compat.sleep(self.llm, self.settings.sleep_level)
         self._asleep = ["weights", "kv_cache"]
+        self.weights_discarded = self.settings.sleep_level == 2
         if torch.cuda.is_available() and self.allocated_while_asleep is None:
             self.allocated_while_asleep = self._built_bytes - (before - _allocated())
 
     def wake_up(self) -> None:
+        if self.weights_discarded:
+            raise RuntimeError("the colocate engine's weights were discarded by a level-2 sleep: "
+                               "update_weights must come before wake_up")
         if self._asleep:
             vllm_compat.wake_up(self.llm, list(self._asleep))
             self._asleep = []

@@ -10,7 +10,7 @@
   sampled tokens, within 1e-4 (float32);
 - "stop" completions end with the EOS token, "length" ones have max_tokens tokens;
 - the sleep (level 2) / update_weights / wake_up cycle of the trainer runs and generates with
-  the new weights;
+  the new weights, and waking after a level-2 sleep without a push in between raises;
 - --vllm_max_num_seqs and --vllm_engine_kwargs (max_num_batched_tokens) reach vLLM's scheduler.
 """
 import contextlib
@@ -193,6 +193,13 @@ def test_sleep_update_wake_cycle(engine, weights, vllm_model_dir):
                               for p in PROMPTS]
     engine.wake_up()                        # waking an awake engine is harmless
     engine.sleep()
+    # level 2 discarded the weights: waking before a push would generate from whatever the
+    # re-mapped memory holds on a GPU (a no-op sleep on the CPU, so the flag is what is checked)
+    assert engine.weights_discarded
+    with pytest.raises(RuntimeError, match="update_weights must come before wake_up"):
+        engine.wake_up()
+    push(engine, weights["original"])
+    assert not engine.weights_discarded
     engine.wake_up()
 
 

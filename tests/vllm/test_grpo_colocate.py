@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
 
 
-LAYOUTS = {"single": (["--check_weight_sync", "true"], {}),
+# "single" at sleep level 2 with the sync check: the check's generation ends in a level-2 sleep
+# that discards the weights just pushed, so the trainer must push them again before the rollout
+# (the engine refuses to wake without weights; on a GPU the rollouts were garbage, docs/gpu.md).
+LAYOUTS = {"single": (["--check_weight_sync", "true", "--sleep_level", "2"], {}),
            "dp2_vllm_tp2": (["--vllm_tensor_parallel_size", "2"], {"NPROC_PER_NODE": "2"})}
 
 

@@ -159,7 +159,11 @@ class GRPOTrainer:
     # ---- phases ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def generating(self):
-        """The engine awake (and, in colocate mode, the training state offloaded if asked)."""
+        """The engine awake (and, in colocate mode, the training state offloaded if asked).
+        An engine whose weights a level-2 sleep discarded since the last sync (the sleep after
+        --check_weight_sync's or an evaluation's generation) gets the weights pushed again."""
+        if self.engine.weights_discarded:
+            self._push_weights()
         for offloader in self.offloaders:
             offloader.offload()
         self.engine.wake_up()
@@ -316,15 +320,18 @@ class GRPOTrainer:
         with measure_phase("sync", timings, self.state.device):
             if self.prefetch:
                 self.prefetch.wait()
-            tensors = self.policy.bridge.export(self.policy.chunks)
-            if self.synced and self.sync_filter is not None:   # every rank runs the whole export
-                tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
-            self.engine.update_weights(tensors)
-        self.synced = True
+            self._push_weights()
         if not self.args.rollout.check_weight_sync:
             return {}
         with measure_phase("sync_check", timings, self.state.device):
             return self.check_weight_sync()
+
+    def _push_weights(self) -> None:
+        tensors = self.policy.bridge.export(self.policy.chunks)
+        if self.synced and self.sync_filter is not None:   # every rank runs the whole export
+            tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
+        self.engine.update_weights(tensors)
+        self.synced = True
 
     @torch.no_grad()
     def check_weight_sync(self) -> Dict[str, float]:
