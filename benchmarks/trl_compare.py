@@ -5,7 +5,7 @@ Both tools get the same random model of a real shape (bf16), the same 512-row sy
 dataset and the same work: 16 prompts x 8 completions of at most 256 tokens per rollout batch,
 64 completions per optimizer step in micro-batches of 8, two optimizer steps per rollout batch,
 beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode with sleep level 1
-(TRL's level-2 sleep call is forced to level 1, as ours) and --vllm_gpu_memory_utilization 0.3.
+(TRL's level-2 sleep call is forced to level 1, as ours; `--sleep_level 2` runs both at 2) and --vllm_gpu_memory_utilization 0.3.
 With --variable_length the model's EOS logit is raised (its output row set along the mean final
 hidden state of its own sampled continuations of the prompts, scaled so that EOS takes about
 1/64 of the probability there) and completion lengths spread over 1..256 tokens instead of all
@@ -143,7 +143,7 @@ def ours_command(a, model: str, dataset: str, out: str, extra: list) -> list:
             "--temperature", str(SETTINGS["temperature"]), "--lr", str(SETTINGS["lr"]),
             "--lr_decay_style", "constant", "--train_iters",
             str(a.rollout_batches * STEPS_PER_ROLLOUT), "--use_vllm", "true", "--vllm_mode",
-            "colocate", "--sleep_level", "1", "--vllm_gpu_memory_utilization",
+            "colocate", "--sleep_level", str(a.sleep_level), "--vllm_gpu_memory_utilization",
             str(SETTINGS["gpu_memory_utilization"]), "--recompute_granularity", "none",
             "--logging_steps", "1", "--report_to", "none", "--output_dir", out,
             "--add_version", "false", "--save_safetensors", "false", "--no_save_optim", "true",
@@ -242,7 +242,8 @@ def trl_command(a, model: str, dataset: str) -> list:
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc)]
     return [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
             "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
-            str(a.rollout_batches), "--completion_length", str(a.completion_length)]
+            str(a.rollout_batches), "--completion_length", str(a.completion_length),
+            "--sleep_level", str(a.sleep_level)]
 
 
 def run_trl(a, model: str, dataset: str) -> dict:
@@ -270,8 +271,8 @@ def trl_worker(a) -> None:
 
     from swift_megatron.rewards import RewardConfig, resolve_reward_funcs
 
-    original_sleep = vllm.LLM.sleep
-    vllm.LLM.sleep = lambda self, level=1: original_sleep(self, level=1)  # as our --sleep_level 1
+    original_sleep = vllm.LLM.sleep   # TRL sleeps at level 2: ours and TRL's at --sleep_level
+    vllm.LLM.sleep = lambda self, level=1: original_sleep(self, level=a.sleep_level)
     with open(a.dataset_path) as f:
         rows = [json.loads(line) for line in f]
     data = Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
@@ -327,6 +328,9 @@ def main():
     parser.add_argument("--eos_context", default="dataset", choices=["dataset", "grid_world"],
                         help="--variable_length: the prompts the EOS is calibrated on")
     parser.add_argument("--tool", default="both", choices=["both", "ours", "trl"])
+    parser.add_argument("--sleep_level", type=int, default=1, choices=[1, 2],
+                        help="vLLM's sleep level for both tools (issue 10's setup: 1; TRL's own "
+                             "default and ms-swift's scripts: 2)")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs, data parallel")
     parser.add_argument("--work_dir", default="/tmp/trl_compare")
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)

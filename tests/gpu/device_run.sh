@@ -60,7 +60,8 @@
 #   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
 #                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check,
 #                     --offload_optimizer and micro batch 2 (to fit an H100)
-#   sleep2          ours at the 8k budget with --sleep_level 2 and --check_weight_sync true
+#   sleep2          ours at the 8k budget with --check_weight_sync true, sleep level 2 then 1
+#   trl_level2      TRL and ours (8k budget) both at sleep level 2 (TRL's default), one command
 #   trl_lora        TRL, then ours full, LoRA and LoRA without dropout (8k budget), one command
 #   profile_lora      the profile phase with --train_type lora and the 8k budget ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
@@ -127,8 +128,11 @@ phase() {
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile \
                      -- --max_tokens_per_micro_batch 8192 ;;
         sleep2) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
-                    --tool ours --work_dir /tmp/sleep2 -- --max_tokens_per_micro_batch 8192 \
+                    --tool ours --work_dir /tmp/sleep2 --variant level1="--sleep_level 1" \
+                    -- --max_tokens_per_micro_batch 8192 \
                     --sleep_level 2 --check_weight_sync true ;;
+        trl_level2) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --work_dir /tmp/trl_level2 --sleep_level 2 -- --max_tokens_per_micro_batch 8192 ;;
         trl_lora) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                       --work_dir /tmp/trl_lora --variant lora="--train_type lora" \
                       --variant lora_nodrop="--train_type lora --lora_dropout 0" \

@@ -15,7 +15,8 @@ trl_compare = pytest.importorskip("trl_compare")
 def test_the_trl_worker_line_parses_under_torchrun(nproc):
     from torch.distributed.run import get_args_parser
 
-    a = argparse.Namespace(nproc=nproc, work_dir="/w", rollout_batches=4, completion_length=256)
+    a = argparse.Namespace(nproc=nproc, work_dir="/w", rollout_batches=4, completion_length=256,
+                           sleep_level=2)
     cmd = trl_compare.trl_command(a, "/m", "/d.jsonl")
     worker = cmd[cmd.index(os.path.abspath(trl_compare.__file__)):]
     if nproc == 1:
@@ -26,3 +27,4 @@ def test_the_trl_worker_line_parses_under_torchrun(nproc):
     assert parsed.nproc_per_node == "2"
     assert [parsed.training_script, *parsed.training_script_args] == worker
     assert "--trl_worker" in worker and "--nproc" not in worker
+    assert worker[worker.index("--sleep_level") + 1] == "2"   # both tools at one level
