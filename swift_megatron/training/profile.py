@@ -8,16 +8,20 @@ counter, reset at the phase's start). The optional torch-profiler capture of one
 
 writes DIR/profile_rank0.txt: the operators sorted by their CUDA (else CPU) self time, and the
 time each named phase took (record_function ranges: rollout, logprobs, train, sync,
-sync_check)."""
+sync_check); then one table per phase (`phase_tables`): the operators called inside it, by
+their self time (the CUDA time of the kernels they launched, else CPU time)."""
+import collections
 import contextlib
 import os
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
+from torch.autograd import DeviceType
 
 ENV = "SWIFT_MEGATRON_PROFILE"
 PROFILED_BATCH = 3
+PHASES = ("rollout", "logprobs", "train", "sync", "sync_check")
 
 
 @contextlib.contextmanager
@@ -36,6 +40,40 @@ def maybe_profile(batch_index: int, rank: int):
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     with open(os.path.join(directory, f"profile_rank{rank}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by=key, row_limit=60))
+        f.write(phase_tables(prof.events(), device=torch.cuda.is_available()))
+
+
+def phase_of(event) -> Optional[str]:
+    """The phase range an operator ran in (its outermost ancestor named in PHASES), or None."""
+    while event is not None and event.name not in PHASES:
+        event = event.cpu_parent
+    return None if event is None else event.name
+
+
+def phase_tables(events, device: bool, rows: int = 25) -> str:
+    """Per phase, its operators by self time (device time if `device`, else CPU time):
+    milliseconds, calls and share of the phase's total, the largest `rows`."""
+    totals = collections.defaultdict(lambda: [0.0, 0])   # (phase, operator) -> [us, calls]
+    for event in events:
+        if event.device_type != DeviceType.CPU or event.name in PHASES:
+            continue
+        phase = phase_of(event.cpu_parent)
+        if phase is not None:
+            entry = totals[(phase, event.name)]
+            entry[0] += event.self_device_time_total if device else event.self_cpu_time_total
+            entry[1] += 1
+    lines = []
+    for phase in PHASES:
+        ops = sorted(((us, calls, name) for (p, name), (us, calls) in totals.items()
+                      if p == phase), reverse=True)
+        total = sum(us for us, _, _ in ops)
+        if not ops or total <= 0:
+            continue
+        lines.append(f"\n== {phase}: {total / 1e3:.1f} ms of operator self time "
+                     f"({'device' if device else 'CPU'}), {sum(c for _, c, _ in ops)} calls")
+        lines += [f"{name[:70]:<70} {us / 1e3:10.2f} ms {calls:7d} calls {100 * us / total:5.1f}%"
+                  for us, calls, name in ops[:rows]]
+    return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
