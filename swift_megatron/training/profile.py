@@ -43,21 +43,23 @@ def maybe_profile(batch_index: int, rank: int):
         f.write(phase_tables(prof.events(), device=torch.cuda.is_available()))
 
 
-def phase_of(event) -> Optional[str]:
-    """The phase range an operator ran in (its outermost ancestor named in PHASES), or None."""
-    while event is not None and event.name not in PHASES:
-        event = event.cpu_parent
-    return None if event is None else event.name
+def phase_at(ranges, moment: float) -> Optional[str]:
+    """The phase whose (name, start, end) range holds `moment`, or None."""
+    return next((name for name, start, end in ranges if start <= moment < end), None)
 
 
 def phase_tables(events, device: bool, rows: int = 25) -> str:
     """Per phase, its operators by self time (device time if `device`, else CPU time):
-    milliseconds, calls and share of the phase's total, the largest `rows`."""
+    milliseconds, calls and share of the phase's total, the largest `rows`. An operator belongs
+    to the phase running when it started, on whatever thread: on CUDA the backward's operators
+    run on autograd's own thread, outside the main thread's phase range."""
+    ranges = [(e.name, e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CPU and e.name in PHASES]
     totals = collections.defaultdict(lambda: [0.0, 0])   # (phase, operator) -> [us, calls]
     for event in events:
         if event.device_type != DeviceType.CPU or event.name in PHASES:
             continue
-        phase = phase_of(event.cpu_parent)
+        phase = phase_at(ranges, event.time_range.start)
         if phase is not None:
             entry = totals[(phase, event.name)]
             entry[0] += event.self_device_time_total if device else event.self_cpu_time_total

@@ -26,3 +26,27 @@ def test_operators_are_counted_in_their_phase():
     assert "aten::sub" not in text
     shares = [float(row[-1].rstrip("%")) for row in train.values()]
     assert abs(sum(shares) - 100) < 1
+
+
+def test_operators_of_another_thread_count_by_time():
+    """On CUDA the backward's operators run on autograd's thread, with no parent in the main
+    thread's phase range: they belong to the phase running when they started."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, self_us, device_type=DeviceType.CPU):
+        return SimpleNamespace(name=name, device_type=device_type, cpu_parent=None,
+                               time_range=SimpleNamespace(start=start, end=end),
+                               self_cpu_time_total=self_us, self_device_time_total=2 * self_us)
+
+    events = [event("train", 0, 100, 1), event("sync", 100, 120, 1),
+              event("MmBackward0", 10, 40, 30), event("aten::mm", 11, 39, 28),
+              event("aten::add", 105, 106, 1), event("aten::sub", 130, 131, 1),
+              event("kernel", 12, 38, 20, device_type=DeviceType.CUDA)]
+    text = phase_tables(events, device=True)
+    sections = {block.split(":")[0]: block for block in text.split("\n== ")[1:]}
+    train = {line.split()[0]: line.split() for line in sections["train"].splitlines()[1:]}
+    assert set(train) == {"MmBackward0", "aten::mm"}                 # not the CUDA event
+    assert (train["aten::mm"][1], train["aten::mm"][3]) == ("0.06", "1")   # device time, ms
+    assert "aten::add" in sections["sync"] and "aten::sub" not in text
