@@ -60,9 +60,9 @@
 #   vl_grpo           GRPO, Qwen2.5-VL-3B shape (whole 32-block tower, 448x448 colour images of
 #                     256 image tokens), vLLM colocate with sleep level 1, weight-sync check,
 #                     --offload_optimizer and micro batch 2 (to fit an H100)
-#   sleep2          ours at the 8k budget with --check_weight_sync true, sleep level 2 then 1
-#   trl_level2      TRL and ours (8k budget) both at sleep level 2 (TRL's default), one command
-#   trl_lora        TRL, then ours full, LoRA and LoRA without dropout (8k budget), one command
+#   sleep2            ours at the 8k budget with --check_weight_sync true, sleep level 2 then 1
+#   trl_level2        TRL and ours (8k budget) both at sleep level 2 (TRL's default), one command
+#   trl_lora          TRL, then ours full, LoRA and LoRA without dropout (8k budget), one command
 #   profile_lora      the profile phase with --train_type lora and the 8k budget ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
