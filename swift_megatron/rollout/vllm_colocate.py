@@ -19,8 +19,8 @@ the rest before the next generation. After a level-2 sleep the engine holds no w
 (`weights_discarded`) until the next `update_weights`: waking it before that raises, since vLLM
 would generate from whatever the re-mapped memory holds (a GRPO run measured 0.67 mean logprob
 mismatch that way, docs/gpu.md); the trainer pushes again when a level-2 sleep followed its
-sync (e.g. after --check_weight_sync's generation). On the CPU vLLM has no sleep mode: the calls are accepted
-and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's allocated-memory
+sync (e.g. after --check_weight_sync's generation). On the CPU vLLM has no sleep mode: the
+calls are accepted and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's allocated-memory
 counter the sleeping engine still holds (what it allocated at construction less what a sleep
 took off the counter): per-phase peaks minus it are the training's own memory.
 
