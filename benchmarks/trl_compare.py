@@ -5,7 +5,8 @@ Both tools get the same random model of a real shape (bf16), the same 512-row sy
 dataset and the same work: 16 prompts x 8 completions of at most 256 tokens per rollout batch,
 64 completions per optimizer step in micro-batches of 8, two optimizer steps per rollout batch,
 beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode with sleep level 1
-(TRL's level-2 sleep call is forced to level 1, as ours; `--sleep_level 2` runs both at 2) and --vllm_gpu_memory_utilization 0.3.
+(TRL's level-2 sleep call is forced to level 1, as ours; `--sleep_level 2` runs both at 2) and
+--vllm_gpu_memory_utilization 0.3.
 With --variable_length the model's EOS logit is raised (its output row set along the mean final
 hidden state of its own sampled continuations of the prompts, scaled so that EOS takes about
 1/64 of the probability there) and completion lengths spread over 1..256 tokens instead of all

@@ -20,9 +20,10 @@ the rest before the next generation. After a level-2 sleep the engine holds no w
 would generate from whatever the re-mapped memory holds (a GRPO run measured 0.67 mean logprob
 mismatch that way, docs/gpu.md); the trainer pushes again when a level-2 sleep followed its
 sync (e.g. after --check_weight_sync's generation). On the CPU vLLM has no sleep mode: the
-calls are accepted and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's allocated-memory
-counter the sleeping engine still holds (what it allocated at construction less what a sleep
-took off the counter): per-phase peaks minus it are the training's own memory.
+calls are accepted and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's
+allocated-memory counter the sleeping engine still holds (what it allocated at construction
+less what a sleep took off the counter): per-phase peaks minus it are the training's own
+memory.
 
     engine = ColocateEngine(ColocateSettings(model_dir, dtype="float32", ...), eos_token_ids=[...])
     engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
