@@ -1,24 +1,36 @@
-"""Log-probabilities and entropy from vocab-parallel logits (each TP rank holds V/TP columns),
-computed chunk by chunk so that no float32 [tokens, vocab] tensor is ever materialised.
+"""Log-probabilities (and, from the same pass, entropy) from vocab-parallel logits (each TP rank
+holds V/TP columns), without ever materialising a float32 [tokens, vocab] tensor.
 
-Both are autograd functions whose backward is written out, so the TP all-reduces never sit on
-the gradient path (a log-softmax through a plain all_reduce gets TP > 1 gradients wrong):
-- `vocab_parallel_logprobs`: log p(target) = l_t - logsumexp(l); d/dl = onehot(t) - p;
-- `vocab_parallel_entropy`: H = logsumexp(l) - E_p[l], dH/dl = -p (l - E_p[l]).
-The forward keeps only the logits (in their own dtype, which the model output holds anyway) and
-one or two float32 numbers per token; the backward recomputes softmax one chunk of tokens at a
-time. A chunk's float32 working set is about `CHUNK_BYTES`, whatever the vocabulary.
+`vocab_parallel_logprobs` is an autograd function whose backward is written out, so the TP
+all-reduces never sit on the gradient path (a log-softmax through a plain all_reduce gets TP > 1
+gradients wrong): log p(t) = l_t - logsumexp(l), d/dl = onehot(t) - p. With `with_entropy` it
+also returns H = logsumexp(l) - E_p[l] (no gradient: a metric and the entropy mask's input).
+
+The math on one chunk of tokens is three pure functions (`_chunk_stats`, `_logprob_grad` and the
+scaling they share). On CUDA they run compiled by torch.compile: Inductor fuses each into one
+pass that reads the bf16 logits and writes only per-token numbers (or the bf16 gradient), where
+eager PyTorch writes and reads a float32 copy of the chunk for every elementwise step. Elsewhere
+they run eagerly, one chunk at a time, a chunk's float32 working set about `CHUNK_BYTES`.
+Each TP rank reduces its own columns to a log-sum-exp (and an entropy term); the ranks combine
+those per-token numbers once, after all chunks.
 Logits are scaled by 1/temperature (the logprobs vLLM reports are of the processed, scaled
 distribution) and the columns past the real vocab (padding for TP) are masked out.
 """
-from typing import Optional, Tuple
+import logging
+import os
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+logger = logging.getLogger(__name__)
+
 _MASKED = -1e30  # finite, so 0 * _MASKED stays 0 (no NaN) in the entropy terms
 CHUNK_BYTES = 256 << 20  # float32 bytes of one chunk of scaled logits
+# compile the chunk functions: "auto" (on CUDA), True or False; SWIFT_MEGATRON_COMPILE_LOGPROBS=0
+# or 1 overrides "auto" (0: eager, for a GPU whose Triton / Inductor cannot build the kernels)
+COMPILE = {"0": False, "1": True}.get(os.environ.get("SWIFT_MEGATRON_COMPILE_LOGPROBS", ""), "auto")
 
 
 def chunk_tokens(local_vocab: int, override: Optional[int] = None) -> int:
@@ -26,39 +38,99 @@ def chunk_tokens(local_vocab: int, override: Optional[int] = None) -> int:
     return override or max(1, CHUNK_BYTES // (4 * local_vocab))
 
 
+def _scaled(logits: torch.Tensor, temperature: float, real: int) -> torch.Tensor:
+    """logits / temperature in float32, the columns from `real` on masked."""
+    scaled = logits.float() / temperature
+    column = torch.arange(scaled.shape[-1], device=scaled.device)
+    return torch.where(column < real, scaled, _MASKED)
+
+
+def _chunk_stats(logits, column, mine, temperature: float, real: int, entropy: bool):
+    """Per token of this shard: log-sum-exp, the target's scaled logit (0 where the target is in
+    another shard) and, with `entropy`, E_p[l] under this shard's own softmax."""
+    scaled = _scaled(logits, temperature, real)
+    lse = torch.logsumexp(scaled, dim=-1)
+    picked = torch.where(mine, scaled.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
+    if not entropy:
+        return lse, picked, None
+    return lse, picked, (torch.exp(scaled - lse.unsqueeze(-1)) * scaled).sum(dim=-1)
+
+
+def _logprob_grad(logits, column, mine, lse, grad, temperature: float, real: int):
+    """d(grad . log p(target)) / d logits = grad (onehot(target) - p) / temperature, in the
+    logits' dtype."""
+    probs = torch.exp(_scaled(logits, temperature, real) - lse.unsqueeze(-1))
+    onehot = (torch.arange(logits.shape[-1], device=logits.device) == column.unsqueeze(-1)) \
+        & mine.unsqueeze(-1)
+    return ((onehot.float() - probs) * (grad / temperature).unsqueeze(-1)).to(logits.dtype)
+
+
+EAGER = (_chunk_stats, _logprob_grad)
+
+
+class _Kernels:
+    """The chunk functions, compiled once per process where COMPILE says so; a compile that
+    fails is reported once and the eager functions take over."""
+
+    compiled = None
+
+    @classmethod
+    def get(cls, device: torch.device):
+        wanted = device.type == "cuda" if COMPILE == "auto" else bool(COMPILE)
+        if not wanted:
+            return EAGER
+        if cls.compiled is None:
+            cls.compiled = (torch.compile(_chunk_stats, fullgraph=True),
+                            torch.compile(_logprob_grad, fullgraph=True))
+        return cls.compiled
+
+    @classmethod
+    def run(cls, index: int, device: torch.device, *args):
+        kernels = cls.get(device)
+        if kernels[index] is EAGER[index]:
+            return kernels[index](*args)
+        try:
+            return kernels[index](*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # an Inductor / Triton failure: the eager math is the same
+            logger.warning("torch.compile of the logprob kernels failed (%s); computing them "
+                           "eagerly from now on", error)
+            cls.compiled = EAGER
+            return cls.compiled[index](*args)
+
+
 class _Shard:
     """This TP rank's slice of the vocabulary and how to scale and mask its logits."""
 
     def __init__(self, local_vocab: int, temperature: float, vocab_size: Optional[int]):
         self.group = mpu.get_tensor_model_parallel_group()
+        self.size = mpu.get_tensor_model_parallel_world_size()
         self.start = mpu.get_tensor_model_parallel_rank() * local_vocab
+        self.width = local_vocab
         self.real = local_vocab if vocab_size is None else min(max(vocab_size - self.start, 0),
                                                                local_vocab)
         self.temperature = temperature
 
-    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        """A fresh float32 copy of a chunk of logits / temperature, padded columns masked."""
-        scaled = logits.float() / self.temperature
-        scaled[..., self.real:] = _MASKED
-        return scaled
-
-    def logsumexp(self, scaled: torch.Tensor) -> torch.Tensor:
-        top = scaled.max(dim=-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
-        total = torch.exp(scaled - top.unsqueeze(-1)).sum(dim=-1)
-        dist.all_reduce(total, group=self.group)
-        return top + torch.log(total)
-
-    def target_logit(self, scaled: torch.Tensor, targets: torch.Tensor
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(scaled logit of each target, summed over TP, whether the target is in this shard,
-        its local column)."""
+    def columns(self, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(each target's local column, clamped into the shard; whether it is in this shard)."""
         local = targets - self.start
-        mine = (local >= 0) & (local < scaled.shape[-1])
-        column = local.clamp(0, scaled.shape[-1] - 1)
-        picked = torch.where(mine, scaled.gather(-1, column.unsqueeze(-1)).squeeze(-1), 0.0)
+        return local.clamp(0, self.width - 1), (local >= 0) & (local < self.width)
+
+    def combine(self, lse, picked, mean):
+        """The shards' per-token numbers -> the full vocabulary's (lse, target logit, E_p[l])."""
+        if self.size == 1:
+            return lse, picked, mean
+        top = lse.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group)
+        weight = torch.exp(lse - top)   # this shard's share of the probability mass, x total
+        total = weight.clone()
+        dist.all_reduce(total, group=self.group)
         dist.all_reduce(picked, group=self.group)
-        return picked, mine, column
+        if mean is not None:
+            mean = weight / total * mean
+            dist.all_reduce(mean, group=self.group)
+        return top + torch.log(total), picked, mean
 
 
 def _chunks(total: int, size: int):
@@ -67,79 +139,47 @@ def _chunks(total: int, size: int):
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, shard: _Shard, chunk: int):
-        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        logprobs = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(logprobs)
+    def forward(ctx, logits, targets, shard: _Shard, chunk: int, entropy: bool):
+        flat = logits.reshape(-1, logits.shape[-1])
+        column, mine = shard.columns(targets.reshape(-1))
+        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        picked, mean = torch.empty_like(lse), torch.empty_like(lse) if entropy else None
         for a, b in _chunks(flat.shape[0], chunk):
-            scaled = shard.scaled(flat[a:b])
-            lse[a:b] = shard.logsumexp(scaled)
-            logprobs[a:b] = shard.target_logit(scaled, flat_targets[a:b])[0] - lse[a:b]
+            stats = _Kernels.run(0, logits.device, flat[a:b], column[a:b], mine[a:b],
+                                 shard.temperature, shard.real, entropy)
+            lse[a:b], picked[a:b] = stats[0], stats[1]
+            if entropy:
+                mean[a:b] = stats[2]
+        lse, picked, mean = shard.combine(lse, picked, mean)
         ctx.save_for_backward(logits, targets, lse)
         ctx.shard, ctx.chunk = shard, chunk
-        return logprobs.reshape(targets.shape)
+        logprobs = (picked - lse).reshape(targets.shape)
+        if not entropy:
+            return logprobs
+        entropy = (lse - mean).reshape(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs):
+    def backward(ctx, grad_logprobs, *_):
         logits, targets, lse = ctx.saved_tensors
         shard, flat = ctx.shard, logits.reshape(-1, logits.shape[-1])
-        flat_targets, flat_grad = targets.reshape(-1), grad_logprobs.reshape(-1).float()
+        column, mine = shard.columns(targets.reshape(-1))
+        flat_grad = grad_logprobs.reshape(-1).float()
         grad = torch.empty_like(flat)
         for a, b in _chunks(flat.shape[0], ctx.chunk):
-            scaled = shard.scaled(flat[a:b])
-            chunk_grad = -torch.exp(scaled - lse[a:b].unsqueeze(-1)) * flat_grad[a:b].unsqueeze(-1)
-            local = flat_targets[a:b] - shard.start
-            mine = (local >= 0) & (local < flat.shape[-1])
-            # + g at each target column of this shard (no host sync: a masked scatter-add)
-            chunk_grad.scatter_add_(-1, local.clamp(0, flat.shape[-1] - 1).unsqueeze(-1),
-                                    torch.where(mine, flat_grad[a:b], 0.0).unsqueeze(-1))
-            grad[a:b] = (chunk_grad / shard.temperature).to(grad.dtype)
-        return grad.reshape(logits.shape), None, None, None
-
-
-class _VocabParallelEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, shard: _Shard, chunk: int):
-        flat = logits.reshape(-1, logits.shape[-1])
-        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        mean_logit = torch.empty_like(lse)
-        for a, b in _chunks(flat.shape[0], chunk):
-            scaled = shard.scaled(flat[a:b])
-            lse[a:b] = shard.logsumexp(scaled)
-            mean = (torch.exp(scaled - lse[a:b].unsqueeze(-1)) * scaled).sum(dim=-1)
-            dist.all_reduce(mean, group=shard.group)
-            mean_logit[a:b] = mean
-        ctx.save_for_backward(logits, lse, mean_logit)
-        ctx.shard, ctx.chunk = shard, chunk
-        return (lse - mean_logit).reshape(logits.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad_entropy):
-        logits, lse, mean_logit = ctx.saved_tensors
-        shard, flat = ctx.shard, logits.reshape(-1, logits.shape[-1])
-        flat_grad = grad_entropy.reshape(-1).float()
-        grad = torch.empty_like(flat)
-        for a, b in _chunks(flat.shape[0], ctx.chunk):
-            scaled = shard.scaled(flat[a:b])
-            probs = torch.exp(scaled - lse[a:b].unsqueeze(-1))
-            centred = torch.where(probs > 0, scaled - mean_logit[a:b].unsqueeze(-1), 0.0)
-            chunk_grad = -probs * centred * flat_grad[a:b].unsqueeze(-1)
-            grad[a:b] = (chunk_grad / shard.temperature).to(grad.dtype)
-        return grad.reshape(logits.shape), None, None
+            grad[a:b] = _Kernels.run(1, logits.device, flat[a:b], column[a:b], mine[a:b],
+                                     lse[a:b], flat_grad[a:b], shard.temperature, shard.real)
+        return grad.reshape(logits.shape), None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                            vocab_size: Optional[int] = None,
-                            chunk: Optional[int] = None) -> torch.Tensor:
+                            vocab_size: Optional[int] = None, chunk: Optional[int] = None,
+                            with_entropy: bool = False
+                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """log p(targets) under softmax(logits / temperature): logits [..., V/TP], targets [...];
-    float32. `chunk`: tokens per chunk (default: CHUNK_BYTES worth)."""
+    float32. `with_entropy`: (logprobs, entropy per position), the entropy without gradient.
+    `chunk`: tokens per chunk (default: CHUNK_BYTES worth)."""
     shard = _Shard(logits.shape[-1], temperature, vocab_size)
-    return _VocabParallelLogprobs.apply(logits, targets, shard, chunk_tokens(logits.shape[-1], chunk))
-
-
-def vocab_parallel_entropy(logits: torch.Tensor, temperature: float = 1.0,
-                           vocab_size: Optional[int] = None,
-                           chunk: Optional[int] = None) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position: logits [..., V/TP] -> [...]."""
-    shard = _Shard(logits.shape[-1], temperature, vocab_size)
-    return _VocabParallelEntropy.apply(logits, shard, chunk_tokens(logits.shape[-1], chunk))
+    return _VocabParallelLogprobs.apply(logits, targets, shard,
+                                        chunk_tokens(logits.shape[-1], chunk), with_entropy)

@@ -63,6 +63,9 @@
 #   sleep2            ours at the 8k budget with --check_weight_sync true, sleep level 2 then 1
 #   trl_level2        TRL and ours (8k budget) both at sleep level 2 (TRL's default), one command
 #   trl_lora          TRL, then ours full, LoRA and LoRA without dropout (8k budget), one command
+#   fused_logprobs    benchmarks/logprobs_kernel.py (eager vs compiled logprob math), then ours with
+#                     SWIFT_MEGATRON_COMPILE_LOGPROBS=0 (eager), then TRL and ours (compiled, the
+#                     default on CUDA), 8k budget: before / after on one machine
 #   profile_lora      the profile phase with --train_type lora and the 8k budget ($OUT/profile_lora/)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -140,6 +143,12 @@ phase() {
         lora_dropout) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/lora_dropout --variant nodrop="--lora_dropout 0" \
                           -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
+        fused_logprobs) python3 benchmarks/logprobs_kernel.py || return 1
+                        SWIFT_MEGATRON_COMPILE_LOGPROBS=0 python3 benchmarks/trl_compare.py \
+                            --preset qwen2.5-1.5b --rollout_batches 4 --tool ours \
+                            --work_dir /tmp/eager_logprobs -- --max_tokens_per_micro_batch 8192
+                        python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                            --work_dir /tmp/fused_logprobs -- --max_tokens_per_micro_batch 8192 ;;
         profile_lora) SWIFT_MEGATRON_PROFILE=$OUT/profile_lora python3 benchmarks/trl_compare.py \
                           --preset qwen2.5-1.5b --rollout_batches 3 --tool ours \
                           --work_dir /tmp/profile_lora -- --train_type lora \

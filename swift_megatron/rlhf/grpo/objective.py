@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from swift_megatron.model.logprobs import vocab_parallel_logprobs
 from swift_megatron.parallel.context import CPShare
 from swift_megatron.rlhf.grpo.batch import unpack
 from swift_megatron.rlhf.grpo.diagnostics import (entropy_summary, importance_weight_metrics,
@@ -62,33 +62,31 @@ class StepConstants:
     contribution_scale: float  # undoes megatron's 1/micro-batches and DDP's 1/dp averaging
 
 
-def token_logprobs(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-    """log p(target) [B, S]; a packed micro-batch's [1, T] logits are gathered back to [B, S].
-    With context parallelism the logits are of this CP rank's positions: the logprobs of every
-    rank are gathered (each rank then computes the same loss)."""
+def token_logprobs(micro_batch: dict, logits: torch.Tensor, settings: LossSettings,
+                   with_entropy: bool = False):
+    """log p(target) [B, S] (with `with_entropy`: and the entropy of the next-token distribution
+    [B, S], without gradient, from the same pass over the logits). A packed micro-batch's [1, T]
+    values are gathered back to [B, S]; with context parallelism the logits are of this CP
+    rank's positions and every rank's values are gathered (each rank computes the same loss)."""
     packed = "packed_index" in micro_batch
     targets = micro_batch["packed_targets" if packed else "targets"]
-    return _per_position(micro_batch, lambda local: vocab_parallel_logprobs(
-        logits[0] if packed else logits, targets if local is None else local(targets),
-        settings.temperature, settings.vocab_size))
-
-
-def token_entropy(micro_batch: dict, logits: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-    """Entropy of the next-token distribution [B, S] (packed micro-batches gathered back, CP
-    ranks' positions gathered)."""
-    packed = "packed_index" in micro_batch
-    return _per_position(micro_batch, lambda _: vocab_parallel_entropy(
-        logits[0] if packed else logits, settings.temperature, settings.vocab_size))
-
-
-def _per_position(micro_batch: dict, compute) -> torch.Tensor:
-    """`compute(local)` -> values per position of the model's output, where `local(tensor)`
-    selects this CP rank's positions (None without CP); then [B, S] in sequence order."""
     share = CPShare.of(micro_batch)
-    if share is None:
-        values = compute(None)
-    else:
-        values = share.gather(compute(lambda t: share.local(t, -1)), -1, reduce_grads=False)
+    if share is not None:
+        targets = share.local(targets, -1)
+    values = vocab_parallel_logprobs(logits[0] if packed else logits, targets,
+                                     settings.temperature, settings.vocab_size,
+                                     with_entropy=with_entropy)
+    if with_entropy:
+        return tuple(_in_sequence_order(micro_batch, share, v) for v in values)
+    return _in_sequence_order(micro_batch, share, values)
+
+
+def _in_sequence_order(micro_batch: dict, share: Optional[CPShare], values: torch.Tensor
+                       ) -> torch.Tensor:
+    """Values per position of the model's output -> [B, S]: CP ranks' positions gathered,
+    a packed micro-batch unpacked."""
+    if share is not None:
+        values = share.gather(values, -1, reduce_grads=False)
     if "packed_index" in micro_batch:
         return unpack(values, micro_batch["packed_index"])
     return values
@@ -104,10 +102,9 @@ def grpo_loss(settings: LossSettings, step: StepConstants, micro_batch: dict,
               logits: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """This micro-batch's scaled contribution to the step loss, and its metrics."""
     mask = micro_batch["completion_mask"]
-    logprobs = token_logprobs(micro_batch, logits, settings)
+    logprobs, entropy = token_logprobs(micro_batch, logits, settings, with_entropy=True)
     old = micro_batch.get("old_logprobs")
     old = logprobs.detach() if old is None else old
-    entropy = token_entropy(micro_batch, logits.detach(), settings)
     advantages = micro_batch["advantages"]
     if "teacher_logprobs" in micro_batch:
         advantages = token_advantages(advantages, mask, micro_batch["teacher_logprobs"], old,

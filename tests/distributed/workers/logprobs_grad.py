@@ -1,6 +1,7 @@
-"""Worker: vocab-parallel logprobs and entropy (values and gradients) on a fixed logits tensor
-split over TP ranks; writes values and the gathered gradient to {out_dir}/rank{R}.json. Also
-computes a classic wrong version (log-softmax with autograd all_reduces) for comparison."""
+"""Worker: vocab-parallel logprobs (values and gradients) and entropy (values) on a fixed logits
+tensor split over TP ranks (`--compile`: the chunk math compiled by torch.compile); writes values
+and the gathered gradient to {out_dir}/rank{R}.json. Also computes a classic wrong version
+(log-softmax with autograd all_reduces) for comparison."""
 import argparse
 import json
 import os
@@ -8,7 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from swift_megatron.model.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from swift_megatron.model import logprobs
+from swift_megatron.model.logprobs import vocab_parallel_logprobs
 from swift_megatron.parallel.state import ParallelState
 
 VOCAB, PADDED, TEMPERATURE = 9, 10, 0.7
@@ -19,8 +21,7 @@ def inputs():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, PADDED, generator=gen, dtype=torch.float64).float() * 3
     targets = torch.randint(0, VOCAB, (2, 5), generator=gen)
-    weights = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
-    return logits, targets, weights
+    return logits, targets, torch.randn(2, 5, generator=gen)
 
 
 def naive_logprobs(local, targets, start):
@@ -45,16 +46,20 @@ def gathered_grad(tensor):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out_dir")
-    out_dir = parser.parse_args().out_dir
+    parser.add_argument("--compile", action="store_true", help="torch.compile the chunk math")
+    args = parser.parse_args()
+    out_dir, logprobs.COMPILE = args.out_dir, args.compile
     st = ParallelState.initialize(tp=dist.get_world_size() if dist.is_initialized() else
                                   int(os.environ["WORLD_SIZE"]), device="cpu")
-    logits, targets, (w_lp, w_ent) = inputs()
+    logits, targets, w_lp = inputs()
     width = PADDED // st.tp
     local = logits[..., st.tp_rank * width:(st.tp_rank + 1) * width].clone().requires_grad_(True)
-    lp = vocab_parallel_logprobs(local, targets, TEMPERATURE, VOCAB, chunk=CHUNK)
-    ent = vocab_parallel_entropy(local, TEMPERATURE, VOCAB, chunk=CHUNK)
-    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
-    result = dict(logprobs=lp.tolist(), entropy=ent.tolist(), grad=gathered_grad(local.grad).tolist())
+    lp, ent = vocab_parallel_logprobs(local, targets, TEMPERATURE, VOCAB, chunk=CHUNK,
+                                      with_entropy=True)
+    assert not ent.requires_grad
+    (lp * w_lp).sum().backward()
+    result = dict(logprobs=lp.tolist(), entropy=ent.tolist(), grad=gathered_grad(local.grad).tolist(),
+                  compiled=logprobs._Kernels.compiled not in (None, logprobs.EAGER))
     naive = local.detach().clone().requires_grad_(True)
     (naive_logprobs(naive, targets, st.tp_rank * width) * w_lp).sum().backward()
     result["naive_grad"] = gathered_grad(naive.grad).tolist()
