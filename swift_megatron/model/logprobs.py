@@ -87,13 +87,13 @@ class _Kernels:
     @classmethod
     def run(cls, index: int, device: torch.device, *args):
         kernels = cls.get(device)
-        if kernels[index] is EAGER[index]:
-            return kernels[index](*args)
         try:
             return kernels[index](*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # an Inductor / Triton failure: the eager math is the same
+            if kernels is EAGER:
+                raise
             logger.warning("torch.compile of the logprob kernels failed (%s); computing them "
                            "eagerly from now on", error)
             cls.compiled = EAGER
