@@ -72,6 +72,7 @@ def run_mode(a, lora: bool, state) -> dict:
         start = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - start)
+    calls = None
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -83,9 +84,11 @@ def run_mode(a, lora: bool, state) -> dict:
         sort = "self_cuda_time_total" if state.device.type == "cuda" else "self_cpu_time_total"
         with open(os.path.join(a.profile, f"{'lora' if lora else 'full'}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
+        calls = sum(event.count for event in prof.key_averages())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"name": "lora_step", "mode": "lora" if lora else "full", "preset": a.preset,
-            "seconds_per_step": round(min(seconds), 4), "trainable_params": trainable}
+            "seconds_per_step": round(min(seconds), 4), "trainable_params": trainable,
+            **({"profiled_operator_calls": calls} if calls else {})}
 
 
 def main():

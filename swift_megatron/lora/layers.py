@@ -63,6 +63,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from swift_megatron.bridge import dims_of
 from swift_megatron.bridge.mapping import Mapping
 from swift_megatron.errors import UserError
+from swift_megatron.lora.branch import AdapterBranch, AdapterLayout
 from swift_megatron.lora.targets import (LoraConfig, LoraTarget, find_targets, rows_on,
                                          split_index)
 
@@ -175,6 +176,18 @@ class _LoraMixin:
             return weight
         return self._add_delta(weight.float()).to(weight.dtype)
 
+    def _communicates(self) -> bool:
+        """Whether the adapter branch needs collectives ((expert-)tensor parallelism > 1); one
+        that does not runs as a single autograd node (lora/branch.py)."""
+        return self.lora_target.shard.size > 1
+
+    def _branch(self, output: torch.Tensor, x: torch.Tensor, layout: AdapterLayout,
+                in_place: bool) -> torch.Tensor:
+        """output + scale * B (A dropout(x)) for a linear that communicates nothing."""
+        params = (*self.lora_A.values(), *self.lora_B.values())
+        return AdapterBranch.apply(output, self._dropout(x, split_input=False), layout,
+                                   self.lora_scale, in_place, *params)
+
     def _dropout(self, x: torch.Tensor, split_input: bool) -> torch.Tensor:
         if not (self.lora_dropout and self.training):
             return x
@@ -209,6 +222,9 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
                      for hf in target.adapted]
         self.register_buffer("lora_positions", torch.cat(positions).to(self.weight.device),
                              persistent=False)
+        blocks = torch.arange(len(positions)).repeat_interleave(
+            torch.tensor([len(rows) for rows in positions]))
+        self.register_buffer("lora_blocks", blocks.to(self.weight.device), persistent=False)
 
     def _full_out(self, hf: str) -> int:
         return self.lora_index[hf].numel()
@@ -219,6 +235,9 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
             return output, bias
         # the matmul's output is not saved for its backward: adding in place is safe and saves
         # a copy of the (large) fused output
+        if not self._communicates():
+            layout = AdapterLayout(self.lora_local_size, self.lora_positions, self.lora_blocks)
+            return self._branch(output, input_, layout, in_place=True), bias
         return output.add_(self._lora(input_), alpha=self.lora_scale), bias
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
@@ -267,6 +286,10 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
         output, bias = super().forward(input_)
         if not self.lora_enabled:
             return output, bias
+        if not self._communicates():
+            # (at TP=1 megatron's reduce hands back its input as a view: no in-place add)
+            layout = AdapterLayout(self.output_size, None, None)
+            return self._branch(output, input_, layout, in_place=False), bias
         return output + self.lora_scale * self._lora(input_), bias
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
@@ -372,6 +395,7 @@ def merge_and_unload(model: torch.nn.Module) -> None:
         del module.weight.bridge_export
         del module.lora_A, module.lora_B
         module._buffers.pop("lora_positions", None)
+        module._buffers.pop("lora_blocks", None)
         module.__class__ = plain[type(module)]
 
 

@@ -39,6 +39,8 @@
 # One GPU:
 #   lora_vs_full      ours on the trl_compare setup with the 8k-token budget: full, LoRA, LoRA
 #                     without dropout, and full with --recompute_granularity full
+#   lora_train        ours on the same setup: full, LoRA and LoRA without dropout (no TRL: the
+#                     LoRA-against-full train phase in one command)
 #   lora_dropout      LoRA on the same setup with --lora_dropout 0.05 (ms-swift's default), then 0
 #   long_context      benchmarks/long_context.py: one 16k-token sequence at CP=1, then 16k and
 #                     32k at CP=2 (2 GPUs), train-step time and peak memory
@@ -140,6 +142,10 @@ phase() {
                       --work_dir /tmp/trl_lora --variant lora="--train_type lora" \
                       --variant lora_nodrop="--train_type lora --lora_dropout 0" \
                       -- --max_tokens_per_micro_batch 8192 ;;
+        lora_train) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --tool ours --work_dir /tmp/lora_train --variant lora="--train_type lora" \
+                        --variant lora_nodrop="--train_type lora --lora_dropout 0" \
+                        -- --max_tokens_per_micro_batch 8192 ;;
         lora_dropout) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/lora_dropout --variant nodrop="--lora_dropout 0" \
                           -- --max_tokens_per_micro_batch 8192 --train_type lora ;;

@@ -1,0 +1,82 @@
+"""lora/branch.py: the one-node adapter branch against the same math as plain torch ops, values
+and gradients, and torch's numerical gradient check (float64)."""
+import pytest
+import torch
+
+from swift_megatron.lora.branch import AdapterBranch, AdapterLayout
+
+R, IN, SCALE = 2, 5, 1.5
+
+
+def fused_case(dtype=torch.float64):
+    """Three adapters interleaved in a fused output of 10 rows (as mcore's q/k/v groups), two
+    rows no adapter covers."""
+    gen = torch.Generator().manual_seed(0)
+    positions = [torch.tensor([0, 1, 5, 6]), torch.tensor([2, 7]), torch.tensor([3, 8])]
+    layout = AdapterLayout(10, torch.cat(positions),
+                           torch.arange(3).repeat_interleave(torch.tensor([4, 2, 2])))
+    a_s = [torch.randn(R, IN, generator=gen, dtype=dtype) for _ in positions]
+    b_s = [torch.randn(len(p), R, generator=gen, dtype=dtype) for p in positions]
+    return layout, positions, a_s, b_s
+
+
+def plain(output, x, positions, a_s, b_s):
+    """output + SCALE * B_i A_i x at projection i's rows, one projection at a time."""
+    delta = torch.zeros_like(output)
+    for rows, a, b in zip(positions, a_s, b_s):
+        delta = delta.index_add(-1, rows, x @ a.t() @ b.t())
+    return output + SCALE * delta
+
+
+def leaves(*tensors):
+    return [t.clone().requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_adapters_equal_the_plain_ops_values_and_gradients(in_place):
+    layout, positions, a_s, b_s = fused_case()
+    gen = torch.Generator().manual_seed(1)
+    output0 = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
+    x0 = torch.randn(3, 4, IN, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
+
+    out_base, x, *params = leaves(output0, x0, *a_s, *b_s)
+    ours = AdapterBranch.apply(out_base * 1.0, x, layout, SCALE, in_place, *params)
+    ours.backward(upstream)
+    ref_base, ref_x, *ref_params = leaves(output0, x0, *a_s, *b_s)
+    ref = plain(ref_base, ref_x, positions, ref_params[:3], ref_params[3:])
+    ref.backward(upstream)
+
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip([out_base, x, *params], [ref_base, ref_x, *ref_params]):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
+    # rows no adapter covers are left as they were
+    torch.testing.assert_close(ours[..., [4, 9]], output0[..., [4, 9]], rtol=0, atol=0)
+
+
+def test_numerical_gradients_fused_and_single():
+    layout, _, a_s, b_s = fused_case()
+    gen = torch.Generator().manual_seed(2)
+    output, x = leaves(torch.randn(6, 10, generator=gen, dtype=torch.float64),
+                       torch.randn(6, IN, generator=gen, dtype=torch.float64))
+    params = leaves(*a_s, *b_s)
+    assert torch.autograd.gradcheck(
+        lambda o, x, *p: AdapterBranch.apply(o, x, layout, SCALE, False, *p),
+        (output, x, *params))
+    single = AdapterLayout(7, None, None)   # a row-parallel linear: one adapter, every row
+    a, b = leaves(torch.randn(R, IN, generator=gen, dtype=torch.float64),
+                  torch.randn(7, R, generator=gen, dtype=torch.float64))
+    output = torch.randn(6, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda o, x, a, b: AdapterBranch.apply(o, x, single, SCALE, False, a, b),
+        (output, x, a, b))
+
+
+def test_an_input_that_needs_no_gradient_gets_none():
+    layout, _, a_s, b_s = fused_case()
+    params = leaves(*a_s, *b_s)
+    x = torch.randn(4, IN, dtype=torch.float64)
+    out = AdapterBranch.apply(torch.zeros(4, 10, dtype=torch.float64), x, layout, SCALE, True,
+                              *params)
+    out.sum().backward()
+    assert x.grad is None and all(p.grad is not None for p in params)
