@@ -40,6 +40,11 @@ class AdapterLayout:
         return taken.split([b.shape[0] for b in bs])
 
 
+def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * m1 @ m2 as one product (addmm with beta 0 never reads its input)."""
+    return torch.addmm(m1.new_empty(()), m1, m2, beta=0, alpha=scale)
+
+
 class AdapterBranch(torch.autograd.Function):
     """output + scale * (x A^T) P^T; x: the (dropped-out) input of the linear, `params`: A_1..A_k
     then B_1..B_k. `in_place`: add into `output` (whose value nothing saved for its backward)."""
@@ -67,9 +72,9 @@ class AdapterBranch(torch.autograd.Function):
         k, scale = ctx.k, ctx.scale
         g2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dz = torch.mm(g2, placed).mul_(scale)
+        dz = _scaled_mm(g2, placed, scale)
         grad_x = torch.mm(dz, a).view_as(x) if ctx.needs_input_grad[1] else None
         grad_as = torch.mm(dz.t(), x2).split(a.shape[0] // k)
-        grad_placed = torch.mm(g2.t(), z).mul_(scale)
+        grad_placed = _scaled_mm(g2.t(), z, scale)
         grad_bs = ctx.layout.unplace(grad_placed, bs, a.shape[0] // k)
         return (grad, grad_x, None, None, None, *grad_as, *grad_bs)
