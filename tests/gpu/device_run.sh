@@ -65,6 +65,7 @@
 #   sleep2            ours at the 8k budget with --check_weight_sync true, sleep level 2 then 1
 #   trl_level2        TRL and ours (8k budget) both at sleep level 2 (TRL's default), one command
 #   trl_lora          TRL, then ours full, LoRA and LoRA without dropout (8k budget), one command
+#   lora_vs_trl       trl_lora without the no-dropout run (fits one call with the vLLM install)
 #   fused_logprobs    benchmarks/logprobs_kernel.py (eager vs compiled logprob math), then ours with
 #                     SWIFT_MEGATRON_COMPILE_LOGPROBS=0 (eager), then TRL and ours (compiled, the
 #                     default on CUDA), 8k budget: before / after on one machine
@@ -146,6 +147,9 @@ phase() {
                         --tool ours --work_dir /tmp/lora_train --variant lora="--train_type lora" \
                         --variant lora_nodrop="--train_type lora --lora_dropout 0" \
                         -- --max_tokens_per_micro_batch 8192 ;;
+        lora_vs_trl) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                         --work_dir /tmp/lora_vs_trl --variant lora="--train_type lora" \
+                         -- --max_tokens_per_micro_batch 8192 ;;
         lora_dropout) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/lora_dropout --variant nodrop="--lora_dropout 0" \
                           -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
