@@ -4,11 +4,13 @@
     output += scale * (x A^T) P^T,   A = [A_1; ...; A_k]  [k r, in],
     P [rows, k r]: projection i's B_i at its rows of the fused output, in columns i r .. (i+1) r.
 
-Written as separate torch ops the branch is about 60 operators per linear and micro-batch
-(concatenation, placement of the B's, views, transposes, autograd nodes), while the GPU work is
-six small matrix products: at one GPU that host overhead made a LoRA step slower than a
-full-parameter one. Here the forward is a concatenation, a placement, two products (the second
-adding into the output in place), and the backward four products and a gather.
+The GPU work of the branch is six small matrix products, but written as separate torch ops
+(concatenation, block placement of the B's, dropout, views, transposes, one autograd node each)
+it cost 168 profiled operators per adapted linear and micro-batch more than a full-parameter
+linear; as one node 109 (benchmarks/lora_step.py on the CPU). A LoRA step at one GPU is bound by
+those host costs, not by the GPU (docs/gpu.md). Here the forward is a concatenation, a placement,
+two products (the second adding into the output), the backward four products (the scale folded
+in) and a gather.
 """
 from typing import Optional, Sequence
 

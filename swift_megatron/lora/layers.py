@@ -32,6 +32,10 @@ reduce-scatters over expert-TP, the linears do not communicate) instead pass A (
 through `copy_to_...`: their gradients are summed over expert-TP in backward while input
 gradients stay partial, as the dispatcher expects.
 
+A linear whose (expert-)TP group has one rank communicates nothing: its branch runs as one
+autograd node (lora/branch.py: the same math, fewer host operators); dropout then uses the
+default generator.
+
 Initialisation follows peft (A kaiming-uniform, B zeros) and is layout independent: every rank
 draws the FULL A of each projection from a generator seeded by (seed, global HF module name) and
 keeps its slice, so TP=2 starts exactly where TP=1 does. Dropout on a replicated input uses the
