@@ -48,7 +48,8 @@
 #   multi_turn        trl_varlen's setup (ours) as 3-turn grid-world episodes (gym_scheduler),
 #                     the EOS calibrated on the grid-world prompts
 #   qwen3_5           HF vs Megatron logits of the Qwen3.5 shapes (fla kernels; the 1-GPU
-#                     cases), then GRPO on the 9B-layer-shape 4-layer model (embedded engine)
+#                     cases, ~400 s on a fresh machine), then GRPO on the 9B-layer-shape 4-layer
+#                     model without vLLM (generation in transformers: over 250 s, give it 600 s)
 #   qwen3_5_vllm      GRPO on the Qwen3.5 9B-layer-shape 4-layer model, vLLM colocate with sleep
 #                     level 1, weight-sync check (engine-vs-trainer logprob gap), bf16,
 #                     --offload_optimizer (to fit an H100)

@@ -16,6 +16,11 @@ Measured on 2 x H200 (torch 2.11, transformers 5.17), 256 random tokens:
     qwen3_1.7b tp2  2.5e-05 / 1.000        0.172 / 0.910                  0.0224, 0.0215
     qwen3_moe tp2   9.8e-06 / 1.000        0.125 / 0.969                  0.0081, 0.0077
     qwen3_moe ep2   9.3e-06 / 1.000        0.109 / 0.973                  0.0078, 0.0077
+One H200, 2026-11-26 (flash-linear-attention 0.6.0 for the Gated DeltaNet, float32 in IEEE):
+    qwen3_5 tp1     1.8e-04 / 1.000        0.125 / 0.953                  0.0230, 0.0231
+    qwen3_5_moe tp1 1.0e-04 / 1.000        3.80 / 0.531                   0.2033, 0.1979
+(logit scales 7.4 and 5.0; the bf16 MoE gaps are the random router's bf16 routing flips, which
+transformers' bf16 run shows as much.)
 """
 import json
 
@@ -36,22 +41,15 @@ CASES = {"qwen3_1.7b-tp2": ("qwen3_1.7b", ["--tp", 2]),
          "qwen3_5_moe-ep2": ("qwen3_5_moe", ["--tp", 1, "--ep", 2])}
 
 
-HYBRID = ("qwen3_5", "qwen3_5_moe")   # Gated DeltaNet through flash-linear-attention on CUDA
-
-
 def check_logits_report(report: dict) -> None:
-    """The bounds every case of the bf16 worker must meet (see the module docstring). The
-    Gated DeltaNet families run fla's Triton kernels, whose float32 matmuls use TF32, so their
-    float32 comparison is looser (H200: dense max 6e-3, mean 1.4e-4 at logit scale 7.4, argmax
-    100%; MoE argmax 97.7%)."""
+    """The bounds every case of the bf16 worker must meet (see the module docstring). The worker
+    runs Triton's float32 products in IEEE float32 (TRITON_F32_DEFAULT=ieee), so the Qwen3.5
+    families, whose Gated DeltaNet runs flash-linear-attention's Triton kernels, meet the same
+    float32 bounds as the others (in TF32 the MoE shape missed them: mean 4.4e-3, argmax 98%)."""
     exact = report["float32"]
     scale = max(1.0, exact["max_abs_logit"])
-    if report["preset"] in HYBRID:
-        assert exact["argmax_agreement"] >= 0.97
-        assert exact["mean_abs_diff"] <= 1e-4 * scale
-    else:
-        assert exact["argmax_agreement"] >= 0.99
-        assert exact["max_abs_diff"] <= 1e-4 * scale
+    assert exact["argmax_agreement"] >= 0.99
+    assert exact["max_abs_diff"] <= 1e-4 * scale
     ours, theirs = report["mcore_bf16_vs_float32"], report["hf_bf16_vs_float32"]
     assert ours["mean_abs_diff"] <= 1.5 * theirs["mean_abs_diff"]
     assert ours["max_abs_diff"] <= 2.0 * theirs["max_abs_diff"]

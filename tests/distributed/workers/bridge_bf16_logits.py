@@ -28,6 +28,12 @@ import time
 import torch
 import torch.distributed as dist
 
+# The float32 comparison in true float32 on CUDA: flash-linear-attention's Triton kernels (Qwen3.5's
+# Gated DeltaNet) otherwise multiply float32 in TF32, whose rounding flips near-tied routes of a
+# random MoE router, and a flip then spreads down the sequence through the recurrence (H200:
+# mean |diff| 4.4e-3 for the Qwen3.5-MoE shape, 1.4e-4 dense). Read when Triton compiles.
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
 from swift_megatron.export import (compare_logits, hf_logits, load_mcore_model, mcore_logits,
                                    random_tokens)
 from swift_megatron.fixtures import build_tiny_model
