@@ -116,6 +116,10 @@ class GRPOArguments:
                                "reference towards the policy (TR-DPO). Full training only.")
     ref_model_sync_steps: int = arg(512, "Optimizer steps between reference syncs.")
     ref_model_mixup_alpha: float = arg(0.6, "Sync: ref = alpha x policy + (1 - alpha) x ref.")
+    offload_ref_model: bool = arg(False, "Keep the frozen reference model (full training, or "
+                                  "--ref_model) in host memory except for its forward passes: "
+                                  "frees its weights on the GPU during training and generation "
+                                  "for two host copies per rollout batch. Ours, not ms-swift's.")
     # Teacher (on-policy distillation, OPD-RL)
     teacher_model: Optional[str] = arg(None, "HF directory or hub id of a teacher (a supported "
                                        "family, the same tokenizer): its logprobs of the sampled "

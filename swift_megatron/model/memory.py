@@ -8,7 +8,8 @@ Per rank, in bytes:
 - optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
   divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
 - reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
-  --ref_model, that model's weights); teacher: --teacher_model's weights (unless offloaded);
+  --ref_model, that model's weights), unless --offload_ref_model keeps it in host memory;
+  teacher: --teacher_model's weights (unless offloaded);
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
   saved inputs and outputs; flash attention keeps no S x S scores); TP splits q, k, v, the
@@ -56,7 +57,7 @@ class RunShape:
     lora: bool = False
     lora_rank: int = 8
     lora_dropout: bool = False           # --lora_dropout > 0 (with lora)
-    reference_copy: bool = True          # beta > 0 and not LoRA
+    reference_copy: bool = True          # a frozen reference on the GPU (beta > 0, not LoRA)
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     micro_batch_tokens: int = 4096       # prompt + completion tokens of one micro-batch

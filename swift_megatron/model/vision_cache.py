@@ -84,11 +84,13 @@ def cacheable(visual: torch.nn.Module) -> bool:
 
 
 def same_tower(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    """Whether two towers are one module or hold equal parameters and buffers."""
+    """Whether two towers are one module or hold equal parameters and buffers (a tower in host
+    memory, its device storage freed by --offload_ref_model, counts as another)."""
     if a is b:
         return True
     tensors = [dict(m.named_parameters()) | dict(m.named_buffers()) for m in (a, b)]
-    if tensors[0].keys() != tensors[1].keys():
+    if tensors[0].keys() != tensors[1].keys() or any(
+            t.numel() and not t.untyped_storage().nbytes() for d in tensors for t in d.values()):
         return False
     return all(x.shape == y.shape and x.dtype == y.dtype and x.device == y.device and
                torch.equal(x, y) for name, x in tensors[0].items() for y in [tensors[1][name]])

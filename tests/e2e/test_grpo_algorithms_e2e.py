@@ -97,8 +97,9 @@ def test_cispo_rloo_sync_ref_reward_model_and_resume(files, first_runs, tmp_path
     assert "clip_ratio/high" in first and first["grad_norm"] > 0
     assert second["eval/num_completions"] == 7 * 2  # ceil(0.1 x 64 kept prompts) x 2
     assert os.path.isfile(out / "iter_0000004" / "ref_model" / "metadata.json")
-    resumed_out = tmp_path / "resumed"
-    rlhf(*base(files, output_dir=resumed_out, load=out / "iter_0000004", **flags))
+    resumed_out = tmp_path / "resumed"   # the reference now in host memory between its uses
+    rlhf(*base(files, output_dir=resumed_out, load=out / "iter_0000004", offload_ref_model="true",
+               **flags))                        # (its load, logprobs, two syncs and a save)
     [resumed] = logged(resumed_out)
     for key in ("loss/policy", "grad_norm", "reward/mean", "reward/kl", "lr", "entropy"):
         assert resumed[key] == pytest.approx(second[key], rel=1e-6, abs=1e-9), key

@@ -71,6 +71,7 @@
 #                     SWIFT_MEGATRON_COMPILE_LOGPROBS=0 (eager), then TRL and ours (compiled, the
 #                     default on CUDA), 8k budget: before / after on one machine
 #   profile_lora      the profile phase with --train_type lora and the 8k budget ($OUT/profile_lora/)
+#   offload_ref       ours on the trl_compare setup (8k budget), then with --offload_ref_model true
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
@@ -228,6 +229,10 @@ phase() {
         export_speed) python3 benchmarks/export_speed.py --preset qwen2.5-1.5b &&
                       python3 -m torch.distributed.run --nproc_per_node 2 \
                           benchmarks/export_speed.py --preset qwen2.5-1.5b ;;
+        offload_ref) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                         --tool ours --work_dir /tmp/offload_ref \
+                         --variant offload_ref="--offload_ref_model true" \
+                         -- --max_tokens_per_micro_batch 8192 ;;
         lora_step) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --profile $OUT/lora_step ;;
         *) echo "unknown phase $1"; return 2 ;;
     esac

@@ -1,5 +1,5 @@
-"""Which reference model the flags choose (references.reference_source) and --sync_ref_model's
-mixing, ref = alpha * policy + (1 - alpha) * ref, on plain modules."""
+"""Which reference model the flags choose (references.reference_source), --sync_ref_model's
+mixing, ref = alpha * policy + (1 - alpha) * ref, and --offload_ref_model, on plain modules."""
 import os
 
 import pytest
@@ -73,3 +73,31 @@ def test_sync_mixes_the_policy_into_the_reference():
         torch.testing.assert_close(value, expected, atol=1e-7, rtol=0)
     with pytest.raises(UserError, match="--sync_ref_model needs a reference of the policy's"):
         Reference([torch.nn.Linear(3, 2, bias=False)], [policy]).mix_in_policy(0.5)
+
+
+def test_an_offloaded_reference_mixes_and_comes_back_bit_identical():
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(3, 2)
+    resident, offloaded = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    offloaded.load_state_dict(resident.state_dict())
+    reference = Reference([offloaded], [policy], offload=True)
+    assert offloaded.weight.untyped_storage().nbytes() == 0   # in host memory from the start
+    Reference([resident], [policy]).mix_in_policy(0.25)
+    reference.mix_in_policy(0.25)
+    assert offloaded.weight.untyped_storage().nbytes() == 0   # and back there after the mix
+    with reference.resident():
+        for name, value in offloaded.state_dict().items():
+            assert torch.equal(value, resident.state_dict()[name]), name
+        with reference.resident():                             # nested: stays resident
+            pass
+        assert offloaded.weight.untyped_storage().nbytes() > 0
+    assert offloaded.bias.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("flags", [["--beta", 0], ["--train_type", "lora"]])
+def test_offload_ref_model_needs_a_reference_of_its_own(flags):
+    argv = ["--model", "m", "--dataset", "d", "--offload_ref_model", "true", *map(str, flags)]
+    with pytest.raises(UserError, match="--offload_ref_model true: there is no reference model"):
+        parse_command(RlhfArguments, argv, "megatron rlhf")
+    parse_command(RlhfArguments, argv[:-2] + ["--train_type", "lora", "--ref_model", "org/ref"],
+                  "megatron rlhf")   # LoRA with a reference model of its own: allowed

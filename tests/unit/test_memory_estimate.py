@@ -109,18 +109,26 @@ def test_lora_and_offloads_shrink_it():
     assert estimate(HF, RunShape(optimizer_cpu_offload=True))["optimizer"] == 0
 
 
-def test_the_dry_run_estimate_follows_the_recompute_flags():
-    """preflight.run_shape: the modules reach the estimate with selective recomputation only."""
+def shape(*flags):
+    """preflight.run_shape of `megatron rlhf` with these flags."""
     from swift_megatron.arguments.batch_plan import make_batch_plan
     from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
     from swift_megatron.arguments.parser import parse_command
     from swift_megatron.preflight import run_shape
 
-    def shape(*flags):
-        args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *flags],
-                             "megatron rlhf")
-        return run_shape(args, make_batch_plan(batch_inputs(args, 1)), HF)
+    args = parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *flags], "megatron rlhf")
+    return run_shape(args, make_batch_plan(batch_inputs(args, 1)), HF)
 
+
+def test_the_reference_counts_where_it_stays_on_the_gpu():
+    assert shape().reference_copy and not shape("--offload_ref_model", "true").reference_copy
+    assert not shape("--train_type", "lora").reference_copy    # the policy, adapters disabled
+    assert shape("--train_type", "lora", "--ref_model", "org/ref").reference_copy
+    assert not shape("--beta", "0").reference_copy
+
+
+def test_the_dry_run_estimate_follows_the_recompute_flags():
+    """preflight.run_shape: the modules reach the estimate with selective recomputation only."""
     assert shape().recompute_modules == ("core_attn",)
     chosen = shape("--recompute_modules", "core_attn", "mlp", "layernorm")
     assert chosen.recompute_modules == ("core_attn", "mlp", "layernorm")

@@ -14,6 +14,7 @@ import torch
 
 from swift_megatron.model.vision import VISUAL, freeze
 from swift_megatron.model.vision_cache import cacheable, frozen_tower_cache, same_tower
+from swift_megatron.training.offload import model_offloader
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches
 from swift_megatron.rlhf.grpo.objective import (LossSettings, StepConstants, collect_logprobs,
                                                 grpo_loss)
@@ -144,6 +145,12 @@ def test_towers_are_shared_only_when_equal():
     assert same_tower(a, b)
     b.weight.data[0, 0] += 1e-3
     assert not same_tower(a, b)
+    b.load_state_dict(a.state_dict())
+    offloader = model_offloader([b])      # --offload_ref_model: b's bytes in host memory
+    offloader.offload()
+    assert not same_tower(a, b) and not same_tower(b, a)
+    offloader.reload()
+    assert same_tower(a, b)
 
 
 def test_only_frozen_towers_without_dropout_are_cached():

@@ -262,7 +262,7 @@ def reference_model(args: RlhfArguments, state: ParallelState, pol: Policy, star
     if g.sync_ref_model and (frozen is None or pol.lora is not None):
         raise UserError("--sync_ref_model true mixes the policy into a frozen reference: it needs "
                         "--train_type full")
-    return Reference(frozen, pol.chunks)
+    return Reference(frozen, pol.chunks, g.offload_ref_model)
 
 
 def teacher(args: RlhfArguments, state: ParallelState, pol: Policy, tok) -> Optional[Teacher]:

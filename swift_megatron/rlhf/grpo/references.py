@@ -11,15 +11,19 @@
 --sync_ref_model (TR-DPO) moves the frozen reference towards the policy every
 --ref_model_sync_steps optimizer steps, ref = alpha * policy + (1 - alpha) * ref; those weights
 are part of the training state: each checkpoint saves them under ref_model/ and resume loads them.
+--offload_ref_model keeps a frozen reference in host memory except while it is used (its
+logprob pass, a sync, a save or a load).
 """
+import contextlib
 import os
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
 from swift_megatron.checkpoint.dist import load_model, save_model, unwrap
 from swift_megatron.errors import UserError
 from swift_megatron.lora import disabled
+from swift_megatron.training.offload import model_offloader
 from swift_megatron.training.step import forward_backward
 
 REF_DIR = "ref_model"  # inside a checkpoint directory, with --sync_ref_model
@@ -27,15 +31,32 @@ REF_DIR = "ref_model"  # inside a checkpoint directory, with --sync_ref_model
 
 class Reference:
     """Forward-only logprobs of the reference: `frozen` model chunks, or (None) the LoRA policy
-    with adapters disabled."""
+    with adapters disabled. `offload`: the frozen chunks live in host memory outside `resident()`."""
 
-    def __init__(self, frozen: Optional[List[torch.nn.Module]], policy_chunks: List[torch.nn.Module]):
+    def __init__(self, frozen: Optional[List[torch.nn.Module]], policy_chunks: List[torch.nn.Module],
+                 offload: bool = False):
         self.frozen, self.policy_chunks = frozen, policy_chunks
+        self.offloader = model_offloader(frozen) if offload and frozen is not None else None
+        if self.offloader:
+            self.offloader.offload()
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """The frozen weights on their device inside the block (a no-op unless offloaded)."""
+        if self.offloader is None or not self.offloader.offloaded:
+            yield
+            return
+        self.offloader.reload()
+        try:
+            yield
+        finally:
+            self.offloader.offload()
 
     def logprobs(self, micro: List[dict], collect) -> List[dict]:
         """The collect callback's outputs per micro-batch (on the last stage)."""
         if self.frozen is not None:
-            return forward_backward(self.frozen, micro, collect, True)
+            with self.resident():
+                return forward_backward(self.frozen, micro, collect, True)
         with disabled(unwrap(self.policy_chunks[0])):
             return forward_backward(self.policy_chunks, micro, collect, True)
 
@@ -49,17 +70,20 @@ class Reference:
         if ref.keys() != policy.keys():
             raise UserError("--sync_ref_model needs a reference of the policy's architecture "
                             "(drop --ref_model / --mcore_ref_model / the reference adapter)")
-        for name, param in ref.items():
-            param.mul_(1 - alpha).add_(policy[name].to(param.dtype), alpha=alpha)
+        with self.resident():
+            for name, param in ref.items():
+                param.mul_(1 - alpha).add_(policy[name].to(param.dtype), alpha=alpha)
 
     def save(self, directory: str) -> None:
         """The mixed reference weights under directory/ref_model (collective)."""
-        save_model(self.frozen, os.path.join(directory, REF_DIR), exist_ok=True)
+        with self.resident():
+            save_model(self.frozen, os.path.join(directory, REF_DIR), exist_ok=True)
 
     def load(self, directory: str) -> bool:
         """Restore saved reference weights from a checkpoint; False when it has none."""
         path = os.path.join(directory, REF_DIR)
         if not os.path.isdir(path):
             return False
-        load_model(self.frozen, path)
+        with self.resident():
+            load_model(self.frozen, path)
         return True
