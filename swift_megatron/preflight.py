@@ -19,7 +19,6 @@ from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
-from swift_megatron.rlhf.grpo.reference_source import has_frozen_reference
 
 
 def vllm_installed() -> bool:
@@ -250,7 +249,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         ep=p.expert_model_parallel_size, dp=plan.dp_size, cp=p.context_parallel_size,
         sequence_parallel=p.sequence_parallel,
         lora=t.uses_lora, lora_rank=args.lora.lora_rank, lora_dropout=args.lora.lora_dropout > 0,
-        reference_copy=has_frozen_reference(g, t.train_type == "lora") and not g.offload_ref_model,
+        reference_copy=g.has_frozen_reference(t.train_type == "lora") and not g.offload_ref_model,
         distributed_optimizer=p.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,
         full_recompute=p.recompute_granularity == "full",

@@ -19,7 +19,6 @@ from swift_megatron.arguments.rollout import (RolloutArguments, ServeArguments,
                                               ServeMultiTurnArguments, VllmEngineArguments)
 from swift_megatron.arguments.training import BatchArguments, TrainingArguments, check_lr_bounds
 from swift_megatron.errors import UserError
-from swift_megatron.rlhf.grpo.reference_source import has_frozen_reference
 
 
 @dataclass
@@ -64,8 +63,8 @@ class RlhfArguments:
         self._check_async_generate()
         self._check_vision_lrs()
         self._check_lora_llm()
-        if self.grpo.offload_ref_model and not has_frozen_reference(self.grpo,
-                                                                    t.train_type == "lora"):
+        if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(
+                t.train_type == "lora"):
             raise UserError("--offload_ref_model true: there is no reference model to offload "
                             "(--beta 0, or --train_type lora, whose reference is the policy with "
                             "its adapters disabled, without --ref_model): drop the flag")

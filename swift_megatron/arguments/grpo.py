@@ -197,6 +197,13 @@ class GRPOArguments:
     def has_teacher(self) -> bool:
         return self.teacher_model is not None
 
+    def has_frozen_reference(self, lora: bool) -> bool:
+        """Whether the KL term's reference is a model of its own: not when there is none (beta 0)
+        or when it is the LoRA policy (`lora`: --train_type lora) with its adapters disabled."""
+        custom = (self.ref_model or self.mcore_ref_model or self.ref_adapters
+                  or self.mcore_ref_adapter)
+        return self.beta != 0 and (not lora or bool(custom))
+
     def __post_init__(self):
         self._check_sizes()
         self._check_loss()

@@ -28,19 +28,12 @@ def _adapter(grpo) -> Optional[AdapterSource]:
     return None
 
 
-def has_frozen_reference(grpo, lora: bool) -> bool:
-    """Whether the KL term's reference is a model of its own: not when there is none (beta 0)
-    or when it is the LoRA policy with its adapters disabled."""
-    custom = grpo.ref_model or grpo.mcore_ref_model or grpo.ref_adapters or grpo.mcore_ref_adapter
-    return grpo.beta != 0 and (not lora or bool(custom))
-
-
 def reference_source(grpo, lora: bool, policy_weights: Optional[WeightsSource]
                      ) -> Optional[ReferenceSource]:
-    """The frozen reference to load, or None when has_frozen_reference says there is none.
-    Without --ref_model / --mcore_ref_model it has the policy's starting weights
+    """The frozen reference to load, or None when GRPOArguments.has_frozen_reference says there
+    is none. Without --ref_model / --mcore_ref_model it has the policy's starting weights
     (`policy_weights`, or the policy's --model)."""
-    if not has_frozen_reference(grpo, lora):
+    if not grpo.has_frozen_reference(lora):
         return None
     if grpo.mcore_ref_model:
         return ReferenceSource(mcore_source(grpo.mcore_ref_model, "--mcore_ref_model"),
