@@ -20,7 +20,8 @@ On a CUDA machine, tensors already in host memory stay where they are (with
 --optimizer_cpu_offload the Adam state and main params live there; copying them would only
 double their host memory).
 """
-from typing import Callable, Iterable, List, Optional, Sequence
+import contextlib
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -99,6 +100,20 @@ class Offloader:
         host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
         self._host[index:index + 1] = [host]
         return host
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """For a model that lives in host memory between uses (--offload_teacher_model,
+        --offload_ref_model): back on the device inside the block, offloaded again after it. A
+        no-op when not offloaded (so blocks nest)."""
+        if not self.offloaded:
+            yield
+            return
+        self.reload()
+        try:
+            yield
+        finally:
+            self.offload()
 
     def reload(self) -> None:
         """Restore the kept bytes and zeroed memory for the dropped storages."""

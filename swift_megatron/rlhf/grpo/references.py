@@ -16,7 +16,7 @@ logprob pass, a sync, a save or a load).
 """
 import contextlib
 import os
-from typing import Iterator, List, Optional
+from typing import ContextManager, List, Optional
 
 import torch
 
@@ -40,17 +40,9 @@ class Reference:
         if self.offloader:
             self.offloader.offload()
 
-    @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
+    def resident(self) -> ContextManager:
         """The frozen weights on their device inside the block (a no-op unless offloaded)."""
-        if self.offloader is None or not self.offloader.offloaded:
-            yield
-            return
-        self.offloader.reload()
-        try:
-            yield
-        finally:
-            self.offloader.offload()
+        return self.offloader.resident() if self.offloader else contextlib.nullcontext()
 
     def logprobs(self, micro: List[dict], collect) -> List[dict]:
         """The collect callback's outputs per micro-batch (on the last stage)."""

@@ -10,6 +10,7 @@ its logprobs come back as [B, S] on the last stage. It may be another size of a 
 family; it must share the policy's tokenizer (checked at load). --offload_teacher_model keeps
 its weights in host memory except during that pass.
 """
+import contextlib
 import dataclasses
 import os
 from functools import partial
@@ -51,13 +52,8 @@ class Teacher:
     def fill_logprobs(self, micro: List[dict], settings: LossSettings) -> None:
         """micro_batch["teacher_logprobs"] [B, S] for every micro-batch (on the last stage)."""
         collect = partial(collect_logprobs, dataclasses.replace(settings, vocab_size=self.vocab_size))
-        if self.offloader:
-            self.offloader.reload()
-        try:
+        with self.offloader.resident() if self.offloader else contextlib.nullcontext():
             outputs = forward_backward(self.chunks, micro, collect, True)
-        finally:
-            if self.offloader:
-                self.offloader.offload()
         for micro_batch, out in zip(micro, outputs):
             micro_batch["teacher_logprobs"] = out["logprobs"]
 
