@@ -11,6 +11,12 @@ linear; as one node 109 (benchmarks/lora_step.py on the CPU). A LoRA step at one
 those host costs, not by the GPU (docs/gpu.md). Here the forward is a concatenation, a placement,
 two products (the second adding into the output), the backward four products (the scale folded
 in) and a gather.
+
+Under megatron's DDP (training/optim.py wraps it with overlap_grad_reduce off) every adapter
+parameter has a `main_grad` buffer, and DDP's hook would only add the returned gradient into it:
+the backward adds it there itself and returns none, so the 2 or 3 adapter matrices of a fused
+linear skip autograd's gradient accumulation and DDP's Python hook at every micro-batch (the same
+additions, fewer host operations). Outside DDP (no `main_grad`) the gradients are returned.
 """
 from typing import Optional, Sequence
 
@@ -65,7 +71,7 @@ class AdapterBranch(torch.autograd.Function):
         else:
             output = torch.addmm(out2, z, placed.t(), alpha=scale).view_as(output)
         ctx.save_for_backward(x, a, z, placed, *params[k:])
-        ctx.layout, ctx.scale, ctx.k = layout, scale, k
+        ctx.layout, ctx.scale, ctx.k, ctx.params = layout, scale, k, params
         return output
 
     @staticmethod
@@ -79,4 +85,14 @@ class AdapterBranch(torch.autograd.Function):
         grad_as = torch.mm(dz.t(), x2).split(a.shape[0] // k)
         grad_placed = _scaled_mm(g2.t(), z, scale)
         grad_bs = ctx.layout.unplace(grad_placed, bs, a.shape[0] // k)
-        return (grad, grad_x, None, None, None, *grad_as, *grad_bs)
+        return (grad, grad_x, None, None, None, *_into_main_grads(ctx.params, grad_as + grad_bs))
+
+
+def _into_main_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:
+    """The gradients to return for `params`: none once added into megatron DDP's `main_grad`
+    buffers (module docstring), else the gradients themselves."""
+    if not all(hasattr(p, "main_grad") for p in params):
+        return tuple(grads)
+    for param, grad in zip(params, grads):
+        param.main_grad.add_(grad)
+    return (None,) * len(params)

@@ -71,6 +71,10 @@
 #                     SWIFT_MEGATRON_COMPILE_LOGPROBS=0 (eager), then TRL and ours (compiled, the
 #                     default on CUDA), 8k budget: before / after on one machine
 #   profile_lora      the profile phase with --train_type lora and the 8k budget ($OUT/profile_lora/)
+#   lora_last         lora_train in the other order: LoRA, LoRA without dropout, then full (the
+#                     first run of a command was the slow one on some hosts)
+#   memory_least      ours full-parameter on the trl_compare setup (8k budget) with the least
+#                     memory we offer at that budget: --offload_ref_model, full recomputation
 #   offload_ref       ours on the trl_compare setup (8k budget), then with --offload_ref_model true
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -149,6 +153,15 @@ phase() {
                         --tool ours --work_dir /tmp/lora_train --variant lora="--train_type lora" \
                         --variant lora_nodrop="--train_type lora --lora_dropout 0" \
                         -- --max_tokens_per_micro_batch 8192 ;;
+        lora_last) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                       --tool ours --work_dir /tmp/lora_last --variant lora_nodrop="--lora_dropout 0" \
+                       --variant full="--train_type full" \
+                       -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
+        memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                          --tool ours --work_dir /tmp/memory_least \
+                          -- --max_tokens_per_micro_batch 8192 --offload_ref_model true \
+                          --recompute_granularity full --recompute_method uniform \
+                          --recompute_num_layers 1 ;;
         lora_vs_trl) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                          --work_dir /tmp/lora_vs_trl --variant lora="--train_type lora" \
                          -- --max_tokens_per_micro_batch 8192 ;;

@@ -80,3 +80,28 @@ def test_an_input_that_needs_no_gradient_gets_none():
                               *params)
     out.sum().backward()
     assert x.grad is None and all(p.grad is not None for p in params)
+
+
+def test_gradients_go_into_main_grad_buffers_under_ddp():
+    """Parameters with megatron DDP's `main_grad` get their gradients added there (accumulating
+    over micro-batches, as DDP's hook would) and no `.grad`; the sums equal the plain gradients."""
+    layout, positions, a_s, b_s = fused_case()
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, IN, generator=gen, dtype=torch.float64) for _ in range(2)]
+    upstreams = [torch.randn(4, 10, generator=gen, dtype=torch.float64) for _ in range(2)]
+
+    params = leaves(*a_s, *b_s)
+    start = [torch.full_like(p, 0.5) for p in params]
+    for param, value in zip(params, start):
+        param.main_grad = value.clone()
+    for x, upstream in zip(xs, upstreams):
+        AdapterBranch.apply(torch.zeros(4, 10, dtype=torch.float64), x, layout, SCALE, True,
+                            *params).backward(upstream)
+    ref = leaves(*a_s, *b_s)
+    for x, upstream in zip(xs, upstreams):
+        plain(torch.zeros(4, 10, dtype=torch.float64), x, positions, ref[:3], ref[3:]).backward(
+            upstream)
+
+    for param, value, want in zip(params, start, ref):
+        assert param.grad is None
+        torch.testing.assert_close(param.main_grad, value + want.grad, rtol=1e-12, atol=1e-12)
