@@ -75,6 +75,7 @@
 #                     first run of a command was the slow one on some hosts)
 #   memory_least      ours full-parameter on the trl_compare setup (8k budget) with the least
 #                     memory we offer at that budget: --offload_ref_model, full recomputation
+#   trl_memory        TRL, ours (8k budget), then ours with memory_least's flags, one command
 #   offload_ref       ours on the trl_compare setup (8k budget), then with --offload_ref_model true
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
@@ -157,6 +158,10 @@ phase() {
                        --tool ours --work_dir /tmp/lora_last --variant lora_nodrop="--lora_dropout 0" \
                        --variant full="--train_type full" \
                        -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
+        trl_memory) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --work_dir /tmp/trl_memory --variant least="--offload_ref_model true \
+                        --recompute_granularity full --recompute_method uniform \
+                        --recompute_num_layers 1" -- --max_tokens_per_micro_batch 8192 ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \
                           -- --max_tokens_per_micro_batch 8192 --offload_ref_model true \
