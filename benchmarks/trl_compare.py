@@ -267,6 +267,7 @@ def trl_worker(a) -> None:
     import torch
     import vllm
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -276,7 +277,9 @@ def trl_worker(a) -> None:
     vllm.LLM.sleep = lambda self, level=1: original_sleep(self, level=a.sleep_level)
     with open(a.dataset_path) as f:
         rows = [json.loads(line) for line in f]
-    data = Dataset.from_list([{"prompt": r["messages"], "solution": r["solution"]} for r in rows])
+    # a fixed fingerprint: datasets 5.2 cannot hash pyarrow 26's MonthDayNano type with dill
+    data = Dataset(InMemoryTable.from_pylist([{"prompt": r["messages"], "solution": r["solution"]}
+                                              for r in rows]), fingerprint="trl_compare")
     (_, accuracy), = resolve_reward_funcs(["accuracy"], [], RewardConfig())
 
     def accuracy_reward(completions, solution, **kwargs):

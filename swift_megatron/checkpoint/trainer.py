@@ -21,6 +21,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 
 from swift_megatron.checkpoint.dist import save_strategy, sharded_state_dict
 from swift_megatron.checkpoint.layout import load_model_dir, write_model_dir
+from swift_megatron.training.optim import adam_step_tensor, torch_optimizers, use_fused_adam
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
@@ -103,19 +104,18 @@ def _init_adam_state(optimizer) -> None:
     sharded state dict it loads into. (Without Apex/TE, megatron-core 0.16.1's distributed
     optimizer reads `step` from the torch optimizer's state, which is empty before the first
     update; its own state initialiser does not create `step`.)"""
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = part.optimizer
+    for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 if not inner.state[param]:
-                    inner.state[param] = {"step": torch.zeros((), dtype=torch.float32),
+                    inner.state[param] = {"step": adam_step_tensor(0.0, param, group.get("fused")),
                                           "exp_avg": torch.zeros_like(param),
                                           "exp_avg_sq": torch.zeros_like(param)}
 
 
 def _adam_states(optimizer):
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        yield from part.optimizer.state.values()
+    for inner in torch_optimizers(optimizer):
+        yield from inner.state.values()
 
 
 def adam_step(optimizer) -> int:
@@ -126,9 +126,14 @@ def adam_step(optimizer) -> int:
 def _restore_adam_step(optimizer, step: int) -> None:
     """Set every parameter's Adam `step`. megatron-core 0.16.1 without Apex/TE does not restore
     it (a reloaded distributed optimizer restarts bias correction from 0) and shares one tensor
-    between parameters (torch then adds 1 per parameter per update); one fresh tensor each."""
-    for param_state in _adam_states(optimizer):
-        param_state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    between parameters (torch then adds 1 per parameter per update); one fresh tensor each, where
+    its group's kernel wants it."""
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if param in inner.state:
+                    inner.state[param]["step"] = adam_step_tensor(float(step), param,
+                                                                  group.get("fused"))
 
 
 def load_checkpoint(directory: str, chunks: Sequence[torch.nn.Module], optimizer,
@@ -147,6 +152,7 @@ def load_checkpoint(directory: str, chunks: Sequence[torch.nn.Module], optimizer
         state = dist_checkpointing.load(sharded, optim_dir)
         with torch.no_grad():  # megatron copies into leaf main params without no_grad
             optimizer.load_state_dict(state)
+        use_fused_adam(optimizer)   # the loaded param groups carry the saving run's kernel choice
         with open(os.path.join(directory, STATE)) as f:
             _restore_adam_step(optimizer, json.load(f).get("adam_step", 0))
     rng_path = os.path.join(directory, "rng", f"rank{dist.get_rank()}.pt")

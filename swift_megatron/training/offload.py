@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 import torch
 
 from swift_megatron.logging import get_logger
+from swift_megatron.training.optim import torch_optimizers
 
 logger = get_logger(__name__)
 Tensors = Callable[[], Iterable[torch.Tensor]]
@@ -148,16 +149,10 @@ def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
     return Offloader("model", keep, lambda: (g for c in chunks for g in _grad_buffers(c)))
 
 
-def _torch_optimizers(optimizer) -> List[torch.optim.Optimizer]:
-    """The torch optimizers inside a Megatron (chained) optimizer."""
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None]
-
-
 def optimizer_offloader(optimizer) -> Offloader:
     """Optimizer state (Adam moments, step) and main params kept."""
     def keep():
-        for opt in _torch_optimizers(optimizer):
+        for opt in torch_optimizers(optimizer):
             for per_param in opt.state.values():
                 yield from (t for t in per_param.values() if isinstance(t, torch.Tensor))
             for group in opt.param_groups:

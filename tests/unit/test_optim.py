@@ -221,3 +221,51 @@ def test_resuming_the_offloaded_optimizer_state_is_a_user_error(tmp_path, extra,
     with pytest.raises(UserError, match=r"^--optimizer_cpu_offload: resuming the optimizer state "
                                         r".* pass --no_load_optim"):
         _check_offload_resume(args, start)
+
+
+def _adamw_wrapped(foreach=True):
+    """Two parameters under torch's AdamW, inside megatron's chained-optimizer shape."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)),
+              torch.nn.Parameter(torch.randn(7, generator=gen))]
+    adam = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    return params, adam, SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)])
+
+
+def _steps(params, adam, count, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        adam.step()
+
+
+def test_use_fused_adam_switches_the_kernel_and_keeps_the_update():
+    from swift_megatron.training.optim import adam_step_tensor, use_fused_adam
+
+    params, adam, wrapped = _adamw_wrapped()
+    ref_params, ref_adam, _ = _adamw_wrapped()
+    _steps(params, adam, 2)
+    _steps(ref_params, ref_adam, 2)
+    use_fused_adam(wrapped)            # parameters on the CPU: a CUDA switch leaves them be
+    assert adam.param_groups[0]["fused"] is None and adam.param_groups[0]["foreach"]
+
+    use_fused_adam(wrapped, device_type="cpu")   # midway, as after loading a checkpoint
+    assert adam.param_groups[0]["fused"] is True and adam.param_groups[0]["foreach"] is False
+    assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 2
+               for s in adam.state.values())
+    _steps(params, adam, 3, seed=2)
+    _steps(ref_params, ref_adam, 3, seed=2)
+    for got, want in zip(params, ref_params):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert float(next(iter(adam.state.values()))["step"]) == 5
+    assert adam_step_tensor(3.0, params[0], fused=False).device.type == "cpu"
+
+
+def test_use_fused_adam_leaves_other_optimizers_alone():
+    from swift_megatron.training.optim import use_fused_adam
+
+    param = torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([param], lr=0.1)
+    use_fused_adam(SimpleNamespace(optimizer=sgd), device_type="cpu")
+    assert sgd.param_groups[0].get("fused") is None
