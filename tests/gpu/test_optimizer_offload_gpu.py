@@ -38,6 +38,12 @@ def test_offloaded_optimizer_trains_like_the_gpu_optimizer(report, variant):
     assert plain["losses"][0] != plain["losses"][-1]
 
 
+def test_the_gpu_optimizer_runs_torchs_fused_adamw(report):
+    """training/optim.py switches megatron's torch AdamW to the fused kernel on CUDA; the
+    offloaded variants (megatron's hybrid optimizer) keep theirs and still match it above."""
+    assert report["plain"]["inner_optimizer"] == "AdamW" and report["plain"]["fused"]
+
+
 def test_moments_and_main_params_live_in_host_memory(report):
     plain = report["plain"]
     assert plain["moments"]["cpu"] == 0 and plain["master_params"]["cpu"] == 0

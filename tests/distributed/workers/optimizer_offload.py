@@ -78,7 +78,8 @@ def state_bytes(optimizer):
     masters = [p for opt in [inner, *subs] for group in opt.param_groups
                for p in group["params"] if p.dtype == torch.float32]
     return dict(moments=_bytes_by_device(moments), master_params=_bytes_by_device(masters),
-                inner_optimizer=type(inner).__name__)
+                inner_optimizer=type(inner).__name__,
+                fused=all(group.get("fused") for group in inner.param_groups))
 
 
 def train(state, name, flags):
