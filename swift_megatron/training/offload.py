@@ -21,7 +21,7 @@ On a CUDA machine, tensors already in host memory stay where they are (with
 double their host memory).
 """
 import contextlib
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -147,6 +147,11 @@ def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
             yield from torch.nn.Module.buffers(chunk)
 
     return Offloader("model", keep, lambda: (g for c in chunks for g in _grad_buffers(c)))
+
+
+def resident(offloader: Optional[Offloader]) -> ContextManager:
+    """`offloader.resident()`, or a block with nothing to move for a model kept on the device."""
+    return offloader.resident() if offloader is not None else contextlib.nullcontext()
 
 
 def optimizer_offloader(optimizer) -> Offloader:

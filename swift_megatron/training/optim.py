@@ -194,7 +194,9 @@ def use_fused_adam(optimizer, device_type: str = "cuda") -> None:
     a temporary the size of the float32 second moments (1.54B parameters: 5.8 GiB, the peak of a
     GRPO step with full recomputation); the fused kernel updates in one pass without it. The
     update is the same to float32 rounding. The hybrid (host-offload) optimizer is left alone.
-    Adam's `step` of a fused group lives on the parameters' device (`adam_step_tensor`)."""
+    Adam's `step` of a fused group lives on the parameters' device: state that already exists
+    (a loaded checkpoint) needs its `step` placed again (`adam_step_tensor`; load_checkpoint
+    does)."""
     for inner in torch_optimizers(optimizer):
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
@@ -202,9 +204,6 @@ def use_fused_adam(optimizer, device_type: str = "cuda") -> None:
         if params and all(p.device.type == device_type for p in params):
             for group in inner.param_groups:
                 group["fused"], group["foreach"] = True, False
-            for param, state in inner.state.items():
-                if "step" in state:
-                    state["step"] = adam_step_tensor(float(state["step"]), param, True)
 
 
 def adam_step_tensor(step: float, param: torch.Tensor, fused: Optional[bool]) -> torch.Tensor:

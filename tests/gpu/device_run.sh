@@ -94,6 +94,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 WORK=/tmp/gpu_bench
 GRPO="python3 benchmarks/grpo_step.py --work_dir $WORK --steps 4"
 VLLM="--use_vllm true --vllm_mode colocate --sleep_level 1"
+LEAST="--offload_ref_model true --recompute_granularity full --recompute_method uniform \
+--recompute_num_layers 1"   # the least memory at a token budget (memory_least, trl_memory)
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1)
     local work=/tmp/grpo_server port=8011 model pid status=0 extra
@@ -159,14 +161,11 @@ phase() {
                        --variant full="--train_type full" \
                        -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
         trl_memory) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
-                        --work_dir /tmp/trl_memory --variant least="--offload_ref_model true \
-                        --recompute_granularity full --recompute_method uniform \
-                        --recompute_num_layers 1" -- --max_tokens_per_micro_batch 8192 ;;
+                        --work_dir /tmp/trl_memory --variant least="$LEAST" \
+                        -- --max_tokens_per_micro_batch 8192 ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \
-                          -- --max_tokens_per_micro_batch 8192 --offload_ref_model true \
-                          --recompute_granularity full --recompute_method uniform \
-                          --recompute_num_layers 1 ;;
+                          -- --max_tokens_per_micro_batch 8192 $LEAST ;;
         lora_vs_trl) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                          --work_dir /tmp/lora_vs_trl --variant lora="--train_type lora" \
                          -- --max_tokens_per_micro_batch 8192 ;;

@@ -14,7 +14,6 @@ are part of the training state: each checkpoint saves them under ref_model/ and 
 --offload_ref_model keeps a frozen reference in host memory except while it is used (its
 logprob pass, a sync, a save or a load).
 """
-import contextlib
 import os
 from typing import ContextManager, List, Optional
 
@@ -23,7 +22,7 @@ import torch
 from swift_megatron.checkpoint.dist import load_model, save_model, unwrap
 from swift_megatron.errors import UserError
 from swift_megatron.lora import disabled
-from swift_megatron.training.offload import model_offloader
+from swift_megatron.training.offload import model_offloader, resident
 from swift_megatron.training.step import forward_backward
 
 REF_DIR = "ref_model"  # inside a checkpoint directory, with --sync_ref_model
@@ -42,7 +41,7 @@ class Reference:
 
     def resident(self) -> ContextManager:
         """The frozen weights on their device inside the block (a no-op unless offloaded)."""
-        return self.offloader.resident() if self.offloader else contextlib.nullcontext()
+        return resident(self.offloader)
 
     def logprobs(self, micro: List[dict], collect) -> List[dict]:
         """The collect callback's outputs per micro-batch (on the last stage)."""

@@ -10,7 +10,6 @@ its logprobs come back as [B, S] on the last stage. It may be another size of a 
 family; it must share the policy's tokenizer (checked at load). --offload_teacher_model keeps
 its weights in host memory except during that pass.
 """
-import contextlib
 import dataclasses
 import os
 from functools import partial
@@ -20,7 +19,7 @@ import torch
 
 from swift_megatron.errors import UserError
 from swift_megatron.rlhf.grpo.objective import LossSettings, collect_logprobs
-from swift_megatron.training.offload import model_offloader
+from swift_megatron.training.offload import model_offloader, resident
 from swift_megatron.training.step import forward_backward
 
 
@@ -52,7 +51,7 @@ class Teacher:
     def fill_logprobs(self, micro: List[dict], settings: LossSettings) -> None:
         """micro_batch["teacher_logprobs"] [B, S] for every micro-batch (on the last stage)."""
         collect = partial(collect_logprobs, dataclasses.replace(settings, vocab_size=self.vocab_size))
-        with self.offloader.resident() if self.offloader else contextlib.nullcontext():
+        with resident(self.offloader):
             outputs = forward_backward(self.chunks, micro, collect, True)
         for micro_batch, out in zip(micro, outputs):
             micro_batch["teacher_logprobs"] = out["logprobs"]
