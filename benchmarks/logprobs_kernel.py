@@ -1,9 +1,10 @@
-"""Milliseconds of the trainer's log-probability math alone (model/logprobs.py), eager against
-torch.compile'd chunk functions, on random bf16 logits of a real vocabulary size: the logprob
-passes' forward (old / reference policy) and the training pass (forward with entropy, then
-backward). One JSON line per mode and one with the ratios compiled / eager.
+"""Milliseconds of the trainer's output layer + log-probability math alone (model/logprobs.py
+`head_logprobs`), eager against torch.compile'd chunk functions, on random bf16 hidden states and
+output weight of a real vocabulary size: the logprob passes' forward (old / reference policy) and
+the training pass (forward with entropy, then backward into the hidden states and the weight).
+One JSON line per mode (with the peak memory) and one with the ratios compiled / eager.
 
-    python benchmarks/logprobs_kernel.py                                  # GPU: 8192 x 151936
+    python benchmarks/logprobs_kernel.py                          # GPU: 8192 x 1536 x 151936
     python benchmarks/logprobs_kernel.py --device cpu --tokens 256 --vocab 4096 --repeat 2
 """
 import argparse
@@ -30,19 +31,21 @@ def run(a) -> list:
     state = ParallelState.initialize(device=a.device)
     sync = torch.cuda.synchronize if state.device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device=state.device).manual_seed(0)
-    logits = (torch.randn(a.tokens, a.vocab, device=state.device, generator=gen) * 3).bfloat16()
+    hidden = torch.randn(a.tokens, a.hidden, device=state.device, generator=gen).bfloat16()
+    weight = (torch.randn(a.vocab, a.hidden, device=state.device, generator=gen)
+              * 3 / a.hidden ** 0.5).bfloat16()
     targets = torch.randint(0, a.vocab - 64, (a.tokens,), device=state.device, generator=gen)
     real = a.vocab - 64   # a padded vocabulary, as megatron's output layer has
 
     def forward():
         with torch.no_grad():
-            return logprobs.vocab_parallel_logprobs(logits, targets, 0.9, real)
+            return logprobs.head_logprobs(hidden, weight, targets, 0.9, real)
 
     def train():
-        leaf = logits.detach().requires_grad_(True)
-        lp, _ = logprobs.vocab_parallel_logprobs(leaf, targets, 0.9, real, with_entropy=True)
+        leaf, rows = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        lp, _ = logprobs.head_logprobs(leaf, rows, targets, 0.9, real, with_entropy=True)
         lp.sum().backward()
-        return lp.detach(), leaf.grad
+        return lp.detach(), leaf.grad, rows.grad
 
     lines, results = [], {}
     for mode in (False, True):
@@ -58,12 +61,15 @@ def run(a) -> list:
                           fell_back=mode and logprobs._Kernels.compiled is logprobs.EAGER,
                           peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
                           if state.device.type == "cuda" else None))
-    eager, compiled = results["eager"], results["compiled"]   # (logprobs, train logprobs, grad)
+    # (logprobs, train logprobs, hidden grad, weight grad)
+    eager, compiled = results["eager"], results["compiled"]
     lines.append(dict(ratio="compiled/eager",
                       forward=round(lines[1]["forward_ms"] / lines[0]["forward_ms"], 3),
                       train=round(lines[1]["train_ms"] / lines[0]["train_ms"], 3),
                       max_abs_diff_logprobs=(eager[0] - compiled[0]).abs().max().item(),
-                      max_abs_diff_grad=(eager[2].float() - compiled[2].float()).abs().max().item()))
+                      max_abs_diff_grad=(eager[2].float() - compiled[2].float()).abs().max().item(),
+                      max_abs_diff_weight_grad=(eager[3].float() - compiled[3].float()).abs().max()
+                      .item()))
     ParallelState.destroy()
     return lines
 
@@ -72,7 +78,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=151936, help="columns of the logits")
+    parser.add_argument("--vocab", type=int, default=151936, help="rows of the output weight")
+    parser.add_argument("--hidden", type=int, default=1536, help="the hidden size")
     parser.add_argument("--repeat", type=int, default=10)
     for line in run(parser.parse_args()):
         print(json.dumps(line), flush=True)

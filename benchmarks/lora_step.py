@@ -55,8 +55,9 @@ def run_mode(a, lora: bool, state) -> dict:
                   position_ids=torch.arange(a.seq, device=state.device).expand(a.micro_batch, a.seq))
              for t in tokens]
 
-    def loss_fn(mb, logits):
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), mb["labels"]).mean()
+    def loss_fn(mb, output):
+        loss = tensor_parallel.vocab_parallel_cross_entropy(output.logits().float(),
+                                                            mb["labels"]).mean()
         return loss, {"loss": loss.detach()}
 
     def step():

@@ -477,10 +477,11 @@ def random_tokens(vocab_size: int, max_positions: int, device,
     return torch.randint(0, vocab_size, shape, generator=generator).to(device)
 
 
-def _gathered_logits(vocab_size: int, micro_batch: dict, logits: "torch.Tensor"):
+def _gathered_logits(vocab_size: int, micro_batch: dict, output):
     """forward_backward loss callback: full-vocab float32 logits as the micro-batch's metric."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    logits = output.logits()
     full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size].float()
     return logits.new_zeros(()), {"logits": full}
 

@@ -213,7 +213,7 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
     lines = ["memory per GPU (estimate, GiB): " + ", ".join(
         f"{name} {result[name]:.1f}" for name in ("weights", "gradients", "optimizer",
                                                     "reference", "teacher", "activations",
-                                                    "logits", "vllm", "train", "generate",
+                                                    "head", "vllm", "train", "generate",
                                                     "peak"))]
     if device and result["peak"] > result["device"]:
         lines.append(f"WARNING: the estimated peak {result['peak']:.1f} GiB exceeds this GPU's "

@@ -333,31 +333,6 @@ def _check_model(model: torch.nn.Module) -> None:
         raise ValueError("the model already has LoRA adapters")
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on the gradient contiguous, with row-major strides even
-    along size-1 dims (`contiguous()` alone keeps a transposed [s, 1, v]'s strides)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        return grad.view(grad.shape)
-
-
-def _contiguous_logits_grad(module, inputs, output):
-    """Forward hook on the output layer: the logits' gradient arrives transposed (GPTModel
-    returns logits.transpose(0, 1)), and megatron's frozen-weight linear multiplies it as it
-    comes: torch.matmul folds [s, b, vocab] @ [vocab, h] into one matmul only when the weight
-    requires grad or the gradient's strides are row-major, else it runs s tiny batched
-    products (on an H100, GRPO with packed sequences at vocab 152k: 240 ms per micro-batch,
-    half of a LoRA rollout batch's GPU time)."""
-    logits, bias = output
-    return _ContiguousGrad.apply(logits), bias
-
-
 def apply_lora(model: torch.nn.Module, config: LoraConfig,
                mappings: Optional[List[Mapping]] = None) -> List[torch.nn.Module]:
     """Add adapters to the targeted linears of this stage's GPTModel (before DDP wrapping) and
@@ -376,9 +351,6 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig,
         module.__class__ = LORA_CLASSES[type(module)]
         module._setup_lora(target, config)
         adapted.append(module)
-    output_layer = getattr(model, "output_layer", None)   # on the last pipeline stage
-    if output_layer is not None:
-        output_layer.register_forward_hook(_contiguous_logits_grad)
     return adapted
 
 

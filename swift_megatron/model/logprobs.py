@@ -1,16 +1,27 @@
-"""Log-probabilities (and, from the same pass, entropy) from vocab-parallel logits (each TP rank
-holds V/TP columns), without ever materialising a float32 [tokens, vocab] tensor.
+"""Log-probabilities (and, from the same pass, entropy) of the output layer applied to the
+final hidden states, vocab-parallel (each TP rank holds V/TP rows of the output weight), without
+ever materialising the [tokens, vocab] logits: `head_logprobs` computes the logits of one chunk
+at a time and keeps none of them.
 
-`vocab_parallel_logprobs` is an autograd function whose backward is written out, so the TP
-all-reduces never sit on the gradient path (a log-softmax through a plain all_reduce gets TP > 1
-gradients wrong): log p(t) = l_t - logsumexp(l), d/dl = onehot(t) - p. With `with_entropy` it
-also returns H = logsumexp(l) - E_p[l] (no gradient: a metric and the entropy mask's input).
+The forward goes over chunks of tokens: a chunk's logits (hidden @ W^T, in the model's dtype)
+are reduced to per-token numbers and dropped. The backward recomputes the logits, by blocks of
+vocabulary rows for all tokens at once, so a block's weight gradient is one product over every
+token, rounded once (megatron's output layer computes it the same way); the hidden states'
+gradient adds up over blocks in float32. Under megatron's DDP the weight gradient goes straight
+into the parameter's float32 `main_grad`. The saved tensors are the hidden states, the
+per-token log-sum-exp and the targets, so a micro-batch's head costs about 2 x hidden bytes
+per token of activation memory, not 2 x 2 x vocab (the logits and their gradient).
 
-The math on one chunk of tokens is three pure functions (`_chunk_stats`, `_logprob_grad` and the
+The autograd function's backward is written out, so the TP all-reduces never sit on the
+gradient path (a log-softmax through a plain all_reduce gets TP > 1 gradients wrong):
+log p(t) = l_t - logsumexp(l), d/dl = onehot(t) - p. With `with_entropy` it also returns
+H = logsumexp(l) - E_p[l] (no gradient: a metric and the entropy mask's input).
+
+The math on one chunk is three pure functions (`_chunk_stats`, `_logprob_grad` and the
 scaling they share). On CUDA they run compiled by torch.compile: Inductor fuses each into one
 pass that reads the bf16 logits and writes only per-token numbers (or the bf16 gradient), where
 eager PyTorch writes and reads a float32 copy of the chunk for every elementwise step. Elsewhere
-they run eagerly, one chunk at a time, a chunk's float32 working set about `CHUNK_BYTES`.
+they run eagerly, a chunk's float32 working set about `CHUNK_BYTES`.
 Each TP rank reduces its own columns to a log-sum-exp (and an entropy term); the ranks combine
 those per-token numbers once, after all chunks.
 Logits are scaled by 1/temperature (the logprobs vLLM reports are of the processed, scaled
@@ -114,8 +125,16 @@ class _Shard:
 
     def columns(self, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(each target's local column, clamped into the shard; whether it is in this shard)."""
-        local = targets - self.start
-        return local.clamp(0, self.width - 1), (local >= 0) & (local < self.width)
+        column, mine, _ = self.block(targets, 0, self.width)
+        return column, mine
+
+    def block(self, targets: torch.Tensor, start: int, stop: int):
+        """Of the shard's columns start..stop: each target's column in the block (clamped),
+        whether it is in the block, and how many of the block's columns are real."""
+        local = targets - self.start - start
+        width = stop - start
+        return (local.clamp(0, width - 1), (local >= 0) & (local < width),
+                min(max(self.real - start, 0), width))
 
     def combine(self, lse, picked, mean):
         """The shards' per-token numbers -> the full vocabulary's (lse, target logit, E_p[l])."""
@@ -137,49 +156,68 @@ def _chunks(total: int, size: int):
     return [(i, min(i + size, total)) for i in range(0, total, size)]
 
 
-class _VocabParallelLogprobs(torch.autograd.Function):
+class _HeadLogprobs(torch.autograd.Function):
+    """log p(targets) (and the entropy) of hidden states [T, h] under this TP rank's output
+    weight [V/TP, h], chunk by chunk (module docstring)."""
+
     @staticmethod
-    def forward(ctx, logits, targets, shard: _Shard, chunk: int, entropy: bool):
-        flat = logits.reshape(-1, logits.shape[-1])
-        column, mine = shard.columns(targets.reshape(-1))
-        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    def forward(ctx, hidden, weight, targets, shard: _Shard, chunk: int, entropy: bool):
+        column, mine = shard.columns(targets)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         picked, mean = torch.empty_like(lse), torch.empty_like(lse) if entropy else None
-        for a, b in _chunks(flat.shape[0], chunk):
-            stats = _Kernels.run(0, logits.device, flat[a:b], column[a:b], mine[a:b],
-                                 shard.temperature, shard.real, entropy)
+        for a, b in _chunks(hidden.shape[0], chunk):
+            stats = _Kernels.run(0, hidden.device, torch.mm(hidden[a:b], weight.t()),
+                                 column[a:b], mine[a:b], shard.temperature, shard.real, entropy)
             lse[a:b], picked[a:b] = stats[0], stats[1]
             if entropy:
                 mean[a:b] = stats[2]
         lse, picked, mean = shard.combine(lse, picked, mean)
-        ctx.save_for_backward(logits, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.shard, ctx.chunk = shard, chunk
-        logprobs = (picked - lse).reshape(targets.shape)
         if not entropy:
-            return logprobs
-        entropy = (lse - mean).reshape(targets.shape)
+            return picked - lse
+        entropy = lse - mean
         ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+        return picked - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, *_):
-        logits, targets, lse = ctx.saved_tensors
-        shard, flat = ctx.shard, logits.reshape(-1, logits.shape[-1])
-        column, mine = shard.columns(targets.reshape(-1))
-        flat_grad = grad_logprobs.reshape(-1).float()
-        grad = torch.empty_like(flat)
-        for a, b in _chunks(flat.shape[0], ctx.chunk):
-            grad[a:b] = _Kernels.run(1, logits.device, flat[a:b], column[a:b], mine[a:b],
-                                     lse[a:b], flat_grad[a:b], shard.temperature, shard.real)
-        return grad.reshape(logits.shape), None, None, None, None
+        hidden, weight, targets, lse = ctx.saved_tensors
+        shard, flat_grad = ctx.shard, grad_logprobs.float()
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) \
+            if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and not hasattr(weight, "main_grad"):
+            grad_weight = torch.empty_like(weight)
+        # by blocks of vocabulary rows, each of all tokens: a block's weight gradient is one
+        # product over every token, rounded once, as megatron's output layer computes it
+        columns = max(1, ctx.chunk * shard.width // max(hidden.shape[0], 1))
+        for a, b in _chunks(shard.width, columns):
+            rows = weight[a:b]
+            column, mine, real = shard.block(targets, a, b)
+            grad = _Kernels.run(1, hidden.device, torch.mm(hidden, rows.t()), column, mine, lse,
+                                flat_grad, shard.temperature, real)
+            if grad_hidden is not None:
+                grad_hidden.add_(torch.mm(grad, rows))
+            if ctx.needs_input_grad[1]:
+                block = torch.mm(grad.t(), hidden)
+                if grad_weight is None:   # megatron DDP: DDP's hook would only add it there
+                    weight.main_grad[a:b].add_(block)
+                else:
+                    grad_weight[a:b] = block
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                            vocab_size: Optional[int] = None, chunk: Optional[int] = None,
-                            with_entropy: bool = False
-                            ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """log p(targets) under softmax(logits / temperature): logits [..., V/TP], targets [...];
-    float32. `with_entropy`: (logprobs, entropy per position), the entropy without gradient.
-    `chunk`: tokens per chunk (default: CHUNK_BYTES worth)."""
-    shard = _Shard(logits.shape[-1], temperature, vocab_size)
-    return _VocabParallelLogprobs.apply(logits, targets, shard,
-                                        chunk_tokens(logits.shape[-1], chunk), with_entropy)
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                  temperature: float = 1.0, vocab_size: Optional[int] = None,
+                  chunk: Optional[int] = None, with_entropy: bool = False
+                  ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """log p(targets) under softmax(hidden W^T / temperature), float32 [T]: hidden [T, h] (the
+    same on every TP rank; the caller sums its gradient over TP, model/head.py), W this rank's
+    vocabulary rows [V/TP, h], targets [T]. `with_entropy`: (logprobs, entropy per token), the
+    entropy without gradient. `chunk`: tokens per chunk (default: CHUNK_BYTES worth)."""
+    shard = _Shard(weight.shape[0], temperature, vocab_size)
+    return _HeadLogprobs.apply(hidden, weight, targets, shard,
+                               chunk_tokens(weight.shape[0], chunk), with_entropy)

@@ -26,8 +26,9 @@ Per rank, in bytes:
   masks of the adapted inputs (1 byte per element: q/k/v, o, gate/up, down; ms-swift's all-linear
   targets) and the dropped copy of the attention output the o_proj adapter keeps (measured: 29.0
   GiB of training memory against 24.7 estimated without them, Qwen2.5-1.5B shape, 8k tokens);
-- logits: the micro-batch's [tokens / CP, vocab / TP] in the model dtype, twice (output and its
-  gradient), plus the chunked log-softmax's float32 working set;
+- head: the output layer's logprobs keep no [tokens, vocab] logits (model/logprobs.py): a chunk's
+  working set, plus the micro-batch's hidden states reordered for it and their float32
+  gradient (6 bytes x hidden per token of this CP rank);
 - vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
   nothing while asleep (sleep level >= 1).
 The peak is the larger of training (everything but vLLM) and generation (vLLM + what stays
@@ -40,7 +41,7 @@ from swift_megatron.model.text_config import text_config
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_LOGPROB_CHUNK_BYTES = 3 * (256 << 20)  # model/logprobs.py CHUNK_BYTES, a few live copies
+_HEAD_CHUNK_BYTES = 3 * (256 << 20)  # model/logprobs.py CHUNK_BYTES, a few live copies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,7 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
                  reference=params * width if run.reference_copy else 0,
                  teacher=run.teacher_parameters * width,
                  activations=activation_bytes(hf, run),
-                 logits=2 * run.micro_batch_tokens / run.cp * hf["vocab_size"] / run.tp * width
-                 + _LOGPROB_CHUNK_BYTES)
+                 head=6 * run.micro_batch_tokens / run.cp * hf["hidden_size"] + _HEAD_CHUNK_BYTES)
     train = sum(parts.values())
     resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
         not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \

@@ -6,8 +6,9 @@ function needs (a vision-language model's also `pixel_values`, `image_grid_thw` 
 `prompt_mask`, passed to the model, with 3-D M-RoPE `position_ids` [3, b, s]); a packed one
 (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which become megatron's THD
 PackedSeqParams. With context parallelism the model reads this CP rank's
-share of the positions (parallel/context.py) and `loss_fn` gets the logits of those positions.
-`loss_fn(micro_batch, logits)` runs on the last pipeline stage and returns
+share of the positions (parallel/context.py). `loss_fn(micro_batch, output)` runs on the last
+pipeline stage with the final hidden states of those positions and the output layer
+(model/head.py `FinalHidden`: logprobs chunk by chunk, or the logits) and returns
 `(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP
 averages gradients over data-parallel ranks, so a loss that is already this micro-batch's
 contribution to the step must be multiplied by micro-batches x DP size (`contribution_scale`).
@@ -21,10 +22,12 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from swift_megatron.checkpoint.dist import unwrap
+from swift_megatron.model.head import FinalHidden, hidden_states_out
 from swift_megatron.model.vision import IMAGE_KEYS
 from swift_megatron.parallel.context import CPShare
 
-LossFn = Callable[[dict, torch.Tensor], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
+LossFn = Callable[[dict, FinalHidden], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
 
 
 def packed_seq_params(micro_batch: dict):
@@ -45,13 +48,16 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
     if share is not None:  # this CP rank's share of the sequence (parallel/context.py)
         tokens, positions = share.local(tokens, 1), share.local(positions, 1)
     images = {key: micro_batch[key] for key in IMAGE_KEYS if key in micro_batch}
-    output = model(tokens, positions, attention_mask=None,
-                   packed_seq_params=packed_seq_params(micro_batch), **images)
-    return output, partial(_loss_adapter, loss_fn, micro_batch)
+    gpt = unwrap(model)
+    with hidden_states_out(gpt):
+        output = model(tokens, positions, attention_mask=None,
+                       packed_seq_params=packed_seq_params(micro_batch), **images)
+    return output, partial(_loss_adapter, loss_fn, micro_batch, gpt)
 
 
-def _loss_adapter(loss_fn: LossFn, micro_batch: dict, logits: torch.Tensor):
-    loss, metrics = loss_fn(micro_batch, logits)
+def _loss_adapter(loss_fn: LossFn, micro_batch: dict, gpt: torch.nn.Module,
+                  hidden: torch.Tensor):
+    loss, metrics = loss_fn(micro_batch, FinalHidden(hidden, gpt))
     # megatron rescales the returned tensor in place: hand it a tensor nobody else reads.
     return loss.clone(), metrics
 

@@ -77,6 +77,14 @@
 #                     memory we offer at that budget: --offload_ref_model, full recomputation
 #   trl_memory        TRL, ours (8k budget), then ours with memory_least's flags, one command
 #   offload_ref       ours on the trl_compare setup (8k budget), then with --offload_ref_model true
+#   trl_alone         TRL alone on the trl_compare setup (the baseline of the phases below, run
+#                     on the same machine in its own call: TRL and two runs of ours with the
+#                     vLLM install do not fit one)
+#   head_least        ours with memory_least's flags, then the same with the reference resident
+#                     (--offload_ref_model false): the output layer's chunked logprobs keep no
+#                     logits, is the freed memory worth a resident reference?
+#   head_block        ours at the 8k budget, then with the reference offloaded and 21 of the 28
+#                     layers recomputed (--recompute_method block --recompute_num_layers 21)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
@@ -162,6 +170,16 @@ phase() {
                        -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
         trl_memory) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --work_dir /tmp/trl_memory --variant least="$LEAST" \
+                        -- --max_tokens_per_micro_batch 8192 ;;
+        trl_alone) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                       --tool trl --work_dir /tmp/trl_alone ;;
+        head_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --tool ours --work_dir /tmp/head_least \
+                        --variant ref_resident="--offload_ref_model false" \
+                        -- --max_tokens_per_micro_batch 8192 $LEAST ;;
+        head_block) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                        --tool ours --work_dir /tmp/head_block --variant block="--offload_ref_model \
+true --recompute_granularity full --recompute_method block --recompute_num_layers 21" \
                         -- --max_tokens_per_micro_batch 8192 ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \

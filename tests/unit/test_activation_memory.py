@@ -14,7 +14,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.mlp import MLP
 
-from swift_megatron.model.logprobs import vocab_parallel_logprobs
+from swift_megatron.model.logprobs import head_logprobs
 
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 1536, 8960, 12, 2, 128   # Qwen2.5-1.5B
 VOCAB = 4096
@@ -28,8 +28,9 @@ LAYER_VALUES = 8 * HIDDEN + 3 * KV + 3 * FFN
 # plus float32 logsumexp per head and the micro-batch's bf16 cos / sin tables (two per rotated
 # tensor on megatron's padded path)
 LAYER_BOUND = 2 * LAYER_VALUES + 4 * HEADS + 4 * 2 * HEAD_DIM
-# final norm input, output layer input, the logits (bf16), the float32 logsumexp, int64 target
-HEAD_BOUND = 2 * (2 * HIDDEN + VOCAB) + 4 + 8
+# final norm input, output layer input, the float32 logsumexp, int64 target: no logits (the
+# head's logprobs recompute them in the backward, model/logprobs.py)
+HEAD_BOUND = 2 * (2 * HIDDEN) + 4 + 8
 LENGTHS = [64, 64]
 
 
@@ -127,9 +128,8 @@ def test_saved_bytes_per_token_of_the_head(model):
     targets = torch.randint(0, VOCAB, (tokens,))
 
     def head():
-        logits, _ = model.output_layer(model.decoder.final_layernorm(hidden),
-                                       weight=model.shared_embedding_or_output_weight())
-        return vocab_parallel_logprobs(logits[:, 0], targets)
+        return head_logprobs(model.decoder.final_layernorm(hidden)[:, 0],
+                             model.shared_embedding_or_output_weight(), targets)
 
     counter = SavedTensors(model)
     counter.run(head)

@@ -1,6 +1,6 @@
 """The callbacks Megatron's forward_backward_func runs on the last pipeline stage: GRPO's loss
 of one micro-batch (with its metrics), and logprob collection for the forward-only passes
-(old policy, reference, teacher). They glue vocab-parallel logprobs (model/logprobs.py) to the
+(old policy, reference, teacher). They glue the output layer's logprobs (model/head.py) to the
 pure GRPO math (losses.py, diagnostics.py); no process groups here beyond what those use.
 
 One micro-batch's loss, in order: per-token advantages (A, plus the teacher term with a
@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from swift_megatron.model.logprobs import vocab_parallel_logprobs
+from swift_megatron.model.head import FinalHidden
 from swift_megatron.parallel.context import CPShare
 from swift_megatron.rlhf.grpo.batch import unpack
 from swift_megatron.rlhf.grpo.diagnostics import (entropy_summary, importance_weight_metrics,
@@ -62,20 +62,19 @@ class StepConstants:
     contribution_scale: float  # undoes megatron's 1/micro-batches and DDP's 1/dp averaging
 
 
-def token_logprobs(micro_batch: dict, logits: torch.Tensor, settings: LossSettings,
+def token_logprobs(micro_batch: dict, output: FinalHidden, settings: LossSettings,
                    with_entropy: bool = False):
     """log p(target) [B, S] (with `with_entropy`: and the entropy of the next-token distribution
-    [B, S], without gradient, from the same pass over the logits). A packed micro-batch's [1, T]
-    values are gathered back to [B, S]; with context parallelism the logits are of this CP
-    rank's positions and every rank's values are gathered (each rank computes the same loss)."""
+    [B, S], without gradient, from the same pass over the vocabulary). A packed micro-batch's
+    [T] values are gathered back to [B, S]; with context parallelism the hidden states are of
+    this CP rank's positions and every rank's values are gathered (each rank computes the same
+    loss)."""
     packed = "packed_index" in micro_batch
     targets = micro_batch["packed_targets" if packed else "targets"]
     share = CPShare.of(micro_batch)
     if share is not None:
         targets = share.local(targets, -1)
-    values = vocab_parallel_logprobs(logits[0] if packed else logits, targets,
-                                     settings.temperature, settings.vocab_size,
-                                     with_entropy=with_entropy)
+    values = output.logprobs(targets, settings.temperature, settings.vocab_size, with_entropy)
     if with_entropy:
         return tuple(_in_sequence_order(micro_batch, share, v) for v in values)
     return _in_sequence_order(micro_batch, share, values)
@@ -93,16 +92,17 @@ def _in_sequence_order(micro_batch: dict, share: Optional[CPShare], values: torc
 
 
 def collect_logprobs(settings: LossSettings, micro_batch: dict,
-                     logits: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                     output: FinalHidden) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Forward-only callback: no loss, the logprobs of the targets [B, S]."""
-    return logits.new_zeros(()), {"logprobs": token_logprobs(micro_batch, logits, settings).detach()}
+    logprobs = token_logprobs(micro_batch, output, settings).detach()
+    return logprobs.new_zeros(()), {"logprobs": logprobs}
 
 
 def grpo_loss(settings: LossSettings, step: StepConstants, micro_batch: dict,
-              logits: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+              output: FinalHidden) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """This micro-batch's scaled contribution to the step loss, and its metrics."""
     mask = micro_batch["completion_mask"]
-    logprobs, entropy = token_logprobs(micro_batch, logits, settings, with_entropy=True)
+    logprobs, entropy = token_logprobs(micro_batch, output, settings, with_entropy=True)
     old = micro_batch.get("old_logprobs")
     old = logprobs.detach() if old is None else old
     advantages = micro_batch["advantages"]

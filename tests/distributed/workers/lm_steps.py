@@ -62,7 +62,8 @@ def main():
         micro = batch_for(step, st)
         scale = contribution_scale(len(micro), st.dp)
 
-        def loss_fn(mb, logits):
+        def loss_fn(mb, output):
+            logits = output.logits()
             per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), mb["labels"])
             contribution = per_token.sum() / total_tokens
             return contribution * scale, {"loss": contribution.detach()}

@@ -73,7 +73,8 @@ def train(job, state, model, vocab, out_dir):
         micro = batches(step, state, vocab)
         scale = contribution_scale(len(micro), state.dp)
 
-        def loss_fn(mb, logits):
+        def loss_fn(mb, output):
+            logits = output.logits()
             per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), mb["labels"])
             contribution = per_token.sum() / (GLOBAL_BATCH * SEQ)
             return contribution * scale, {"loss": contribution.detach()}

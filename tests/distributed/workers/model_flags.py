@@ -101,7 +101,7 @@ def backward_with_drops(model, tokens):
     """One forward/backward through megatron's schedule with tokens dropped: grads finite."""
     model.train()
     batch = dict(tokens=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ).contiguous())
-    forward_backward([model], [batch], lambda mb, logits: (logits.float().pow(2).mean(), {}))
+    forward_backward([model], [batch], lambda mb, output: (output.logits().float().pow(2).mean(), {}))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return dict(params_with_grad=len(grads),
                 all_finite=all(bool(torch.isfinite(g).all()) for g in grads))
@@ -135,7 +135,7 @@ def check_adam_eps(model_dir, state, eps=1e-3, lr=1e-3):
     batch = dict(tokens=tokens_for(load_hf_config(model_dir)["vocab_size"]),
                  position_ids=torch.arange(SEQ).expand(BATCH, SEQ).contiguous())
     zero_grads([ddp], optimizer)
-    forward_backward([ddp], [batch], lambda mb, logits: (logits.float().pow(2).mean(), {}))
+    forward_backward([ddp], [batch], lambda mb, output: (output.logits().float().pow(2).mean(), {}))
     optimizer_step(optimizer, scheduler)
     errors = {"flag_eps": 0.0, "default_eps": 0.0}
     for name, param in model.named_parameters():
@@ -168,7 +168,7 @@ def check_vision_lrs(model_dir, state, lr=1e-3, vit_lr=1e-4, aligner_lr=1e-2, mi
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     zero_grads(pol.chunks, pol.optimizer)
     forward_backward(pol.chunks, [image_batch(pol.hf_config)],
-                     lambda mb, logits: (logits.float().pow(2).mean(), {}))
+                     lambda mb, output: (output.logits().float().pow(2).mean(), {}))
     optimizer_step(pol.optimizer, pol.scheduler)
     part_lr = {"vit": vit_lr, "aligner": aligner_lr, "llm": lr}
     report = {part: {"own_lr_error": 0.0, "base_lr_error": 0.0, "max_update": 0.0}

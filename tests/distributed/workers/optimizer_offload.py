@@ -54,7 +54,8 @@ def batches(device):
                     position_ids=torch.arange(SEQ, device=device).expand(BATCH, SEQ))]
 
 
-def loss_fn(mb, logits):
+def loss_fn(mb, output):
+    logits = output.logits()
     per_token = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), mb["labels"])
     loss = per_token.mean()
     return loss, {"loss": loss.detach()}

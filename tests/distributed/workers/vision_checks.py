@@ -126,8 +126,9 @@ def no_deepstack_logits(loaded, state, hf_config, ids, positions, pixels, grid):
         del loaded.model.deepstack_context
 
 
-def _square_loss(micro_batch, logits):
+def _square_loss(micro_batch, output):
     """Sum of squared logits (of this rank's vocabulary shard: the ranks' losses add up)."""
+    logits = output.logits()
     return logits.float().square().sum(), {}
 
 
