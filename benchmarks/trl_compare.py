@@ -31,7 +31,8 @@ Each `--variant NAME="FLAGS"` runs ours once more with those flags after the sha
 (one TRL run serves them all; a summary and a ratio line per variant). For every run of ours the
 dry run's memory estimate (model/memory.py) is printed next to what was measured: each phase's
 peak (`memory/<phase>_peak_gib`) less what the sleeping vLLM engine still holds in torch's counter
-(`memory/engine_asleep_gib`), i.e. the training's own memory, against the estimate's `train`.
+(`memory/engine_asleep_gib`), i.e. the training's own memory, against the larger of the
+estimate's `train` and `logprobs` phases.
 
 With --nproc N (weak scaling) each tool runs data-parallel over N GPUs of this machine (ours with
 NPROC_PER_NODE, TRL under torchrun) and does N times the work per rollout batch: 16N prompts,
@@ -194,8 +195,8 @@ def memory_check(rows: list, estimate: dict) -> dict:
     def peak(key):
         return max((r.get(key) or 0.0 for r in rows), default=0.0)
 
-    result = {f"estimate/{key}_gib": estimate[key] for key in ("train", "generate", "peak")
-              if key in estimate}
+    result = {f"estimate/{key}_gib": estimate[key]
+              for key in ("train", "logprobs", "generate", "peak") if key in estimate}
     phases = {phase: peak(f"memory/{phase}_peak_gib") for phase in ("rollout", "logprobs", "train",
                                                                     "sync", "sync_check")}
     if any(phases.values()):
@@ -203,8 +204,8 @@ def memory_check(rows: list, estimate: dict) -> dict:
         training = max(phases["logprobs"], phases["train"]) - asleep
         result.update({f"measured/{phase}_peak_gib": v for phase, v in phases.items() if v},
                       engine_asleep_gib=asleep, training_gib=training,
-                      estimate_vs_training=estimate["train"] / training
-                      if training > 0 and "train" in estimate else None)
+                      estimate_vs_training=max(estimate["train"], estimate.get("logprobs", 0))
+                      / training if training > 0 and "train" in estimate else None)
     return result
 
 

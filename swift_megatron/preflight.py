@@ -213,7 +213,7 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
     lines = ["memory per GPU (estimate, GiB): " + ", ".join(
         f"{name} {result[name]:.1f}" for name in ("weights", "gradients", "optimizer",
                                                     "reference", "teacher", "activations",
-                                                    "head", "vllm", "train", "generate",
+                                                    "head", "vllm", "train", "logprobs", "generate",
                                                     "peak"))]
     if device and result["peak"] > result["device"]:
         lines.append(f"WARNING: the estimated peak {result['peak']:.1f} GiB exceeds this GPU's "
@@ -250,9 +250,12 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         sequence_parallel=p.sequence_parallel,
         lora=t.uses_lora, lora_rank=args.lora.lora_rank, lora_dropout=args.lora.lora_dropout > 0,
         reference_copy=g.has_frozen_reference(t.train_type == "lora") and not g.offload_ref_model,
+        reference_offloaded=g.has_frozen_reference(t.train_type == "lora") and g.offload_ref_model,
         distributed_optimizer=p.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload, micro_batch_tokens=tokens,
         full_recompute=p.recompute_granularity == "full",
+        recompute_method=p.recompute_method or "uniform",
+        recompute_num_layers=p.recompute_num_layers or 1,
         recompute_modules=tuple(p.selective_recompute),
         vllm_fraction=args.vllm.vllm_gpu_memory_utilization if colocate else 0.0,
         offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,

@@ -8,7 +8,8 @@ Per rank, in bytes:
 - optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
   divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
 - reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
-  --ref_model, that model's weights), unless --offload_ref_model keeps it in host memory;
+  --ref_model, that model's weights); --offload_ref_model keeps it in host memory outside its
+  own logprob pass, so it counts in the logprob phase only;
   teacher: --teacher_model's weights (unless offloaded);
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
@@ -16,7 +17,9 @@ Per rank, in bytes:
   attention output and the ffn-wide tensors (2 x (2 hidden + 2 kv) + 6 x ffn), sequence
   parallelism the rest too (measured at TP=2 without it, Qwen2.5-1.5B shape, 8k tokens: 27.5
   GiB of training memory, LoRA 16.7, against 33.7 and 24.4 when all of it was counted whole);
-  a layer's worth only with full recomputation; with context parallelism a rank
+  with full recomputation (--recompute_granularity full) a recompute group's worth (uniform:
+  --recompute_num_layers layers) or, with --recompute_method block, the layers not recomputed
+  plus one, and the input of every checkpoint (2 x hidden per token); with context parallelism a rank
   holds tokens / CP of them, plus each layer's keys and values all-gathered over the whole
   sequence (kept for the backward). Selective recomputation (--recompute_modules) drops what
   a recomputed module alone keeps: layernorm its two outputs (2 x 2 hidden), mlp (dense) or
@@ -31,8 +34,10 @@ Per rank, in bytes:
   gradient (6 bytes x hidden per token of this CP rank);
 - vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
   nothing while asleep (sleep level >= 1).
-The peak is the larger of training (everything but vLLM) and generation (vLLM + what stays
-resident: the weights and, unless offloaded, gradients, optimizer and reference).
+The peak is the largest of the train phase (everything but vLLM), the logprob phase (the
+resident state, the reference and a forward's working set: the head's chunk and one layer's
+activations, nothing kept for a backward) and generation (vLLM + what stays resident: the
+weights and, unless offloaded, gradients, optimizer and reference).
 """
 import dataclasses
 from typing import Dict, Mapping, Optional, Tuple
@@ -59,10 +64,13 @@ class RunShape:
     lora_rank: int = 8
     lora_dropout: bool = False           # --lora_dropout > 0 (with lora)
     reference_copy: bool = True          # a frozen reference on the GPU (beta > 0, not LoRA)
+    reference_offloaded: bool = False    # --offload_ref_model: on the GPU in its own pass only
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     micro_batch_tokens: int = 4096       # prompt + completion tokens of one micro-batch
     full_recompute: bool = False
+    recompute_method: str = "uniform"    # with full_recompute: uniform or block
+    recompute_num_layers: int = 1        # uniform: layers per group; block: recomputed layers
     recompute_modules: Tuple[str, ...] = ("core_attn",)  # recomputed selectively; () for none
     vllm_fraction: float = 0.0           # colocate: --vllm_gpu_memory_utilization; else 0
     offload_model: bool = False
@@ -128,10 +136,22 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
         attention_out = heads * (hf.get("head_dim") or hidden // heads)
         replicated += 2 * hidden                      # masks of the q/k/v and gate/up inputs
         split += attention_out + ffn + 2 * attention_out
-    layers = 1 if run.full_recompute else hf["num_hidden_layers"] // run.pp
+    layers, checkpoints = _kept_layers(hf["num_hidden_layers"] // run.pp, run)
     per_token_layer = replicated / (run.tp if run.sequence_parallel else 1) + split / run.tp
     gathered_kv = 2 * 2 * kv / run.tp if run.cp > 1 else 0  # bf16 K and V of every position
-    return int(run.micro_batch_tokens * layers * (per_token_layer / run.cp + gathered_kv))
+    checkpoint_input = 2 * hidden / (run.tp if run.sequence_parallel else 1) / run.cp
+    return int(run.micro_batch_tokens * (layers * (per_token_layer / run.cp + gathered_kv)
+                                         + checkpoints * checkpoint_input))
+
+
+def _kept_layers(layers: int, run: RunShape) -> Tuple[int, int]:
+    """(layers whose activations live at once in the backward, checkpointed layer inputs)."""
+    if not run.full_recompute:
+        return layers, 0
+    recomputed = min(run.recompute_num_layers, layers)
+    if run.recompute_method == "block":
+        return layers - recomputed + (recomputed > 0), recomputed
+    return recomputed, -(-layers // recomputed)
 
 
 def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> Dict[str, float]:
@@ -152,10 +172,15 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
         not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \
         parts["teacher"]
+    one_layer = activation_bytes(hf, dataclasses.replace(
+        run, full_recompute=True, recompute_method="uniform", recompute_num_layers=1))
+    logprobs = train - parts["activations"] + one_layer + \
+        params * width * (run.reference_offloaded and not run.reference_copy)
     vllm = run.vllm_fraction * (device_bytes or 0)
     result = {name: value / GIB for name, value in parts.items()}
-    result.update(vllm=vllm / GIB, train=train / GIB, generate=(resident + vllm) / GIB)
-    result["peak"] = max(result["train"], result["generate"])
+    result.update(vllm=vllm / GIB, train=train / GIB, logprobs=logprobs / GIB,
+                  generate=(resident + vllm) / GIB)
+    result["peak"] = max(result["train"], result["logprobs"], result["generate"])
     if device_bytes:
         result["device"] = device_bytes / GIB
     return result
