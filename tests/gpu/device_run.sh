@@ -85,6 +85,8 @@
 #                     logits, is the freed memory worth a resident reference?
 #   head_block        ours at the 8k budget, then with the reference offloaded and 21 of the 28
 #                     layers recomputed (--recompute_method block --recompute_num_layers 21)
+#   trl_both          ours with head_block's second flags, then TRL, one command (fits one call
+#                     on a machine where vLLM and TRL's wheels are already installed)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
@@ -104,6 +106,8 @@ GRPO="python3 benchmarks/grpo_step.py --work_dir $WORK --steps 4"
 VLLM="--use_vllm true --vllm_mode colocate --sleep_level 1"
 LEAST="--offload_ref_model true --recompute_granularity full --recompute_method uniform \
 --recompute_num_layers 1"   # the least memory at a token budget (memory_least, trl_memory)
+BOTH="--offload_ref_model true --recompute_granularity full --recompute_method block \
+--recompute_num_layers 21"   # 2x TRL's speed at no more than its memory (head_block, trl_both)
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1)
     local work=/tmp/grpo_server port=8011 model pid status=0 extra
@@ -178,9 +182,10 @@ phase() {
                         --variant ref_resident="--offload_ref_model false" \
                         -- --max_tokens_per_micro_batch 8192 $LEAST ;;
         head_block) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
-                        --tool ours --work_dir /tmp/head_block --variant block="--offload_ref_model \
-true --recompute_granularity full --recompute_method block --recompute_num_layers 21" \
+                        --tool ours --work_dir /tmp/head_block --variant block="$BOTH" \
                         -- --max_tokens_per_micro_batch 8192 ;;
+        trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                      --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \
                           -- --max_tokens_per_micro_batch 8192 $LEAST ;;
