@@ -221,7 +221,8 @@ def test_base_weights_bit_identical_after_100_merged_exports(checks):
 
 def test_lora_backward_has_no_batched_matmul(checks):
     """megatron's frozen output layer multiplied the transposed logits' gradient through
-    torch.matmul's batched fallback (10x slower on an H100): the gradient is made contiguous."""
+    torch.matmul's batched fallback (10x slower on an H100); training's chunked head
+    (model/head.py) runs plain matrix products only."""
     assert checks["qwen3"]["backward_ops"] == {"b2": ["aten::mm"], "b1": ["aten::mm"]}
 
 

@@ -19,7 +19,7 @@ Checks (every model in float32; B random and nonzero unless said otherwise):
     partial         (qwen3) targets q_proj + v_proj only
     errors          (qwen3, qwen3_moe) the UserError messages of bad adapters
     forward_only    (qwen3) a forward-only pass in train mode ignores LoRA dropout
-    backward_ops    (qwen3) the matmul operators of a forward + backward (no batched matmul)
+    backward_ops    (qwen3) the matmul operators of a training forward + backward (no batched matmul)
 """
 import argparse
 import json
@@ -322,18 +322,23 @@ def check_partial(hf_dir, state, out_dir):
 
 
 def check_backward_ops(loaded):
-    """The matmuls of a LoRA forward + backward on a padded batch (b = 2) and on one row (b = 1,
-    as packed sequences are): the logits' gradient reaches the frozen output layer with row-major
-    strides, so no batched matmul (`aten::bmm`) runs."""
+    """The matmuls of a LoRA forward + backward as training runs it (the final hidden states
+    into the output layer's chunked logprobs, model/head.py) on a padded batch (b = 2) and on
+    one row (b = 1, as packed sequences are): plain matrix products only, no batched matmul
+    (`aten::bmm`: megatron's frozen output layer ran one per position on a transposed logit
+    gradient, 240 ms per micro-batch on an H100, docs/gpu.md)."""
     import torch
     from torch.profiler import profile
+
+    from swift_megatron.model.head import FinalHidden, hidden_states_out
 
     ops = {}
     for rows in (2, 1):
         tokens = torch.randint(0, 100, (rows, 16), generator=torch.Generator().manual_seed(0))
         with profile() as prof:
-            logits = loaded.model(tokens, torch.arange(16).expand(rows, 16), None)
-            logits.float().square().mean().backward()
+            with hidden_states_out(loaded.model):
+                hidden = loaded.model(tokens, torch.arange(16).expand(rows, 16), None)
+            FinalHidden(hidden, loaded.model).logprobs(tokens, 1.0, 100).sum().backward()
         loaded.model.zero_grad()
         ops[f"b{rows}"] = sorted({e.key for e in prof.key_averages()} & {"aten::bmm", "aten::mm"})
     return ops
