@@ -172,8 +172,8 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
         not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \
         parts["teacher"]
-    one_layer = activation_bytes(hf, dataclasses.replace(
-        run, full_recompute=True, recompute_method="uniform", recompute_num_layers=1))
+    one_layer = activation_bytes(hf, dataclasses.replace(run, full_recompute=False)) / (
+        hf["num_hidden_layers"] // run.pp)
     logprobs = train - parts["activations"] + one_layer + \
         params * width * (run.reference_offloaded and not run.reference_copy)
     vllm = run.vllm_fraction * (device_bytes or 0)
