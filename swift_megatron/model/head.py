@@ -47,14 +47,15 @@ class FinalHidden:
         return None
 
     def _tokens(self) -> torch.Tensor:
-        """[b x s, h] in [b, s] order, the same on every TP rank, its gradient summed over TP in
-        the backward (as megatron's output layer does: the sequence-parallel all-gather, or a
-        copy whose backward all-reduces; that all-reduce is lost on a non-contiguous gradient,
-        so the copy comes after the reordering)."""
+        """[s x b, h] in the hidden states' own [s, b] order (a view: their gradient comes back
+        row-major, which megatron's frozen linears need under LoRA to run one product instead of
+        one per position), the same on every TP rank, its gradient summed over TP in the
+        backward (as megatron's output layer does: the sequence-parallel all-gather, or a copy
+        whose backward all-reduces)."""
         hidden = self.hidden
         if self.model.config.sequence_parallel:
             hidden = mappings.gather_from_sequence_parallel_region(hidden, True)
-        tokens = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+        tokens = hidden.reshape(-1, hidden.shape[-1])
         if not self.model.config.sequence_parallel and mpu.get_tensor_model_parallel_world_size() > 1:
             tokens = mappings.copy_to_tensor_model_parallel_region(tokens)
         return tokens
@@ -65,11 +66,13 @@ class FinalHidden:
         [T]); with `with_entropy` also the entropy per position (no gradient)."""
         weight = self._tied_weight()
         weight = self.model.output_layer.weight if weight is None else weight
-        values = head_logprobs(self._tokens(), weight, targets.reshape(-1), temperature,
+        order = targets.t() if targets.dim() == 2 else targets     # [s, b], as the hidden states
+        values = head_logprobs(self._tokens(), weight, order.reshape(-1), temperature,
                                vocab_size, with_entropy=with_entropy)
-        if with_entropy:
-            return tuple(v.view(targets.shape) for v in values)
-        return values.view(targets.shape)
+        values = values if with_entropy else (values,)
+        values = tuple(v.view(order.shape).t().contiguous() if targets.dim() == 2 else v
+                       for v in values)
+        return values if with_entropy else values[0]
 
     def logits(self) -> torch.Tensor:
         """[b, s, V / TP]: megatron's output layer, what GPTModel's forward would have returned."""
