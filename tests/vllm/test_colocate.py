@@ -51,6 +51,7 @@ def one_process_world():
                       MASTER_PORT=str(port))
     try:
         if not dist.is_initialized():
+            _forget_vllm_groups()
             dist.init_process_group("gloo")
         yield
     finally:
@@ -59,6 +60,19 @@ def one_process_world():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _forget_vllm_groups():
+    """vLLM keeps its world group (and, until an engine is released, its model-parallel groups)
+    in module globals across engines; after an earlier test of this process destroyed the
+    torch.distributed world they wrap (ParallelState.destroy), the next engine would find them
+    and fail ("not initialized in the world group map"). A fresh world gets fresh groups."""
+    from vllm.distributed import parallel_state
+
+    for name in ("_WORLD", "_NODE_COUNT", "_TP", "_ETP", "_PP", "_DP", "_EP", "_DCP", "_PCP",
+                 "_EPLB", "_ENGRAM_DP"):
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
 
 
 @pytest.fixture(scope="module")
