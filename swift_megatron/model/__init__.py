@@ -1,2 +1,3 @@
 """The Megatron-core model: HF config -> TransformerConfig (config.py), our layer spec (spec.py),
-GPTModel per pipeline stage (build.py), vocab-parallel logprobs and entropy (logprobs.py)."""
+GPTModel per pipeline stage (build.py), the last stage's final hidden states for the loss
+(head.py) and the output layer's vocab-parallel logprobs and entropy from them (logprobs.py)."""
