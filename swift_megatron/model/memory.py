@@ -30,8 +30,8 @@ Per rank, in bytes:
   targets) and the dropped copy of the attention output the o_proj adapter keeps (measured: 29.0
   GiB of training memory against 24.7 estimated without them, Qwen2.5-1.5B shape, 8k tokens);
 - head: the output layer's logprobs keep no [tokens, vocab] logits (model/logprobs.py): a chunk's
-  working set, plus the micro-batch's hidden states reordered for it and their float32
-  gradient (6 bytes x hidden per token of this CP rank);
+  working set, plus the float32 gradient of the micro-batch's hidden states and a block's bf16
+  product added into it (6 bytes x hidden per token of this CP rank);
 - vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
   nothing while asleep (sleep level >= 1).
 The peak is the largest of the train phase (everything but vLLM), the logprob phase (the
