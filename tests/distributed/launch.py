@@ -4,8 +4,10 @@ about the time of one).
 
 Each worker writes `{out_dir}/rank{RANK}.json`; `run_workers` returns those dicts by rank.
 """
+import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,9 +20,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now, drawn below the kernel's ephemeral range. A port from bind(0)
+    lies inside that range, so between this call and the server's own bind, any outgoing
+    connection may take it as its source port (CI saw `megatron rollout` fail with "Address
+    already in use" while the trainer polled that very port)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.SystemRandom().randrange(max(1024, low - 12000), low)   # not the seeded one
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
 
 
 def run_workers(script: str, nproc: int, out_dir, args=(), timeout: int = 300):

@@ -16,7 +16,6 @@
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 
 import pytest
@@ -27,6 +26,7 @@ pytest.importorskip("vllm")
 from safetensors.torch import load_file  # noqa: E402
 
 from swift_megatron.rollout.engine import SamplingConfig  # noqa: E402
+from tests.distributed.launch import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EOS = 499
@@ -44,9 +44,7 @@ def one_process_world():
     import torch.distributed as dist
 
     saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     try:
