@@ -3,7 +3,9 @@
 Session fixtures (swift_megatron.fixtures, built offline into a tmp dir): `tiny_model_dir(family)`
 -> path of a tiny seed-0 checkpoint, `math_dataset_path` -> a 64-row math jsonl.
 """
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _longest_files_first(items)
     import torch
 
     if torch.cuda.is_available():
@@ -22,6 +25,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _longest_files_first(items) -> None:
+    """Order the test files by the seconds tests/durations.json gives them, longest first (a file
+    missing there counts 30 s), each file's tests kept together and in order. With
+    `--dist loadfile --no-loadscope-reorder` (.ci/run) pytest-xdist hands out files in this
+    order, so the last ones to start are short. scripts/test_durations.py refreshes the table."""
+    table = json.loads((Path(__file__).parent / "durations.json").read_text())
+    root = Path(__file__).parent.parent
+
+    def seconds(item):
+        return table.get(item.path.relative_to(root).as_posix(), 30)
+
+    items.sort(key=lambda item: -seconds(item))   # stable: a file's tests stay in order
 
 
 def _restore(before: dict) -> None:
