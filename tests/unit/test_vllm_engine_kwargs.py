@@ -33,11 +33,13 @@ def model_dir(tmp_path):
 
 @pytest.fixture
 def colocate_settings(monkeypatch, model_dir):
-    """Build the trainer's colocate engine with a stand-in LLM; returns the EngineSettings the
-    engine asked vLLM for."""
+    """Build the trainer's colocate engine with a stand-in LLM, in a process without a
+    torch.distributed world (an earlier test of this pytest worker may have left one: vLLM's
+    in-process engines keep theirs); returns the EngineSettings the engine asked vLLM for."""
     from swift_megatron.rollout import factory
 
     seen = {}
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(vllm_compat, "create_llm", lambda s: seen.setdefault("settings", s))
     monkeypatch.setattr(vllm_compat, "version", lambda: (0, 0, 0))
 
