@@ -36,7 +36,8 @@ def _longest_files_first(items) -> None:
     root = Path(__file__).parent.parent
 
     def seconds(item):
-        return table.get(item.path.relative_to(root).as_posix(), 30)
+        path = item.path.relative_to(root) if item.path.is_relative_to(root) else item.path
+        return table.get(path.as_posix(), 30)
 
     items.sort(key=lambda item: -seconds(item))   # stable: a file's tests stay in order
 
