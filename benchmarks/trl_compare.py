@@ -333,6 +333,8 @@ def main():
     parser.add_argument("--eos_context", default="dataset", choices=["dataset", "grid_world"],
                         help="--variable_length: the prompts the EOS is calibrated on")
     parser.add_argument("--tool", default="both", choices=["both", "ours", "trl"])
+    parser.add_argument("--trl_first", action="store_true",
+                        help="run TRL before ours (the first run on a fresh machine is slower)")
     parser.add_argument("--sleep_level", type=int, default=1, choices=[1, 2],
                         help="vLLM's sleep level for both tools (issue 10's setup: 1; TRL's own "
                              "default and ms-swift's scripts: 2)")
@@ -350,7 +352,13 @@ def main():
     os.makedirs(a.work_dir, exist_ok=True)
     model, dataset = prepare(a)
     results = {}
-    if a.tool in ("both", "ours"):
+    tools = [t for t in (("trl", "ours") if a.trl_first else ("ours", "trl"))
+             if a.tool in ("both", t)]
+    for tool in tools:
+        if tool == "trl":
+            results["trl"] = run_trl(a, model, dataset)
+            emit(name="summary", tool="trl", nproc=a.nproc, **rounded(results["trl"]))
+            continue
         for label, extra in [("ours", [])] + [parse_variant(v) for v in a.variant]:
             try:
                 results[label] = run_ours(a, model, dataset, label, extra)
@@ -358,9 +366,6 @@ def main():
                 emit(name="failed", tool=label, returncode=exc.returncode)
                 continue
             emit(name="summary", tool=label, nproc=a.nproc, **rounded(results[label]))
-    if a.tool in ("both", "trl"):
-        results["trl"] = run_trl(a, model, dataset)
-        emit(name="summary", tool="trl", nproc=a.nproc, **rounded(results["trl"]))
     if "trl" in results:
         trl = results["trl"]
         for label, ours in results.items():

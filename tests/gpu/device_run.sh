@@ -186,6 +186,8 @@ phase() {
                         -- --max_tokens_per_micro_batch 8192 ;;
         trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                       --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+                            --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \
                           -- --max_tokens_per_micro_batch 8192 $LEAST ;;
