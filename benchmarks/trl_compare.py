@@ -16,6 +16,9 @@ turns end before the length limit, so that they get a second turn).
 
 Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
 of rollout batches k-1 and k (the first batch, with warm-up, is left out of the averages).
+Ours runs first, TRL second; `--trl_first` swaps them. The first run on a fresh machine stays
+slower for a few batches (on one H200 our rollout phase took 2.04 / 1.83 / 1.58 s over batches
+2-4, 1.45 s when run again; TRL 9.2 / 9.1 / 7.0 s against 8.4 s): quote both orders.
 One JSON line per rollout batch and tool, one per tool with the averages (and for ours the
 per-phase times and the train-phase model FLOP/s against the GPU's dense bf16 peak), and a last
 line with the ratios.

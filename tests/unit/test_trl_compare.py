@@ -1,7 +1,9 @@
 """benchmarks/trl_compare.py's TRL launch: torchrun accepts the worker's command line at 2 GPUs
 (an option of the worker's named like one of torchrun's own made torchrun refuse it as
-ambiguous on the two-GPU machine) and passes the worker's options through unchanged."""
+ambiguous on the two-GPU machine) and passes the worker's options through unchanged; and the
+order of the runs (`--trl_first`) with the ratio lines it ends with."""
 import argparse
+import json
 import os
 import sys
 
@@ -28,3 +30,30 @@ def test_the_trl_worker_line_parses_under_torchrun(nproc):
     assert [parsed.training_script, *parsed.training_script_args] == worker
     assert "--trl_worker" in worker and "--nproc" not in worker
     assert worker[worker.index("--sleep_level") + 1] == "2"   # both tools at one level
+
+
+@pytest.mark.parametrize("trl_first, order", [(False, ["ours", "wide", "trl"]),
+                                              (True, ["trl", "ours", "wide"])])
+def test_trl_first_swaps_the_order_and_keeps_the_ratios(monkeypatch, capsys, tmp_path,
+                                                        trl_first, order):
+    ran = []
+
+    def ours(a, model, dataset, label, extra):
+        ran.append(label)
+        return {"wall_s": 2.0 if label == "ours" else 4.0, "peak_gib": 30.0}
+
+    def trl(a, model, dataset):
+        ran.append("trl")
+        return {"wall_s": 8.0, "peak_gib": 40.0}
+
+    monkeypatch.setattr(trl_compare, "prepare", lambda a: ("/m", "/d.jsonl"))
+    monkeypatch.setattr(trl_compare, "run_ours", ours)
+    monkeypatch.setattr(trl_compare, "run_trl", trl)
+    monkeypatch.setattr(sys, "argv", ["trl_compare.py", "--work_dir", str(tmp_path),
+                                      "--variant", "wide=--x 1",
+                                      *(["--trl_first"] if trl_first else [])])
+    trl_compare.main()
+    assert ran == order
+    lines = [line for line in capsys.readouterr().out.splitlines() if '"ratio"' in line]
+    assert [(r["tool"], r["speedup_vs_trl"], r["memory_vs_trl"]) for r in map(json.loads, lines)] \
+        == [("ours", 4.0, 0.75), ("wide", 2.0, 0.75)]
