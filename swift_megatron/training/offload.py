@@ -10,7 +10,9 @@ Works on whole tensor storages: each storage is copied to host memory (pinned on
 buffers are reused from one offload to the next) and resized to 0 bytes, which frees the device
 memory while every view of it (parameters inside Megatron DDP's contiguous param buffer,
 optimizer shards that alias them) stays a valid tensor object; `reload()` restores the bytes,
-bit for bit. Storages are de-duplicated, and one already at 0 bytes (offloaded by the other
+bit for bit; after a block that only read them (a frozen model's forward pass,
+`resident(read_only=True)`) offloading again frees the device memory without copying the bytes
+back, the host copy still holding them. Storages are de-duplicated, and one already at 0 bytes (offloaded by the other
 offloader, e.g. fp32 training where the optimizer's main params are the model's) is left to its
 owner. Gradients are not kept: Megatron DDP's grad buffers are freed and come back zeroed, as
 every optimizer step starts from zeroed grads. The tensors are collected at each `offload()`
@@ -75,16 +77,19 @@ class Offloader:
     def offloaded(self) -> bool:
         return bool(self._kept or self._dropped)
 
-    def offload(self) -> int:
-        """Move to host memory; returns the bytes freed on the device."""
+    def offload(self, copy: bool = True) -> int:
+        """Move to host memory; returns the bytes freed on the device. `copy=False`: nothing
+        wrote the kept storages since the last offload (`resident(read_only=True)`), so the host
+        buffers still hold their bytes and the device memory is freed without copying back."""
         if self.offloaded:
             return 0
         seen: set = set()
         self._dropped = [(s, s.nbytes()) for s in _unique_storages(self._drop_fn(), seen)]
         self._kept = _unique_storages(self._keep_fn(), seen)
-        for index, storage in enumerate(self._kept):
-            host = self._host_buffer(index, storage)
-            host.copy_(_byte_view(storage), non_blocking=host.is_pinned())
+        if copy or not self._host_matches(self._kept):
+            for index, storage in enumerate(self._kept):
+                host = self._host_buffer(index, storage)
+                host.copy_(_byte_view(storage), non_blocking=host.is_pinned())
         _synchronize(self._kept)
         freed = sum(s.nbytes() for s in self._kept) + sum(n for _, n in self._dropped)
         for storage in self._kept + [s for s, _ in self._dropped]:
@@ -93,6 +98,10 @@ class Offloader:
             torch.cuda.empty_cache()
         logger.debug(f"offloaded {self.name}: {freed / 2**20:.1f} MiB")
         return freed
+
+    def _host_matches(self, storages: Sequence[torch.UntypedStorage]) -> bool:
+        return len(self._host) == len(storages) and all(
+            host.numel() == storage.nbytes() for host, storage in zip(self._host, storages))
 
     def _host_buffer(self, index: int, storage: torch.UntypedStorage) -> torch.Tensor:
         if index < len(self._host) and self._host[index].numel() == storage.nbytes():
@@ -103,10 +112,11 @@ class Offloader:
         return host
 
     @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
+    def resident(self, read_only: bool = False) -> Iterator[None]:
         """For a model that lives in host memory between uses (--offload_teacher_model,
         --offload_ref_model): back on the device inside the block, offloaded again after it. A
-        no-op when not offloaded (so blocks nest)."""
+        no-op when not offloaded (so blocks nest). `read_only`: the block writes none of the
+        kept tensors (a forward pass, a save), so offloading after it copies nothing back."""
         if not self.offloaded:
             yield
             return
@@ -114,7 +124,7 @@ class Offloader:
         try:
             yield
         finally:
-            self.offload()
+            self.offload(copy=not read_only)
 
     def reload(self) -> None:
         """Restore the kept bytes and zeroed memory for the dropped storages."""
@@ -149,9 +159,10 @@ def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
     return Offloader("model", keep, lambda: (g for c in chunks for g in _grad_buffers(c)))
 
 
-def resident(offloader: Optional[Offloader]) -> ContextManager:
-    """`offloader.resident()`, or a block with nothing to move for a model kept on the device."""
-    return offloader.resident() if offloader is not None else contextlib.nullcontext()
+def resident(offloader: Optional[Offloader], read_only: bool = False) -> ContextManager:
+    """`offloader.resident(read_only)`, or a block with nothing to move for a model kept on the
+    device."""
+    return offloader.resident(read_only) if offloader is not None else contextlib.nullcontext()
 
 
 def optimizer_offloader(optimizer) -> Offloader:

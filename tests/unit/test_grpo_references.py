@@ -94,6 +94,31 @@ def test_an_offloaded_reference_mixes_and_comes_back_bit_identical():
     assert offloaded.bias.untyped_storage().nbytes() == 0
 
 
+def test_a_read_only_block_copies_nothing_back(monkeypatch):
+    """After `resident(read_only=True)` (the reference's logprob pass, a save) the device bytes
+    are dropped, the host copy kept: a write inside such a block (which breaks its contract) is
+    lost, one inside a plain block is kept, and only the plain block copies to the host."""
+    model = torch.nn.Linear(3, 2)
+    start = model.weight.detach().clone()
+    reference = Reference([model], [torch.nn.Linear(3, 2)], offload=True)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, src, **kw: copies.append(self.device) or real_copy(self, src, **kw))
+    with reference.resident(read_only=True):
+        entered = len(copies)
+        model.weight.data.add_(1.0)
+    assert len(copies) == entered                   # nothing copied to the host
+    assert model.weight.untyped_storage().nbytes() == 0
+    with reference.resident():
+        assert torch.equal(model.weight, start)     # the write was not copied back
+        reloads = len(copies)
+        model.weight.data.add_(1.0)
+    assert len(copies) > reloads                    # the plain block copied to the host
+    with reference.resident(read_only=True):
+        assert torch.equal(model.weight, start + 1.0)
+
+
 @pytest.mark.parametrize("flags", [["--beta", 0], ["--train_type", "lora"]])
 def test_offload_ref_model_needs_a_reference_of_its_own(flags):
     argv = ["--model", "m", "--dataset", "d", "--offload_ref_model", "true", *map(str, flags)]

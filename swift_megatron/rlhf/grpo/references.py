@@ -39,14 +39,15 @@ class Reference:
         if self.offloader:
             self.offloader.offload()
 
-    def resident(self) -> ContextManager:
-        """The frozen weights on their device inside the block (a no-op unless offloaded)."""
-        return resident(self.offloader)
+    def resident(self, read_only: bool = False) -> ContextManager:
+        """The frozen weights on their device inside the block (a no-op unless offloaded);
+        `read_only`: the block does not change them (nothing to copy back after it)."""
+        return resident(self.offloader, read_only)
 
     def logprobs(self, micro: List[dict], collect) -> List[dict]:
         """The collect callback's outputs per micro-batch (on the last stage)."""
         if self.frozen is not None:
-            with self.resident():
+            with self.resident(read_only=True):
                 return forward_backward(self.frozen, micro, collect, True)
         with disabled(unwrap(self.policy_chunks[0])):
             return forward_backward(self.policy_chunks, micro, collect, True)
@@ -67,7 +68,7 @@ class Reference:
 
     def save(self, directory: str) -> None:
         """The mixed reference weights under directory/ref_model (collective)."""
-        with self.resident():
+        with self.resident(read_only=True):
             save_model(self.frozen, os.path.join(directory, REF_DIR), exist_ok=True)
 
     def load(self, directory: str) -> bool:

@@ -51,7 +51,7 @@ class Teacher:
     def fill_logprobs(self, micro: List[dict], settings: LossSettings) -> None:
         """micro_batch["teacher_logprobs"] [B, S] for every micro-batch (on the last stage)."""
         collect = partial(collect_logprobs, dataclasses.replace(settings, vocab_size=self.vocab_size))
-        with resident(self.offloader):
+        with resident(self.offloader, read_only=True):
             outputs = forward_backward(self.chunks, micro, collect, True)
         for micro_batch, out in zip(micro, outputs):
             micro_batch["teacher_logprobs"] = out["logprobs"]
