@@ -1,6 +1,8 @@
 """Seconds per training step, full-parameter against LoRA, on the same random model and batches:
 megatron DDP, optimizer and forward_backward (the GRPO trainer's step path), next-token
-cross-entropy on random tokens. One JSON line per mode and one with the ratio LoRA / full
+cross-entropy on random tokens through the trainer's output head (model/head.py: chunked
+logprobs; megatron's logits path made LoRA's frozen output layer run one product per position,
+96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the ratio LoRA / full
 (issue: a LoRA step should be no slower than a full one). `--profile DIR` writes a torch-profiler
 table per mode (self time per op, sorted).
 
@@ -24,7 +26,6 @@ PRESETS = dict(PRESETS, small=dict(model_type="qwen2", vocab_size=4096, hidden_s
 
 def run_mode(a, lora: bool, state) -> dict:
     import torch
-    from megatron.core import tensor_parallel
     from transformers import AutoConfig
 
     from swift_megatron.bridge import Bridge
@@ -55,9 +56,8 @@ def run_mode(a, lora: bool, state) -> dict:
                   position_ids=torch.arange(a.seq, device=state.device).expand(a.micro_batch, a.seq))
              for t in tokens]
 
-    def loss_fn(mb, output):
-        loss = tensor_parallel.vocab_parallel_cross_entropy(output.logits().float(),
-                                                            mb["labels"]).mean()
+    def loss_fn(mb, output):   # the GRPO trainer's head: chunked logprobs, no logits held
+        loss = -output.logprobs(mb["labels"], 1.0, shape.vocab_size).mean()
         return loss, {"loss": loss.detach()}
 
     def step():
