@@ -2,9 +2,9 @@
 megatron DDP, optimizer and forward_backward (the GRPO trainer's step path), next-token
 cross-entropy on random tokens through the trainer's output head (model/head.py: chunked
 logprobs; megatron's logits path made LoRA's frozen output layer run one product per position,
-96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the ratio LoRA / full
-(issue: a LoRA step should be no slower than a full one). `--profile DIR` writes a torch-profiler
-table per mode (self time per op, sorted).
+96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the
+ratio LoRA / full (issue: a LoRA step should be no slower than a full one). `--profile DIR`
+writes a torch-profiler table per mode (self time per op, sorted).
 
     python benchmarks/lora_step.py --preset qwen2.5-1.5b                  # GPU
     python benchmarks/lora_step.py --preset small --device cpu --steps 3  # CPU

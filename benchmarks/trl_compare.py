@@ -355,20 +355,9 @@ def main():
     os.makedirs(a.work_dir, exist_ok=True)
     model, dataset = prepare(a)
     results = {}
-    tools = [t for t in (("trl", "ours") if a.trl_first else ("ours", "trl"))
-             if a.tool in ("both", t)]
-    for tool in tools:
-        if tool == "trl":
-            results["trl"] = run_trl(a, model, dataset)
-            emit(name="summary", tool="trl", nproc=a.nproc, **rounded(results["trl"]))
-            continue
-        for label, extra in [("ours", [])] + [parse_variant(v) for v in a.variant]:
-            try:
-                results[label] = run_ours(a, model, dataset, label, extra)
-            except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
-                emit(name="failed", tool=label, returncode=exc.returncode)
-                continue
-            emit(name="summary", tool=label, nproc=a.nproc, **rounded(results[label]))
+    for tool in ("trl", "ours") if a.trl_first else ("ours", "trl"):
+        if a.tool in ("both", tool):
+            (run_all_ours if tool == "ours" else run_trl_once)(a, model, dataset, results)
     if "trl" in results:
         trl = results["trl"]
         for label, ours in results.items():
@@ -376,6 +365,22 @@ def main():
                 emit(name="ratio", tool=label, variable_length=a.variable_length, nproc=a.nproc,
                      speedup_vs_trl=round(trl["wall_s"] / ours["wall_s"], 3),
                      memory_vs_trl=round(ours["peak_gib"] / trl["peak_gib"], 3))
+
+
+def run_all_ours(a, model: str, dataset: str, results: dict) -> None:
+    """Ours, then each --variant, into `results` by label, a summary line each."""
+    for label, extra in [("ours", [])] + [parse_variant(v) for v in a.variant]:
+        try:
+            results[label] = run_ours(a, model, dataset, label, extra)
+        except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
+            emit(name="failed", tool=label, returncode=exc.returncode)
+            continue
+        emit(name="summary", tool=label, nproc=a.nproc, **rounded(results[label]))
+
+
+def run_trl_once(a, model: str, dataset: str, results: dict) -> None:
+    results["trl"] = run_trl(a, model, dataset)
+    emit(name="summary", tool="trl", nproc=a.nproc, **rounded(results["trl"]))
 
 
 def parse_variant(text: str) -> tuple:

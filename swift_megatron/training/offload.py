@@ -12,11 +12,11 @@ memory while every view of it (parameters inside Megatron DDP's contiguous param
 optimizer shards that alias them) stays a valid tensor object; `reload()` restores the bytes,
 bit for bit; after a block that only read them (a frozen model's forward pass,
 `resident(read_only=True)`) offloading again frees the device memory without copying the bytes
-back, the host copy still holding them. Storages are de-duplicated, and one already at 0 bytes (offloaded by the other
-offloader, e.g. fp32 training where the optimizer's main params are the model's) is left to its
-owner. Gradients are not kept: Megatron DDP's grad buffers are freed and come back zeroed, as
-every optimizer step starts from zeroed grads. The tensors are collected at each `offload()`
-(the optimizer's state appears at its first step).
+back, the host copy still holding them. Storages are de-duplicated, and one already at 0 bytes
+(offloaded by the other offloader, e.g. fp32 training where the optimizer's main params are the
+model's) is left to its owner. Gradients are not kept: Megatron DDP's grad buffers are freed and
+come back zeroed, as every optimizer step starts from zeroed grads. The tensors are collected at
+each `offload()` (the optimizer's state appears at its first step).
 On the CPU the same code runs (host to host); it frees nothing there but keeps the path tested.
 On a CUDA machine, tensors already in host memory stay where they are (with
 --optimizer_cpu_offload the Adam state and main params live there; copying them would only

@@ -202,11 +202,6 @@ phase() {
         lora_dropout) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/lora_dropout --variant nodrop="--lora_dropout 0" \
                           -- --max_tokens_per_micro_batch 8192 --train_type lora ;;
-        lora_budget) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
-                         --tool ours --work_dir /tmp/lora_budget \
-                         --variant lora_16k="--train_type lora --lora_dropout 0 --max_tokens_per_micro_batch 16384" \
-                         --variant lora_8k="--train_type lora --lora_dropout 0" \
-                         -- --max_tokens_per_micro_batch 8192 ;;   # full 8k, then LoRA at twice the budget (it fits in less memory)
         fused_logprobs) python3 benchmarks/logprobs_kernel.py || return 1
                         SWIFT_MEGATRON_COMPILE_LOGPROBS=0 python3 benchmarks/trl_compare.py \
                             --preset qwen2.5-1.5b --rollout_batches 4 --tool ours \

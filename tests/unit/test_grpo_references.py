@@ -103,8 +103,11 @@ def test_a_read_only_block_copies_nothing_back(monkeypatch):
     reference = Reference([model], [torch.nn.Linear(3, 2)], offload=True)
     copies = []
     real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_",
-                        lambda self, src, **kw: copies.append(self.device) or real_copy(self, src, **kw))
+    def counted_copy(self, src, **kw):
+        copies.append(self.device)
+        return real_copy(self, src, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
     with reference.resident(read_only=True):
         entered = len(copies)
         model.weight.data.add_(1.0)
