@@ -297,12 +297,18 @@ def test_trajectory_is_a_completion():
 
 @pytest.fixture
 def single_process_group():
+    """A one-process world: the one an earlier test of this process left up on purpose
+    (tests/vllm/test_colocate.py: vLLM's in-process engines keep it), else a new gloo world."""
     import os
 
     import torch.distributed as dist
 
     from tests.distributed.launch import free_port
 
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield dist.group.WORLD
+        return
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield dist.group.WORLD
