@@ -15,7 +15,8 @@ observations instead of the math prompts (for ours with `--use_gym_env`: multi-t
 turns end before the length limit, so that they get a second turn).
 
 Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
-of rollout batches k-1 and k (the first batch, with warm-up, is left out of the averages).
+of rollout batches k-1 and k. The averages leave out the first `--warmup_batches` batches (default
+1: the first batch holds the start-up).
 Ours runs first, TRL second; `--trl_first` swaps them. The first run on a fresh machine stays
 slower for a few batches (on one H200 our rollout phase took 2.04 / 1.83 / 1.58 s over batches
 2-4, 1.45 s when run again; TRL 9.2 / 9.1 / 7.0 s against 8.4 s): quote both orders.
@@ -176,12 +177,12 @@ def run_ours(a, model: str, dataset: str, label: str = "ours", extra: list = ())
     subprocess.run(cmd, check=True, env=env)
     with open(os.path.join(out, "logging.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    walls = [b["time"] - a_["time"] for a_, b in zip(rows, rows[1:])]
+    walls = batch_walls([row["time"] for row in rows])
     for k, (row, wall) in enumerate(zip(rows[1:], walls), start=2):
         emit(name="rollout_batch", tool=label, batch=k, wall_s=round(wall, 3),
              **{key: round(value, 4) for key, value in row.items()
                 if key in PHASE_KEYS or key.startswith("memory/")})
-    later = rows[1:]
+    walls, later = measured(walls, a.warmup_batches), measured(rows[1:], a.warmup_batches)
     summary = dict(wall_s=statistics.mean(walls),
                    peak_gib=max(r.get("perf/max_memory_allocated_gib") or 0 for r in rows),
                    completion_tokens=statistics.mean(r["rollout/completion_tokens"] for r in later))
@@ -259,11 +260,23 @@ def run_trl(a, model: str, dataset: str) -> dict:
     with open(log) as f:
         steps = [json.loads(line) for line in f]
     ends = [s for s in steps if s["step"] % STEPS_PER_ROLLOUT == 0]
-    walls = [b["time"] - a_["time"] for a_, b in zip(ends, ends[1:])]
+    walls = batch_walls([end["time"] for end in ends])
     for k, (end, wall) in enumerate(zip(ends[1:], walls), start=2):
         emit(name="rollout_batch", tool="trl", batch=k, wall_s=round(wall, 3),
              peak_gib=round(end["peak_gib"], 2), completion_length_mean=end["completion_length_mean"])
-    return dict(wall_s=statistics.mean(walls), peak_gib=max(s["peak_gib"] for s in ends))
+    return dict(wall_s=statistics.mean(measured(walls, a.warmup_batches)),
+                peak_gib=max(s["peak_gib"] for s in ends))
+
+
+def batch_walls(ends: list) -> list:
+    """The wall time of rollout batches 2.. from the times their ends were logged."""
+    return [b - a_ for a_, b in zip(ends, ends[1:])]
+
+
+def measured(per_batch: list, warmup_batches: int) -> list:
+    """The entries of batches warmup_batches + 1.. of a list that starts at batch 2 (`batch_walls`,
+    the rows after the first)."""
+    return per_batch[warmup_batches - 1:]
 
 
 def trl_worker(a) -> None:
@@ -331,6 +344,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b")
     parser.add_argument("--rollout_batches", type=int, default=5)
+    parser.add_argument("--warmup_batches", type=int, default=1,
+                        help="the first rollout batches left out of the averages (at least 1, "
+                             "fewer than --rollout_batches)")
     parser.add_argument("--completion_length", type=int, default=256)
     parser.add_argument("--variable_length", action="store_true")
     parser.add_argument("--eos_context", default="dataset", choices=["dataset", "grid_world"],
@@ -352,6 +368,9 @@ def main():
     a = parser.parse_args()
     if a.trl_worker:
         return trl_worker(a)
+    if not 1 <= a.warmup_batches < a.rollout_batches:
+        parser.error(f"--warmup_batches {a.warmup_batches} must be at least 1 and less than "
+                     f"--rollout_batches {a.rollout_batches}")
     os.makedirs(a.work_dir, exist_ok=True)
     model, dataset = prepare(a)
     results = {}
@@ -375,12 +394,14 @@ def run_all_ours(a, model: str, dataset: str, results: dict) -> None:
         except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
             emit(name="failed", tool=label, returncode=exc.returncode)
             continue
-        emit(name="summary", tool=label, nproc=a.nproc, **rounded(results[label]))
+        emit(name="summary", tool=label, nproc=a.nproc, warmup_batches=a.warmup_batches,
+             **rounded(results[label]))
 
 
 def run_trl_once(a, model: str, dataset: str, results: dict) -> None:
     results["trl"] = run_trl(a, model, dataset)
-    emit(name="summary", tool="trl", nproc=a.nproc, **rounded(results["trl"]))
+    emit(name="summary", tool="trl", nproc=a.nproc, warmup_batches=a.warmup_batches,
+         **rounded(results["trl"]))
 
 
 def parse_variant(text: str) -> tuple:

@@ -85,8 +85,9 @@
 #                     logits, is the freed memory worth a resident reference?
 #   head_block        ours at the 8k budget, then with the reference offloaded and 21 of the 28
 #                     layers recomputed (--recompute_method block --recompute_num_layers 21)
-#   trl_both          ours with head_block's second flags, then TRL, one command (fits one call
-#                     on a machine where vLLM and TRL's wheels are already installed)
+#   trl_both          ours with head_block's second flags, then TRL, one command, 6 rollout
+#                     batches, batches 3-6 averaged (fits one call on a machine where vLLM and
+#                     TRL's wheels are already installed); trl_both_first: TRL first
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 set -uo pipefail
@@ -108,6 +109,8 @@ LEAST="--offload_ref_model true --recompute_granularity full --recompute_method 
 --recompute_num_layers 1"   # the least memory at a token budget (memory_least, trl_memory)
 BOTH="--offload_ref_model true --recompute_granularity full --recompute_method block \
 --recompute_num_layers 21"   # 2x TRL's speed at no more than its memory (head_block, trl_both)
+STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
+# for a few batches, whichever tool it is (twelfth session): average batches 3-6 (trl_both*)
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1)
     local work=/tmp/grpo_server port=8011 model pid status=0 extra
@@ -189,9 +192,9 @@ phase() {
         head_block) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --tool ours --work_dir /tmp/head_block --variant block="$BOTH" \
                         -- --max_tokens_per_micro_batch 8192 ;;
-        trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+        trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                       --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
-        trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
+        trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \
