@@ -90,6 +90,10 @@
 #                     TRL's wheels are already installed); trl_both_first: TRL first
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
+#   host_profile      benchmarks/host_profile.py: py-spy over ours with $BOTH (6 rollout
+#                     batches), a table of where the host's time goes per phase in
+#                     $OUT/host_profile/; host_profile_lora: the same for LoRA without dropout.
+#                     py-spy: on PATH, or its static binary carried as .pyspy/py-spy
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -109,6 +113,7 @@ LEAST="--offload_ref_model true --recompute_granularity full --recompute_method 
 --recompute_num_layers 1"   # the least memory at a token budget (memory_least, trl_memory)
 BOTH="--offload_ref_model true --recompute_granularity full --recompute_method block \
 --recompute_num_layers 21"   # 2x TRL's speed at no more than its memory (head_block, trl_both)
+PYSPY=$(command -v py-spy || echo "$PWD/.pyspy/py-spy")   # host_profile*
 STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
 # for a few batches, whichever tool it is (twelfth session): average batches 3-6 (trl_both*)
 
@@ -284,6 +289,13 @@ phase() {
                          --variant offload_ref="--offload_ref_model true" \
                          -- --max_tokens_per_micro_batch 8192 ;;
         lora_step) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --profile $OUT/lora_step ;;
+        host_profile) python3 benchmarks/host_profile.py --out $OUT/host_profile --py_spy "$PYSPY" \
+                          -- --preset qwen2.5-1.5b $STEADY --work_dir /tmp/host_profile \
+                          -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        host_profile_lora) python3 benchmarks/host_profile.py --out $OUT/host_profile_lora \
+                               --py_spy "$PYSPY" -- --preset qwen2.5-1.5b $STEADY \
+                               --work_dir /tmp/host_profile_lora -- --max_tokens_per_micro_batch 8192 \
+                               --train_type lora --lora_dropout 0 ;;
         *) echo "unknown phase $1"; return 2 ;;
     esac
 }
