@@ -1,5 +1,6 @@
 """The adapter branch of a LoRA linear as one autograd node, for linears that communicate nothing
-(tensor-parallel group of one).
+(tensor-parallel group of one); with a frozen base weight the base product joins it
+(`FrozenLinearWithAdapter`), so the whole LoRA linear is one node.
 
     output += scale * (x A^T) P^T,   A = [A_1; ...; A_k]  [k r, in],
     P [rows, k r]: projection i's B_i at its rows of the fused output, in columns i r .. (i+1) r.
@@ -10,7 +11,10 @@ it cost 168 profiled operators per adapted linear and micro-batch more than a fu
 linear; as one node 109 (benchmarks/lora_step.py on the CPU). A LoRA step at one GPU is bound by
 those host costs, not by the GPU (docs/gpu.md). Here the forward is a concatenation, a placement,
 two products (the second adding into the output), the backward four products (the scale folded
-in) and a gather.
+in) and a gather. At one rank megatron's frozen linear around it is two more autograd nodes
+(`copy_to_tensor_model_parallel_region` or `reduce_from_...`, both identities there, and
+`LinearWithFrozenWeight`) and a Python wrapper: `FrozenLinearWithAdapter` does its product
+(and bias) itself and adds the base and adapter input gradients with one `addmm_`.
 
 Under megatron's DDP (training/optim.py wraps it with overlap_grad_reduce off) every adapter
 parameter has a `main_grad` buffer, and DDP's hook would only add the returned gradient into it:
@@ -53,39 +57,95 @@ def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, scale: float) -> torch.Tensor
     return torch.addmm(m1.new_empty(()), m1, m2, beta=0, alpha=scale)
 
 
+def _add_adapter(out2: torch.Tensor, x2: torch.Tensor, layout: AdapterLayout, scale: float,
+                 in_place: bool, params: Sequence[torch.Tensor]):
+    """out2 + scale * (x2 A^T) P^T (into out2 when `in_place`); returns it with A, z = x2 A^T and
+    P for the backward."""
+    k = len(params) // 2
+    a = params[0] if k == 1 else torch.cat(params[:k])
+    placed = layout.place(params[k:], a.shape[0] // k)
+    z = torch.mm(x2, a.t())
+    if in_place:
+        out2.addmm_(z, placed.t(), alpha=scale)
+    else:
+        out2 = torch.addmm(out2, z, placed.t(), alpha=scale)
+    return out2, a, z, placed
+
+
+def _adapter_grads(g2: torch.Tensor, x2: torch.Tensor, a: torch.Tensor, z: torch.Tensor,
+                   placed: torch.Tensor, bs: Sequence[torch.Tensor], layout: AdapterLayout,
+                   scale: float, params: Sequence[torch.Tensor]):
+    """(dL/dz, the gradients to return for `params`) from the output gradient g2 [tokens, rows]."""
+    r = a.shape[0] // len(bs)
+    dz = _scaled_mm(g2, placed, scale)
+    grad_as = torch.mm(dz.t(), x2).split(r)
+    grad_bs = layout.unplace(_scaled_mm(g2.t(), z, scale), bs, r)
+    return dz, _into_main_grads(params, grad_as + grad_bs)
+
+
 class AdapterBranch(torch.autograd.Function):
     """output + scale * (x A^T) P^T; x: the (dropped-out) input of the linear, `params`: A_1..A_k
     then B_1..B_k. `in_place`: add into `output` (whose value nothing saved for its backward)."""
 
     @staticmethod
     def forward(ctx, output, x, layout: AdapterLayout, scale: float, in_place: bool, *params):
-        k = len(params) // 2
-        a = params[0] if k == 1 else torch.cat(params[:k])
-        placed = layout.place(params[k:], a.shape[0] // k)
-        x2 = x.reshape(-1, x.shape[-1])
-        z = torch.mm(x2, a.t())
-        out2 = output.view(-1, output.shape[-1])
+        out2, a, z, placed = _add_adapter(output.view(-1, output.shape[-1]),
+                                          x.reshape(-1, x.shape[-1]), layout, scale, in_place,
+                                          params)
         if in_place:
-            out2.addmm_(z, placed.t(), alpha=scale)
             ctx.mark_dirty(output)
         else:
-            output = torch.addmm(out2, z, placed.t(), alpha=scale).view_as(output)
-        ctx.save_for_backward(x, a, z, placed, *params[k:])
-        ctx.layout, ctx.scale, ctx.k, ctx.params = layout, scale, k, params
+            output = out2.view_as(output)
+        ctx.save_for_backward(x, a, z, placed, *params[len(params) // 2:])
+        ctx.layout, ctx.scale, ctx.params = layout, scale, params
         return output
 
     @staticmethod
     def backward(ctx, grad):
         x, a, z, placed, *bs = ctx.saved_tensors
-        k, scale = ctx.k, ctx.scale
         g2 = grad.reshape(-1, grad.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        dz = _scaled_mm(g2, placed, scale)
+        dz, param_grads = _adapter_grads(g2, x.reshape(-1, x.shape[-1]), a, z, placed, bs,
+                                         ctx.layout, ctx.scale, ctx.params)
         grad_x = torch.mm(dz, a).view_as(x) if ctx.needs_input_grad[1] else None
-        grad_as = torch.mm(dz.t(), x2).split(a.shape[0] // k)
-        grad_placed = _scaled_mm(g2.t(), z, scale)
-        grad_bs = ctx.layout.unplace(grad_placed, bs, a.shape[0] // k)
-        return (grad, grad_x, None, None, None, *_into_main_grads(ctx.params, grad_as + grad_bs))
+        return (grad, grad_x, None, None, None, *param_grads)
+
+
+class FrozenLinearWithAdapter(torch.autograd.Function):
+    """x W^T (+ bias) + scale * (x' A^T) P^T for a frozen W (and bias): a whole LoRA linear of a
+    tensor-parallel group of one as one autograd node. x' is the adapter's dropped-out input, or
+    None when it is x itself (no dropout): the two input gradients are then added by one addmm_.
+    The base product and bias are megatron's `LinearWithFrozenWeight` (a product, then the bias
+    added to its rounded output)."""
+
+    @staticmethod
+    def forward(ctx, x, x_dropped, weight, bias, layout: AdapterLayout, scale: float, *params):
+        x2 = x.reshape(-1, x.shape[-1])
+        out2 = torch.mm(x2, weight.t())
+        if bias is not None:
+            out2.add_(bias)
+        adapter_in = x if x_dropped is None else x_dropped
+        out2, a, z, placed = _add_adapter(out2, adapter_in.reshape(-1, x.shape[-1]), layout,
+                                          scale, True, params)
+        ctx.save_for_backward(weight, adapter_in, a, z, placed, *params[len(params) // 2:])
+        ctx.layout, ctx.scale, ctx.params = layout, scale, params
+        ctx.shared_input = x_dropped is None
+        return out2.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, adapter_in, a, z, placed, *bs = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dz, param_grads = _adapter_grads(g2, adapter_in.reshape(-1, adapter_in.shape[-1]), a, z,
+                                         placed, bs, ctx.layout, ctx.scale, ctx.params)
+        grad_x = grad_dropped = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(g2, weight)
+            if ctx.shared_input:
+                grad_x.addmm_(dz, a)
+            grad_x = grad_x.view_as(adapter_in)
+        if not ctx.shared_input and ctx.needs_input_grad[1]:
+            grad_dropped = torch.mm(dz, a).view_as(adapter_in)
+        return (grad_x, grad_dropped, None, None, None, None, *param_grads)
 
 
 def _into_main_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:

@@ -32,9 +32,10 @@ reduce-scatters over expert-TP, the linears do not communicate) instead pass A (
 through `copy_to_...`: their gradients are summed over expert-TP in backward while input
 gradients stay partial, as the dispatcher expects.
 
-A linear whose (expert-)TP group has one rank communicates nothing: its branch runs as one
-autograd node (lora/branch.py: the same math, fewer host operators); dropout then uses the
-default generator.
+A linear whose (expert-)TP group has one rank communicates nothing: with its frozen base weight
+the whole linear (the base product and the adapters) runs as one autograd node (lora/branch.py
+`FrozenLinearWithAdapter`: the same math, fewer host operations; a LoRA step at one GPU waits on
+the host), else its branch alone does (`AdapterBranch`); dropout then uses the default generator.
 
 Initialisation follows peft (A kaiming-uniform, B zeros) and is layout independent: every rank
 draws the FULL A of each projection from a generator seeded by (seed, global HF module name) and
@@ -67,7 +68,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from swift_megatron.bridge import dims_of
 from swift_megatron.bridge.mapping import Mapping
 from swift_megatron.errors import UserError
-from swift_megatron.lora.branch import AdapterBranch, AdapterLayout
+from swift_megatron.lora.branch import AdapterBranch, AdapterLayout, FrozenLinearWithAdapter
 from swift_megatron.lora.targets import (LoraConfig, LoraTarget, find_targets, rows_on,
                                          split_index)
 
@@ -185,12 +186,28 @@ class _LoraMixin:
         that does not runs as a single autograd node (lora/branch.py)."""
         return self.lora_target.shard.size > 1
 
-    def _branch(self, output: torch.Tensor, x: torch.Tensor, layout: AdapterLayout,
-                in_place: bool) -> torch.Tensor:
+    def _branch(self, output: torch.Tensor, x: torch.Tensor, in_place: bool) -> torch.Tensor:
         """output + scale * B (A dropout(x)) for a linear that communicates nothing."""
         params = (*self.lora_A.values(), *self.lora_B.values())
-        return AdapterBranch.apply(output, self._dropout(x, split_input=False), layout,
+        return AdapterBranch.apply(output, self._dropout(x, split_input=False), self._layout(),
                                    self.lora_scale, in_place, *params)
+
+    def _fuses(self, weight: Optional[torch.Tensor]) -> bool:
+        """Whether the whole linear runs as one node (`_fused`): adapters on, nothing to
+        communicate, the module's own weight, frozen with its bias, and no megatron extras
+        (deferred embedding weight gradients, CPU offloading of activations)."""
+        return (self.lora_enabled and not self._communicates() and weight is None
+                and not self.weight.requires_grad
+                and (self.bias is None or not self.bias.requires_grad)
+                and not self.config.defer_embedding_wgrad_compute
+                and self.config._cpu_offloading_context is None)
+
+    def _fused(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x W^T (+ bias) + scale * B (A dropout(x)) as one autograd node (lora/branch.py)."""
+        dropped = self._dropout(x, split_input=False)
+        params = (*self.lora_A.values(), *self.lora_B.values())
+        return FrozenLinearWithAdapter.apply(x, None if dropped is x else dropped, self.weight,
+                                             bias, self._layout(), self.lora_scale, *params)
 
     def _dropout(self, x: torch.Tensor, split_input: bool) -> torch.Tensor:
         if not (self.lora_dropout and self.training):
@@ -234,15 +251,20 @@ class LoraColumnParallelLinear(_LoraMixin, ColumnParallelLinear):
         return self.lora_index[hf].numel()
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
+        if self._fuses(weight) and not runtime_gather_output:
+            return (self._fused(input_, None if self.skip_bias_add else self.bias),
+                    self.bias if self.skip_bias_add else None)
         output, bias = super().forward(input_, weight, runtime_gather_output)
         if not self.lora_enabled:
             return output, bias
         # the matmul's output is not saved for its backward: adding in place is safe and saves
         # a copy of the (large) fused output
         if not self._communicates():
-            layout = AdapterLayout(self.lora_local_size, self.lora_positions, self.lora_blocks)
-            return self._branch(output, input_, layout, in_place=True), bias
+            return self._branch(output, input_, in_place=True), bias
         return output.add_(self._lora(input_), alpha=self.lora_scale), bias
+
+    def _layout(self) -> AdapterLayout:
+        return AdapterLayout(self.lora_local_size, self.lora_positions, self.lora_blocks)
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
         """The unscaled adapter output in the layout of this rank's fused output rows: one
@@ -287,14 +309,21 @@ class LoraRowParallelLinear(_LoraMixin, RowParallelLinear):
         return self.output_size
 
     def forward(self, input_):
+        if self._fuses(None):
+            output = self._fused(input_, None)
+            if self.skip_bias_add or self.bias is None:
+                return output, self.bias if self.skip_bias_add else None
+            return output + self.bias, None
         output, bias = super().forward(input_)
         if not self.lora_enabled:
             return output, bias
         if not self._communicates():
             # (at TP=1 megatron's reduce hands back its input as a view: no in-place add)
-            layout = AdapterLayout(self.output_size, None, None)
-            return self._branch(output, input_, layout, in_place=False), bias
+            return self._branch(output, input_, in_place=False), bias
         return output + self.lora_scale * self._lora(input_), bias
+
+    def _layout(self) -> AdapterLayout:
+        return AdapterLayout(self.output_size, None, None)
 
     def _lora(self, x: torch.Tensor) -> torch.Tensor:
         (a,), (b,) = self.lora_A.values(), self.lora_B.values()

@@ -252,3 +252,15 @@ def test_peft_fused_expert_adapters_are_rejected_with_a_user_error(checks):
     result = checks["qwen3_moe"]["peft_fused_experts"]
     assert result["target_parameters"] == ["down_proj", "gate_up_proj"]
     assert "target_parameters" in result["error"]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_each_lora_linear_is_one_autograd_node_with_the_same_gradients(checks, family):
+    """At one rank a LoRA linear runs as one autograd node (lora/branch.py
+    FrozenLinearWithAdapter), with the loss and every gradient of megatron's frozen linear plus
+    the adapter branch (qwen2: q/k/v with biases; qwen3_moe: the experts), dropout on and off."""
+    for dropout, result in checks[family]["one_node"].items():
+        print(f"{family} dropout {dropout}: {result}")
+        assert result["same_params"]
+        assert result["loss"] <= 1e-6 and result["grads"] <= 1e-5
+        assert result["nodes_two"] == 0 and result["nodes_one"] == result["linears"]

@@ -1,9 +1,10 @@
-"""lora/branch.py: the one-node adapter branch against the same math as plain torch ops, values
-and gradients, and torch's numerical gradient check (float64)."""
+"""lora/branch.py: the one-node adapter branch, and the whole frozen linear with its adapters as
+one node, against the same math as plain torch ops, values and gradients, and torch's numerical
+gradient check (float64)."""
 import pytest
 import torch
 
-from swift_megatron.lora.branch import AdapterBranch, AdapterLayout
+from swift_megatron.lora.branch import AdapterBranch, AdapterLayout, FrozenLinearWithAdapter
 
 R, IN, SCALE = 2, 5, 1.5
 
@@ -105,3 +106,48 @@ def test_gradients_go_into_main_grad_buffers_under_ddp():
     for param, value, want in zip(params, start, ref):
         assert param.grad is None
         torch.testing.assert_close(param.main_grad, value + want.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_the_frozen_linear_with_adapters_equals_the_plain_ops(with_bias, dropout):
+    """x W^T + bias + adapters of x' (x' = x, or a dropped-out copy): values, the gradients of x
+    (through both paths when dropped out) and of the adapters; W and the bias get none."""
+    layout, positions, a_s, b_s = fused_case()
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(10, IN, generator=gen, dtype=torch.float64)
+    bias = torch.randn(10, generator=gen, dtype=torch.float64) if with_bias else None
+    x0 = torch.randn(3, 4, IN, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(3, 4, IN, generator=gen) > 0.3).double() / 0.7
+    upstream = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
+
+    x, *params = leaves(x0, *a_s, *b_s)
+    dropped = x * mask if dropout else None
+    ours = FrozenLinearWithAdapter.apply(x, dropped, weight, bias, layout, SCALE, *params)
+    ours.backward(upstream)
+    ref_x, *ref_params = leaves(x0, *a_s, *b_s)
+    base = ref_x @ weight.t() + (bias if with_bias else 0.0)
+    ref = plain(base, ref_x * mask if dropout else ref_x, positions, ref_params[:3],
+                ref_params[3:])
+    ref.backward(upstream)
+
+    assert ours.shape == (3, 4, 10)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip([x, *params], [ref_x, *ref_params]):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_numerical_gradients_of_the_frozen_linear_with_adapters():
+    layout, _, a_s, b_s = fused_case()
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(10, IN, generator=gen, dtype=torch.float64)
+    bias = torch.randn(10, generator=gen, dtype=torch.float64)
+    x, dropped = leaves(torch.randn(6, IN, generator=gen, dtype=torch.float64),
+                        torch.randn(6, IN, generator=gen, dtype=torch.float64))
+    params = leaves(*a_s, *b_s)
+    assert torch.autograd.gradcheck(
+        lambda x, *p: FrozenLinearWithAdapter.apply(x, None, weight, bias, layout, SCALE, *p),
+        (x, *params))
+    assert torch.autograd.gradcheck(   # a separate adapter input (dropout)
+        lambda x, d, *p: FrozenLinearWithAdapter.apply(x, d, weight, None, layout, SCALE, *p),
+        (x, dropped, *params))

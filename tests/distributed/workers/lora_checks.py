@@ -20,6 +20,9 @@ Checks (every model in float32; B random and nonzero unless said otherwise):
     errors          (qwen3, qwen3_moe) the UserError messages of bad adapters
     forward_only    (qwen3) a forward-only pass in train mode ignores LoRA dropout
     backward_ops    (qwen3) the matmul operators of a training forward + backward (no batched matmul)
+    one_node        (qwen2, qwen3_moe) each LoRA linear as one autograd node, equal to megatron's
+                    frozen linear plus the adapter branch (loss and gradients, with and without
+                    dropout)
 """
 import argparse
 import json
@@ -344,6 +347,63 @@ def check_backward_ops(loaded):
     return ops
 
 
+def _autograd_nodes(root, name: str) -> int:
+    """How many nodes named `name` the autograd graph under `root` holds."""
+    seen, stack, count = set(), [root], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+def check_one_node(hf_dir, state):
+    """At one rank each LoRA linear runs as one autograd node (lora/branch.py
+    FrozenLinearWithAdapter) instead of megatron's frozen linear plus the adapter branch; both
+    give the same loss and gradients, with dropout (the same masks: one draw per linear, in the
+    same order) and without. The relative differences, the count of one-node linears in each
+    graph and the number of adapted linears."""
+    import torch
+
+    from swift_megatron.lora import LoraConfig
+    from swift_megatron.lora.layers import _LoraMixin, lora_modules
+    from swift_megatron.model.head import FinalHidden, hidden_states_out
+
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    result = {}
+    for dropout in (0.0, 0.1):
+        loaded = mcore(hf_dir, state, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=dropout,
+                                                 target_modules=("all-linear",), seed=SEED))
+        model, runs = loaded.model.train(), []
+        for one_node in (True, False):
+            original = _LoraMixin._fuses
+            if not one_node:
+                _LoraMixin._fuses = lambda self, weight: False
+            try:
+                torch.manual_seed(0)
+                with hidden_states_out(model):
+                    hidden = model(tokens, torch.arange(16).expand(2, 16), None)
+                loss = FinalHidden(hidden, model).logprobs(tokens, 1.0, 100).sum()
+                nodes = _autograd_nodes(loss.grad_fn, "FrozenLinearWithAdapterBackward")
+                loss.backward()
+            finally:
+                _LoraMixin._fuses = original
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad()
+            runs.append((loss.detach(), grads, nodes))
+        (loss1, grads1, nodes1), (loss2, grads2, nodes2) = runs
+        result[str(dropout)] = dict(
+            loss=float((loss1 - loss2).abs() / loss2.abs()),
+            same_params=grads1.keys() == grads2.keys(),
+            grads=max(float((grads1[n] - grads2[n]).abs().max()
+                            / grads2[n].abs().max().clamp_min(1e-12)) for n in grads2),
+            nodes_one=nodes1, nodes_two=nodes2, linears=len(lora_modules(model)))
+    return result
+
+
 def check_forward_only_is_deterministic(hf_dir, state, tokens):
     """A forward-only pass (old-policy / reference / weight-sync logprobs) of a model in train
     mode with LoRA dropout 0.5 gives the same logits twice (dropout off) and leaves the model in
@@ -462,6 +522,8 @@ def run_family(family, root, out, state):
         result["forward_only"] = check_forward_only_is_deterministic(hf_dir, state, tokens)
         result["partial"] = check_partial(hf_dir, state, os.path.join(work, "partial"))
         result["errors"] = check_errors(hf_dir, state, adapter_dir, work)
+    if family in ("qwen2", "qwen3_moe"):
+        result["one_node"] = check_one_node(hf_dir, state)
     if not dense:
         result["peft_fused_experts"] = check_peft_fused_experts(hf_dir, state,
                                                                 os.path.join(work, "fused"))
