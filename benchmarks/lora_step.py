@@ -4,7 +4,7 @@ cross-entropy on random tokens through the trainer's output head (model/head.py:
 logprobs; megatron's logits path made LoRA's frozen output layer run one product per position,
 96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the
 ratio LoRA / full (issue: a LoRA step should be no slower than a full one). `--profile DIR`
-writes a torch-profiler table per mode (self time per op, sorted).
+writes a torch-profiler table per mode (self time per op, by host time, then on CUDA by GPU time).
 
     python benchmarks/lora_step.py --preset qwen2.5-1.5b                  # GPU
     python benchmarks/lora_step.py --preset small --device cpu --steps 3  # CPU
@@ -82,9 +82,12 @@ def run_mode(a, lora: bool, state) -> dict:
         with profile(activities=activities) as prof:
             step()
         os.makedirs(a.profile, exist_ok=True)
-        sort = "self_cuda_time_total" if state.device.type == "cuda" else "self_cpu_time_total"
+        sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"]
+                                           if state.device.type == "cuda" else [])
         with open(os.path.join(a.profile, f"{'lora' if lora else 'full'}.txt"), "w") as f:
-            f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
+            for sort in sorts:   # the host's time first: a step at one GPU waits on it
+                f.write(f"sorted by {sort}\n")
+                f.write(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
         calls = sum(event.count for event in prof.key_averages())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"name": "lora_step", "mode": "lora" if lora else "full", "preset": a.preset,

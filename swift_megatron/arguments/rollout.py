@@ -61,8 +61,10 @@ class RolloutArguments:
                          choices=["colocate", "server"])
     sleep_level: int = arg(0, "Colocate: while training, vLLM releases its KV cache and offloads "
                            "its weights to host memory (1) or discards them (2; they are "
-                           "reloaded by the next weight sync, which sends every weight).",
-                           choices=[0, 1, 2])
+                           "reloaded by the next weight sync, which sends every weight). At 1, "
+                           "when every sync sends every weight anyway (always, except with a "
+                           "frozen vision tower), the weights are discarded as at 2: the host "
+                           "copy would be overwritten unread.", choices=[0, 1, 2])
     offload_model: bool = arg(False, "Colocate: move the training weights (and free the grads) "
                               "to host memory while vLLM generates.")
     offload_optimizer: bool = arg(False, "Colocate: move the optimizer state and main params to "

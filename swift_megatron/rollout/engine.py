@@ -48,8 +48,8 @@ def default_seeds(sampling: SamplingConfig, count: int) -> List[int]:
 
 class RolloutEngine(Protocol):
     weight_version: int
-    weights_discarded: bool   # True while the engine holds no weights (a level-2 sleep of the
-                              # colocate engine since the last update_weights)
+    weights_discarded: bool   # True while the engine holds no weights (a sleep of the colocate
+                              # engine that discarded them since the last update_weights)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seeds: Optional[Sequence[int]] = None,

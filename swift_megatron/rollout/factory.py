@@ -61,9 +61,11 @@ def vision_engine_kwargs(model_dir: str, max_pixels: Optional[int], dummy_weight
 
 def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: Sequence[int], pad_token_id: int,
-                 images: bool = False) -> RolloutEngine:
+                 images: bool = False, full_syncs: bool = False) -> RolloutEngine:
     """The engine the flags ask for (see the module docstring); `images`: whether the run's
-    prompts hold images (a Qwen3.5 vLLM engine then starts with its vision tower)."""
+    prompts hold images (a Qwen3.5 vLLM engine then starts with its vision tower);
+    `full_syncs`: every weight sync sends every weight (a colocate engine then discards its
+    weights at a level-1 sleep too, vllm_colocate.py)."""
     kind = engine_kind(args, device)
     bucket_bytes = args.rollout.weight_sync_bucket_mb << 20
     if kind == "hf":
@@ -97,5 +99,5 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         max_model_len=v.vllm_max_model_len or args.data.max_length,
         max_num_seqs=v.vllm_max_num_seqs, enforce_eager=v.vllm_enforce_eager,
         enable_prefix_caching=v.vllm_enable_prefix_caching, sleep_level=args.rollout.sleep_level,
-        bucket_bytes=bucket_bytes, engine_kwargs=engine_kwargs)
+        full_syncs=full_syncs, bucket_bytes=bucket_bytes, engine_kwargs=engine_kwargs)
     return ColocateEngine(settings, eos_token_ids)

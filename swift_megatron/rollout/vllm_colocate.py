@@ -15,10 +15,14 @@ weight_sync.py), then resets the prefix cache and bumps `weight_version`.
 
 Memory hand-over (`--sleep_level`): `sleep()` after generation releases the KV cache and
 offloads (1) or discards (2) the weights; `update_weights` wakes the weights only, `wake_up()`
-the rest before the next generation. After a level-2 sleep the engine holds no weights
+the rest before the next generation. With `full_syncs` (every `update_weights` sends every
+weight, as GRPO's does unless it leaves a frozen vision tower out) a level-1 sleep discards the
+weights too: the host copy vLLM's level 1 keeps would be overwritten by the next update before
+anything read it, and copying 3 GB out at every sleep and back at every sync cost 0.3-0.5 s per
+rollout batch at 1.5B (docs/gpu.md). After a discarding sleep the engine holds no weights
 (`weights_discarded`) until the next `update_weights`: waking it before that raises, since vLLM
 would generate from whatever the re-mapped memory holds (a GRPO run measured 0.67 mean logprob
-mismatch that way, docs/gpu.md); the trainer pushes again when a level-2 sleep followed its
+mismatch that way, docs/gpu.md); the trainer pushes again when a discarding sleep followed its
 sync (e.g. after --check_weight_sync's generation). On the CPU vLLM has no sleep mode: the
 calls are accepted and change nothing. On CUDA, `allocated_while_asleep` is the part of torch's
 allocated-memory counter the sleeping engine still holds (what it allocated at construction
@@ -62,6 +66,7 @@ class ColocateSettings:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     sleep_level: int = 0
+    full_syncs: bool = False   # every update_weights sends every weight (module docstring)
     bucket_bytes: int = 512 << 20
     engine_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -100,7 +105,7 @@ class ColocateEngine:
         self.allocated_while_asleep: Optional[int] = None   # CUDA, after the first sleep()
         self.image_token_id = load_hf_config(settings.model_dir).get("image_token_id")
         self._asleep: List[str] = []  # memory kinds released by sleep(): "weights", "kv_cache"
-        self.weights_discarded = False  # a level-2 sleep since the last update_weights
+        self.weights_discarded = False  # a discarding sleep since the last update_weights
 
     def _build(self):
         s = self.settings
@@ -171,15 +176,16 @@ class ColocateEngine:
         if self.settings.sleep_level == 0 or self._asleep:
             return
         before = _allocated()
-        vllm_compat.sleep(self.llm, self.settings.sleep_level)
+        discard = self.settings.sleep_level == 2 or self.settings.full_syncs
+        vllm_compat.sleep(self.llm, 2 if discard else 1)
         self._asleep = ["weights", "kv_cache"]
-        self.weights_discarded = self.settings.sleep_level == 2
+        self.weights_discarded = discard
         if torch.cuda.is_available() and self.allocated_while_asleep is None:
             self.allocated_while_asleep = self._built_bytes - (before - _allocated())
 
     def wake_up(self) -> None:
         if self.weights_discarded:
-            raise RuntimeError("the colocate engine's weights were discarded by a level-2 sleep: "
+            raise RuntimeError("the colocate engine's weights were discarded by its last sleep: "
                                "update_weights must come before wake_up")
         if self._asleep:
             vllm_compat.wake_up(self.llm, list(self._asleep))

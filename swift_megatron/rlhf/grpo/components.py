@@ -364,7 +364,8 @@ def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok, prompts:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eng = build_engine(args, model_dir=pol.model_dir, device=state.device, dtype=pol.dtype,
                        eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad,
-                       images=any(p.images for p in prompts))
+                       images=any(p.images for p in prompts),
+                       full_syncs=sync_filter(args, pol) is None)
     try:
         check_multi_turn_sources(args, getattr(eng, "server_scheduler", None))
     except UserError:

@@ -160,7 +160,7 @@ class GRPOTrainer:
     @contextlib.contextmanager
     def generating(self):
         """The engine awake (and, in colocate mode, the training state offloaded if asked).
-        An engine whose weights a level-2 sleep discarded since the last sync (the sleep after
+        An engine whose weights a sleep discarded since the last sync (the sleep after
         --check_weight_sync's or an evaluation's generation) gets the weights pushed again."""
         if self.engine.weights_discarded:
             self._push_weights()
