@@ -14,6 +14,11 @@ What differs, and how it is handled here:
   logits after penalties, temperature and top-k/top-p, i.e. of softmax(logits / temperature)
   when top-k/top-p are off; with top-k/top-p on they are the filtered, renormalised
   distribution the token was drawn from (vLLM offers no temperature-only mode then).
+  `flat_logprobs=True` (both releases) returns them as one `FlatLogprobs` per request (flat
+  lists, the sampled token first at each position) instead of a dict and a `Logprob` object per
+  token: 32k tokens per rollout batch made 64k Python objects; vLLM's per-token logprob
+  bookkeeping, those objects included, took about 9% of the rollout phase's host samples on an
+  H200 (docs/gpu.md, fourteenth session).
 - Reaching the model: `worker.model_runner.get_model()` (both releases; unwraps CUDA graphs).
 - Loading weights: for a dense model on CUDA, `model.load_weights(bucket)` writes into the
   live parameters (the kernels use them as loaded). Where vLLM transforms weights after
@@ -331,23 +336,28 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: in
                     repetition_penalty: float, seed: Optional[int],
                     stop_token_ids: Sequence[int] = (), logprobs: bool = True):
     """SamplingParams for one request: the sampled token's logprob (processed mode, see the
-    module docstring), token ids only (no detokenization)."""
+    module docstring) in vLLM's flat container (module docstring), token ids only (no
+    detokenization)."""
     from vllm import SamplingParams
 
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=top_k if top_k > 0 else 0, repetition_penalty=repetition_penalty, seed=seed,
         stop_token_ids=list(stop_token_ids) or None, logprobs=0 if logprobs else None,
-        detokenize=False)
+        flat_logprobs=logprobs, detokenize=False)
 
 
 def completion_fields(output) -> Tuple[List[int], Optional[List[float]], str]:
-    """(token ids, logprob of each sampled token or None, "stop" | "length") of a RequestOutput."""
+    """(token ids, logprob of each sampled token or None, "stop" | "length") of a RequestOutput
+    asked for by `sampling_params`: each position's first flat entry is the sampled token's."""
     sample = output.outputs[0]
     tokens = list(sample.token_ids)
+    flat = sample.logprobs
     logprobs = None
-    if sample.logprobs is not None:
-        logprobs = [float(sample.logprobs[i][t].logprob) for i, t in enumerate(tokens)]
+    if flat is not None:
+        logprobs = [float(flat.logprobs[start]) for start in flat.start_indices]
+        if len(logprobs) != len(tokens):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
     reason = "length" if sample.finish_reason == "length" else "stop"
     return tokens, logprobs, reason
 

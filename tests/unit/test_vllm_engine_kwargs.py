@@ -1,8 +1,8 @@
 """--vllm_max_num_seqs and --vllm_engine_kwargs without starting vLLM: the LLM(...) keywords of
 the colocate engine (built by the trainer's factory) and of the `megatron rollout` replicas, the
 precedence (flags over the kwargs dict, swift-megatron's required keywords over both), and the
-UserErrors for keys vLLM does not take or that would break weight sync / logprobs. An engine
-really started with them: tests/vllm/test_colocate.py and tests/vllm/test_server.py."""
+UserErrors for keys vLLM does not take or that would break weight sync / logprobs; the sampled
+logprobs read from vLLM's flat container. An engine really started with them: tests/vllm/test_colocate.py and tests/vllm/test_server.py."""
 import logging
 from types import SimpleNamespace
 
@@ -230,3 +230,23 @@ def test_images_with_a_language_only_engine_are_refused(monkeypatch, qwen3_5_dir
     with pytest.raises(UserError, match="language_model_only.*holds images"):
         factory.build_engine(args, model_dir=qwen3_5_dirs[0], device=torch.device("cpu"),
                              dtype=torch.float32, eos_token_ids=[2], pad_token_id=0, images=True)
+
+
+def test_sampled_logprobs_come_flat_and_sampled_first():
+    """`sampling_params` asks vLLM for FlatLogprobs; `completion_fields` takes each position's
+    first entry (vLLM puts the sampled token first, then any top-k), one per token."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    params = vllm_compat.sampling_params(8, 1.0, 1.0, 0, 1.0, seed=1)
+    assert params.flat_logprobs and params.logprobs == 0
+    plain = vllm_compat.sampling_params(8, 1.0, 1.0, 0, 1.0, seed=1, logprobs=False)
+    assert not plain.flat_logprobs and plain.logprobs is None
+    flat = FlatLogprobs()
+    flat.append({5: Logprob(-0.5, rank=2), 9: Logprob(-0.1, rank=1)})   # sampled 5, top-1 9
+    flat.append({7: Logprob(-1.25, rank=1)})
+    sample = SimpleNamespace(token_ids=[5, 7], logprobs=flat, finish_reason="stop")
+    assert vllm_compat.completion_fields(SimpleNamespace(outputs=[sample])) == (
+        [5, 7], [-0.5, -1.25], "stop")
+    sample.token_ids = [5, 7, 3]
+    with pytest.raises(RuntimeError, match="2 logprobs for 3 tokens"):
+        vllm_compat.completion_fields(SimpleNamespace(outputs=[sample]))
