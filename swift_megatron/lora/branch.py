@@ -14,7 +14,10 @@ two products (the second adding into the output), the backward four products (th
 in) and a gather. At one rank megatron's frozen linear around it is two more autograd nodes
 (`copy_to_tensor_model_parallel_region` or `reduce_from_...`, both identities there, and
 `LinearWithFrozenWeight`) and a Python wrapper: `FrozenLinearWithAdapter` does its product
-(and bias) itself and adds the base and adapter input gradients with one `addmm_`.
+(and bias) itself and adds the base and adapter input gradients with one `addmm_`. With LoRA
+dropout it also draws the adapter input's mask itself (torch's `native_dropout`, the kernel
+`F.dropout` runs on CUDA, with the same draws), so the dropout is no autograd node of its own
+and the two input gradients need no separate accumulation.
 
 Under megatron's DDP (training/optim.py wraps it with overlap_grad_reduce off) every adapter
 parameter has a `main_grad` buffer, and DDP's hook would only add the returned gradient into it:
@@ -112,40 +115,41 @@ class AdapterBranch(torch.autograd.Function):
 
 class FrozenLinearWithAdapter(torch.autograd.Function):
     """x W^T (+ bias) + scale * (x' A^T) P^T for a frozen W (and bias): a whole LoRA linear of a
-    tensor-parallel group of one as one autograd node. x' is the adapter's dropped-out input, or
-    None when it is x itself (no dropout): the two input gradients are then added by one addmm_.
+    tensor-parallel group of one as one autograd node. x' = dropout(x) with probability
+    `dropout` (torch's dropout kernel, `native_dropout`, drawn here: no dropout node of its own),
+    or x itself at 0; the two input gradients are added into one buffer (by an addmm_ at 0).
     The base product and bias are megatron's `LinearWithFrozenWeight` (a product, then the bias
     added to its rounded output)."""
 
     @staticmethod
-    def forward(ctx, x, x_dropped, weight, bias, layout: AdapterLayout, scale: float, *params):
+    def forward(ctx, x, dropout: float, weight, bias, layout: AdapterLayout, scale: float,
+                *params):
         x2 = x.reshape(-1, x.shape[-1])
         out2 = torch.mm(x2, weight.t())
         if bias is not None:
             out2.add_(bias)
-        adapter_in = x if x_dropped is None else x_dropped
-        out2, a, z, placed = _add_adapter(out2, adapter_in.reshape(-1, x.shape[-1]), layout,
-                                          scale, True, params)
-        ctx.save_for_backward(weight, adapter_in, a, z, placed, *params[len(params) // 2:])
-        ctx.layout, ctx.scale, ctx.params = layout, scale, params
-        ctx.shared_input = x_dropped is None
+        adapter_in, mask = torch.native_dropout(x2, dropout, True) if dropout else (x2, None)
+        out2, a, z, placed = _add_adapter(out2, adapter_in, layout, scale, True, params)
+        ctx.save_for_backward(weight, adapter_in, mask, a, z, placed, *params[len(params) // 2:])
+        ctx.layout, ctx.scale, ctx.params, ctx.dropout = layout, scale, params, dropout
         return out2.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        weight, adapter_in, a, z, placed, *bs = ctx.saved_tensors
+        weight, adapter_in, mask, a, z, placed, *bs = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        dz, param_grads = _adapter_grads(g2, adapter_in.reshape(-1, adapter_in.shape[-1]), a, z,
-                                         placed, bs, ctx.layout, ctx.scale, ctx.params)
-        grad_x = grad_dropped = None
+        dz, param_grads = _adapter_grads(g2, adapter_in, a, z, placed, bs, ctx.layout, ctx.scale,
+                                         ctx.params)
+        grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.mm(g2, weight)
-            if ctx.shared_input:
+            if mask is None:
                 grad_x.addmm_(dz, a)
-            grad_x = grad_x.view_as(adapter_in)
-        if not ctx.shared_input and ctx.needs_input_grad[1]:
-            grad_dropped = torch.mm(dz, a).view_as(adapter_in)
-        return (grad_x, grad_dropped, None, None, None, None, *param_grads)
+            else:
+                grad_x.add_(torch.ops.aten.native_dropout_backward(
+                    torch.mm(dz, a), mask, 1.0 / (1.0 - ctx.dropout)))
+            grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
+        return (grad_x, None, None, None, None, None, *param_grads)
 
 
 def _into_main_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:

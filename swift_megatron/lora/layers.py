@@ -203,11 +203,12 @@ class _LoraMixin:
                 and self.config._cpu_offloading_context is None)
 
     def _fused(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x W^T (+ bias) + scale * B (A dropout(x)) as one autograd node (lora/branch.py)."""
-        dropped = self._dropout(x, split_input=False)
+        """x W^T (+ bias) + scale * B (A dropout(x)) as one autograd node (lora/branch.py), the
+        dropout drawn inside it."""
         params = (*self.lora_A.values(), *self.lora_B.values())
-        return FrozenLinearWithAdapter.apply(x, None if dropped is x else dropped, self.weight,
-                                             bias, self._layout(), self.lora_scale, *params)
+        dropout = self.lora_dropout if self.training else 0.0
+        return FrozenLinearWithAdapter.apply(x, dropout, self.weight, bias, self._layout(),
+                                             self.lora_scale, *params)
 
     def _dropout(self, x: torch.Tensor, split_input: bool) -> torch.Tensor:
         if not (self.lora_dropout and self.training):

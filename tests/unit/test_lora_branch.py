@@ -109,26 +109,28 @@ def test_gradients_go_into_main_grad_buffers_under_ddp():
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_the_frozen_linear_with_adapters_equals_the_plain_ops(with_bias, dropout):
-    """x W^T + bias + adapters of x' (x' = x, or a dropped-out copy): values, the gradients of x
-    (through both paths when dropped out) and of the adapters; W and the bias get none."""
+    """x W^T + bias + adapters of x' (x' = x, or dropout(x) drawn inside the node with torch's
+    native_dropout): values, the gradients of x (through both paths when dropped out) and of the
+    adapters; W and the bias get none."""
     layout, positions, a_s, b_s = fused_case()
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(10, IN, generator=gen, dtype=torch.float64)
     bias = torch.randn(10, generator=gen, dtype=torch.float64) if with_bias else None
     x0 = torch.randn(3, 4, IN, generator=gen, dtype=torch.float64)
-    mask = (torch.rand(3, 4, IN, generator=gen) > 0.3).double() / 0.7
     upstream = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
-
+    torch.manual_seed(7)   # the node's draw, then the same draw for the reference's mask
     x, *params = leaves(x0, *a_s, *b_s)
-    dropped = x * mask if dropout else None
-    ours = FrozenLinearWithAdapter.apply(x, dropped, weight, bias, layout, SCALE, *params)
+    ours = FrozenLinearWithAdapter.apply(x, dropout, weight, bias, layout, SCALE, *params)
     ours.backward(upstream)
+    torch.manual_seed(7)
+    mask = torch.native_dropout(x0.reshape(-1, IN), dropout, True)[1].view_as(x0) \
+        if dropout else torch.ones_like(x0, dtype=torch.bool)
+    assert 0 < mask.sum() < mask.numel() or not dropout   # the case drops some inputs
     ref_x, *ref_params = leaves(x0, *a_s, *b_s)
     base = ref_x @ weight.t() + (bias if with_bias else 0.0)
-    ref = plain(base, ref_x * mask if dropout else ref_x, positions, ref_params[:3],
-                ref_params[3:])
+    ref = plain(base, ref_x * mask / (1 - dropout), positions, ref_params[:3], ref_params[3:])
     ref.backward(upstream)
 
     assert ours.shape == (3, 4, 10)
@@ -142,12 +144,14 @@ def test_numerical_gradients_of_the_frozen_linear_with_adapters():
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(10, IN, generator=gen, dtype=torch.float64)
     bias = torch.randn(10, generator=gen, dtype=torch.float64)
-    x, dropped = leaves(torch.randn(6, IN, generator=gen, dtype=torch.float64),
-                        torch.randn(6, IN, generator=gen, dtype=torch.float64))
+    x, = leaves(torch.randn(6, IN, generator=gen, dtype=torch.float64))
     params = leaves(*a_s, *b_s)
     assert torch.autograd.gradcheck(
-        lambda x, *p: FrozenLinearWithAdapter.apply(x, None, weight, bias, layout, SCALE, *p),
+        lambda x, *p: FrozenLinearWithAdapter.apply(x, 0.0, weight, bias, layout, SCALE, *p),
         (x, *params))
-    assert torch.autograd.gradcheck(   # a separate adapter input (dropout)
-        lambda x, d, *p: FrozenLinearWithAdapter.apply(x, d, weight, None, layout, SCALE, *p),
-        (x, dropped, *params))
+
+    def dropped(x, *p):   # the same mask at every evaluation
+        torch.manual_seed(3)
+        return FrozenLinearWithAdapter.apply(x, 0.4, weight, None, layout, SCALE, *p)
+
+    assert torch.autograd.gradcheck(dropped, (x, *params))
