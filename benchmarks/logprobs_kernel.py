@@ -49,7 +49,7 @@ def run(a) -> list:
 
     lines, results = [], {}
     for mode in (False, True):
-        logprobs.COMPILE, logprobs._Kernels.compiled = mode, None
+        logprobs.KERNELS.set_mode(mode)
         name = "compiled" if mode else "eager"
         if state.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -58,7 +58,7 @@ def run(a) -> list:
         lines.append(dict(mode=name, tokens=a.tokens, vocab=a.vocab,
                           forward_ms=round(timed(forward, a.repeat, sync), 2),
                           train_ms=round(timed(train, a.repeat, sync), 2),
-                          fell_back=mode and logprobs._Kernels.compiled is logprobs.EAGER,
+                          fell_back=mode and logprobs.KERNELS.failed,
                           peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2)
                           if state.device.type == "cuda" else None))
     # (logprobs, train logprobs, hidden grad, weight grad)

@@ -13,6 +13,10 @@ Measured per token and decoder layer of a Qwen2.5-1.5B shape in bfloat16 (docs/g
   output too, but its backward is a different formula (bfloat16 gradients change) and its
   jit fuser is torch.compile.
 The recomputation costs a few elementwise kernels per layer in the backward.
+
+The norms' and SwiGLU's math (and packed RoPE's, model/rope.py) runs compiled on CUDA
+(model/compiled.py, `SWIFT_MEGATRON_COMPILE_LAYERS`): one fused kernel per function and pass
+instead of one per op, the checkpoint around them unchanged (the same tensors saved).
 """
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from torch.utils.checkpoint import checkpoint
+
+from swift_megatron.model.compiled import LAYERS_ENV, Compiled
 
 
 def recomputed(fn, *inputs: torch.Tensor) -> torch.Tensor:
@@ -30,11 +36,33 @@ def recomputed(fn, *inputs: torch.Tensor) -> torch.Tensor:
     return checkpoint(fn, *inputs, use_reentrant=True, preserve_rng_state=False)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * RMSNorm(x) computed in float32 and cast back before the weight (Hugging Face's
+    Qwen2 / Llama order)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * (1 + weight) in float32, cast back (Qwen3.5's norm, weight stored around 0)."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+
+
 def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fc1 output's two halves: megatron's glu without its
     `glu_linear_offset` add (0.0 here, which only copied `up`)."""
     gate, up = torch.chunk(fc1_output, 2, dim=-1)
     return F.silu(gate) * up
+
+
+MATH = Compiled("RMSNorm and SwiGLU kernels", LAYERS_ENV,
+                dict(rms_norm=1, zero_centered_rms_norm=1, swiglu=1), rms_norm=rms_norm,
+                zero_centered_rms_norm=zero_centered_rms_norm, swiglu=swiglu)
+
+
+def fused_swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
+    """`swiglu`, compiled where MATH is active."""
+    flat = fc1_output.reshape(-1, fc1_output.shape[-1])
+    return MATH.run("swiglu", flat.device, flat).view(*fc1_output.shape[:-1], -1)
 
 
 class SwiGLUMLP(MLP):
@@ -58,4 +86,4 @@ class SwiGLUMLP(MLP):
                 or config.activation_func_clamp_value is not None or config.glu_linear_offset):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         intermediate, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(recomputed(swiglu, intermediate))
+        return self.linear_fc2(recomputed(fused_swiglu, intermediate))

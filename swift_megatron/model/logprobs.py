@@ -18,8 +18,8 @@ log p(t) = l_t - logsumexp(l), d/dl = onehot(t) - p. With `with_entropy` it also
 H = logsumexp(l) - E_p[l] (no gradient: a metric and the entropy mask's input).
 
 The math on one chunk is three pure functions (`_chunk_stats`, `_logprob_grad` and the
-scaling they share). On CUDA they run compiled by torch.compile: Inductor fuses each into one
-pass that reads the bf16 logits and writes only per-token numbers (or the bf16 gradient), where
+scaling they share). On CUDA they run compiled by torch.compile (model/compiled.py): Inductor
+fuses each into one pass that reads the bf16 logits and writes only per-token numbers (or the bf16 gradient), where
 eager PyTorch writes and reads a float32 copy of the chunk for every elementwise step. Elsewhere
 they run eagerly, a chunk's float32 working set about `CHUNK_BYTES`.
 Each TP rank reduces its own columns to a log-sum-exp (and an entropy term); the ranks combine
@@ -27,15 +27,13 @@ those per-token numbers once, after all chunks.
 Logits are scaled by 1/temperature (the logprobs vLLM reports are of the processed, scaled
 distribution) and the columns past the real vocab (padding for TP) are masked out.
 """
-import logging
-import os
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-logger = logging.getLogger(__name__)
+from swift_megatron.model.compiled import Compiled
 
 _MASKED = -1e30  # finite, so 0 * _MASKED stays 0 (no NaN) in the entropy terms
 CHUNK_BYTES = 256 << 20  # float32 bytes of one chunk of scaled logits
@@ -43,9 +41,6 @@ CHUNK_BYTES = 256 << 20  # float32 bytes of one chunk of scaled logits
 # gradient keep 16-byte-aligned rows (at 8,190 columns the block's three GEMMs ran on cuBLAS's
 # slow unaligned path: 47 ms more per 8k-token micro-batch on an H200)
 _ALIGN = 128
-# compile the chunk functions: "auto" (on CUDA), True or False; SWIFT_MEGATRON_COMPILE_LOGPROBS=0
-# or 1 overrides "auto" (0: eager, for a GPU whose Triton / Inductor cannot build the kernels)
-COMPILE = {"0": False, "1": True}.get(os.environ.get("SWIFT_MEGATRON_COMPILE_LOGPROBS", ""), "auto")
 
 
 def chunk_tokens(local_vocab: int, override: Optional[int] = None) -> int:
@@ -80,39 +75,9 @@ def _logprob_grad(logits, column, mine, lse, grad, temperature: float, real: int
     return ((onehot.float() - probs) * (grad / temperature).unsqueeze(-1)).to(logits.dtype)
 
 
-EAGER = (_chunk_stats, _logprob_grad)
-
-
-class _Kernels:
-    """The chunk functions, compiled once per process where COMPILE says so; a compile that
-    fails is reported once and the eager functions take over."""
-
-    compiled = None
-
-    @classmethod
-    def get(cls, device: torch.device):
-        wanted = device.type == "cuda" if COMPILE == "auto" else bool(COMPILE)
-        if not wanted:
-            return EAGER
-        if cls.compiled is None:
-            cls.compiled = (torch.compile(_chunk_stats, fullgraph=True),
-                            torch.compile(_logprob_grad, fullgraph=True))
-        return cls.compiled
-
-    @classmethod
-    def run(cls, index: int, device: torch.device, *args):
-        kernels = cls.get(device)
-        try:
-            return kernels[index](*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:  # an Inductor / Triton failure: the eager math is the same
-            if kernels is EAGER:
-                raise
-            logger.warning("torch.compile of the logprob kernels failed (%s); computing them "
-                           "eagerly from now on", error)
-            cls.compiled = EAGER
-            return cls.compiled[index](*args)
+# compiled on CUDA (model/compiled.py); SWIFT_MEGATRON_COMPILE_LOGPROBS=0 keeps them eager
+KERNELS = Compiled("logprob kernels", "SWIFT_MEGATRON_COMPILE_LOGPROBS",
+                   chunk_stats=_chunk_stats, logprob_grad=_logprob_grad)
 
 
 class _Shard:
@@ -170,8 +135,8 @@ class _HeadLogprobs(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         picked, mean = torch.empty_like(lse), torch.empty_like(lse) if entropy else None
         for a, b in _chunks(hidden.shape[0], chunk):
-            stats = _Kernels.run(0, hidden.device, torch.mm(hidden[a:b], weight.t()),
-                                 column[a:b], mine[a:b], shard.temperature, shard.real, entropy)
+            stats = KERNELS.run("chunk_stats", hidden.device, torch.mm(hidden[a:b], weight.t()),
+                                column[a:b], mine[a:b], shard.temperature, shard.real, entropy)
             lse[a:b], picked[a:b] = stats[0], stats[1]
             if entropy:
                 mean[a:b] = stats[2]
@@ -201,8 +166,8 @@ class _HeadLogprobs(torch.autograd.Function):
         for a, b in _chunks(shard.width, columns):
             rows = weight[a:b]
             column, mine, real = shard.block(targets, a, b)
-            grad = _Kernels.run(1, hidden.device, torch.mm(hidden, rows.t()), column, mine, lse,
-                                flat_grad, shard.temperature, real)
+            grad = KERNELS.run("logprob_grad", hidden.device, torch.mm(hidden, rows.t()), column,
+                               mine, lse, flat_grad, shard.temperature, real)
             if grad_hidden is not None:
                 grad_hidden.add_(torch.mm(grad, rows))
             if ctx.needs_input_grad[1]:

@@ -8,8 +8,10 @@ its own sequence comes from cu_seqlens on the device, the frequencies are gather
 and their cos / sin (cast to the activations' dtype, the rotate-half sign folded into the sine)
 are computed once per micro-batch and model, cached on the micro-batch's PackedSeqParams; each
 layer then rotates its query and its key with four elementwise ops apiece (five with partial
-rotary, `rotary_percent` < 1). Same arithmetic as megatron's, so the results are bit-identical
-(tests/unit/test_packed_rope.py).
+rotary, `rotary_percent` < 1). Same arithmetic as megatron's, so the eager results are
+bit-identical (tests/unit/test_packed_rope.py). On CUDA `rotate` runs compiled (model/compiled.py,
+`SWIFT_MEGATRON_COMPILE_LAYERS`): one kernel per query / key and pass, computed in float32 and
+rounded once.
 
 `PackedRopeSelfAttention` (our layer spec's self-attention, model/spec.py) takes this path and
 leaves megatron's own in place where it does not apply: context parallelism (megatron offsets
@@ -25,6 +27,8 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
     _yarn_get_concentration_factor_from_config
 from megatron.core.transformer.attention import SelfAttention
 from torch.utils.weak import WeakIdKeyDictionary
+
+from swift_megatron.model.compiled import LAYERS_ENV, Compiled
 
 # PackedSeqParams of a micro-batch -> [(frequency table, dtype, mscale, cos, signed sin)]
 _TABLES = WeakIdKeyDictionary()
@@ -60,6 +64,9 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     x = t[..., :rot] if partial else t
     out = x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
     return torch.cat((out, t[..., rot:]), dim=-1) if partial else out
+
+
+MATH = Compiled("packed RoPE kernel", LAYERS_ENV, dict(rotate=3), rotate=rotate)
 
 
 def cached_rotary_tables(params, freqs: torch.Tensor, total: int, dtype: torch.dtype,
@@ -102,7 +109,8 @@ class PackedRopeSelfAttention(SelfAttention):
         params, freqs, mscale = self._rope
         query, key = output[:2]  # [t, 1, heads, dim]
         tables = cached_rotary_tables(params, freqs, query.shape[0], query.dtype, mscale)
-        return (rotate(query, *tables), rotate(key, *tables)) + tuple(output[2:])
+        return (MATH.run("rotate", query.device, query, *tables),
+                MATH.run("rotate", key.device, key, *tables)) + tuple(output[2:])
 
     def _batched_freqs(self, kwargs) -> Optional[torch.Tensor]:
         """The frequency table when this forward can take the batched path, else None."""

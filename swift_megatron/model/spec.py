@@ -49,7 +49,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.nn.attention.bias import causal_lower_right
 
-from swift_megatron.model.activations import SwiGLUMLP, recomputed
+from swift_megatron.model.activations import MATH, SwiGLUMLP, recomputed
 from swift_megatron.model.rope import PackedRopeSelfAttention
 from swift_megatron.parallel.context import CPShare
 
@@ -57,7 +57,10 @@ from swift_megatron.parallel.context import CPShare
 class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does;
     recomputed in the backward (model/activations.py: it keeps its input alone, not a float32
-    copy). Subclasses define `_norm(x, weight)`."""
+    copy), its math compiled on CUDA. Subclasses pick the math (`_kind`, a function of
+    activations.MATH) or the weight it gets (`_weight`)."""
+
+    _kind = "rms_norm"
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__()
@@ -69,21 +72,22 @@ class RMSNorm(torch.nn.Module):
         return recomputed(self._norm, x, self.weight)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return weight * normed
+        flat = x.reshape(-1, x.shape[-1])   # [tokens, features]: one layout to compile for
+        return MATH.run(self._kind, x.device, flat, self._weight(weight), self.eps).view(x.shape)
+
+    def _weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm whose weight is stored centred on zero: rms(x) * (1 + w) in float32, cast back
     (Qwen3.5's `Qwen3_5RMSNorm`; the weight starts at 0)."""
 
+    _kind = "zero_centered_rms_norm"
+
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
         super().__init__(config, hidden_size, eps)
         torch.nn.init.zeros_(self.weight)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 class HeadRMSNorm(RMSNorm):
@@ -96,9 +100,8 @@ class HeadRMSNorm(RMSNorm):
         super().__init__(config, hidden_size, eps)
         setattr(self.weight, "sequence_parallel", False)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return copy_to_tensor_model_parallel_region(weight) * normed
+    def _weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return copy_to_tensor_model_parallel_region(weight)
 
 
 class SDPAttention(MegatronModule):

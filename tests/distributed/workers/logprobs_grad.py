@@ -64,7 +64,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="torch.compile the chunk math")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     args = parser.parse_args()
-    out_dir, logprobs.COMPILE = args.out_dir, args.compile
+    out_dir = args.out_dir
+    logprobs.KERNELS.set_mode(args.compile)
     st = ParallelState.initialize(tp=dist.get_world_size() if dist.is_initialized() else
                                   int(os.environ["WORLD_SIZE"]), device="cpu")
     hidden, weight, targets, w_lp = inputs()
@@ -86,7 +87,7 @@ def main():
                   weight_grad=gathered(w_local.grad, 0).tolist(),
                   main_grad=gathered(w_ddp.main_grad - 0.5, 0).tolist(),
                   ddp_grad_returned=w_ddp.grad is not None,
-                  compiled=logprobs._Kernels.compiled not in (None, logprobs.EAGER))
+                  compiled=logprobs.KERNELS.ran_compiled)
     local = (hidden.transpose(0, 1) @ w_local.detach().t()).requires_grad_(True)
     (naive_logprobs(local, targets, st.tp_rank * width) * w_lp).sum().backward()
     result["naive_grad"] = gathered(local.grad, -1).tolist()

@@ -1,0 +1,143 @@
+"""Compiled groups of pure functions (model/compiled.py): each layer math function compiled by
+torch.compile (Inductor's CPU backend here; Triton on CUDA) gives the eager values and gradients
+(float32 to rounding, bfloat16 within a few units in the last place: Inductor rounds once), also
+through the norm's checkpoint and a whole decoder layer; when a compile fails the run warns once
+and the eager functions compute the same numbers from then on; an eager failure is not
+swallowed; "auto" compiles on CUDA only."""
+import pytest
+import torch
+
+from swift_megatron.model import activations, logprobs, rope
+from swift_megatron.model.compiled import Compiled
+
+GROUPS = (activations.MATH, rope.MATH)
+
+
+@pytest.fixture
+def compiled_layers():
+    """The layer math groups compiled on the CPU for one test, then back to "auto"."""
+    for group in GROUPS:
+        group.set_mode(True)
+    yield
+    for group in GROUPS:
+        assert group.ran_compiled, group.what   # the test really ran the compiled kernels
+        group.set_mode("auto")
+
+
+def _logit_inputs():
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 11) * 3).bfloat16()
+    return logits, torch.tensor([0, 3, 10, 7]), torch.tensor([True, True, False, True])
+
+
+def _broken(*_):
+    raise RuntimeError("inductor exploded")
+
+
+def test_failed_compile_warns_and_falls_back_to_eager(monkeypatch):
+    kernels = logprobs.KERNELS
+    monkeypatch.setattr(kernels, "mode", True)
+    monkeypatch.setattr(kernels, "compiled", dict(chunk_stats=_broken, logprob_grad=_broken))
+    monkeypatch.setattr(kernels, "failed", False)
+    warnings = []   # the package logger may not propagate to pytest's capture (setup_logging)
+    monkeypatch.setattr("swift_megatron.model.compiled.logger.warning",
+                        lambda msg, *args: warnings.append(msg % args))
+    logits, column, mine = _logit_inputs()
+    for _ in range(2):
+        lse, picked, _ = kernels.run("chunk_stats", logits.device, logits, column, mine, 0.7, 9,
+                                     False)
+    assert len(warnings) == 1 and "torch.compile of the logprob kernels failed" in warnings[0]
+    assert "SWIFT_MEGATRON_COMPILE_LOGPROBS=0" in warnings[0]
+    assert kernels.failed and not kernels.ran_compiled
+    scaled = logits.float()[:, :9] / 0.7
+    assert lse == pytest.approx(torch.logsumexp(scaled, -1), abs=1e-5)
+    assert picked.tolist()[:2] == pytest.approx([scaled[0, 0].item(), scaled[1, 3].item()])
+    assert picked[2] == 0   # target in another shard
+
+
+def test_eager_failure_is_raised():
+    group = Compiled("test kernels", "SWIFT_MEGATRON_TEST_UNUSED", f=_broken)
+    group.set_mode(False)
+    with pytest.raises(RuntimeError, match="exploded"):
+        group.run("f", torch.device("cpu"), torch.zeros(1))
+
+
+def test_auto_compiles_on_cuda_only():
+    group = Compiled("test kernels", "SWIFT_MEGATRON_TEST_UNUSED", f=torch.neg)
+    assert group.mode == "auto"
+    assert not group.active(torch.device("cpu")) and group.active(torch.device("cuda"))
+    group.run("f", torch.device("cpu"), torch.ones(1))
+    assert not group.compiled   # nothing built for the eager call
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _math_cases(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 16, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(16, generator=gen)).to(dtype)
+    fc1 = torch.randn(7, 24, generator=gen).to(dtype)
+    heads = torch.randn(9, 1, 3, 8, generator=gen).to(dtype)
+    cu = torch.tensor([0, 4, 9])
+    freqs = torch.rand(9, 1, 1, 8, generator=gen) * 3
+    cos, sin = rope.rotary_tables(cu, freqs, 9, dtype)
+    return [(activations.MATH, "rms_norm", (x, weight), (1e-6,)),
+            (activations.MATH, "zero_centered_rms_norm", (x, weight - 1), (1e-6,)),
+            (activations.MATH, "swiglu", (fc1,), ()),
+            (rope.MATH, "rotate", (heads,), (cos, sin))]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_compiled_layer_math_equals_eager(compiled_layers, dtype, tol):
+    """Values and gradients of every layer function, compiled against eager."""
+    for group, name, tensors, rest in _math_cases(dtype):
+        outs, grads = [], []
+        for fn in (group.eager[name], lambda *a, g=group, n=name: g.run(n, a[0].device, *a)):
+            leaves = _leaves(*tensors)
+            out = fn(*leaves, *rest)
+            out.float().pow(2).sum().backward()   # an upstream gradient that depends on out
+            outs.append(out.detach().float())
+            grads.append([t.grad.float() for t in leaves])
+        assert outs[1].dtype == outs[0].dtype and outs[1].shape == outs[0].shape
+        torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol, msg=name)
+        for compiled, eager in zip(grads[1], grads[0]):
+            torch.testing.assert_close(compiled, eager, atol=tol * 10, rtol=tol, msg=name)
+        assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
+
+
+def test_compiled_decoder_layer_equals_eager(compiled_layers):
+    """A float32 decoder layer of our spec (the checkpointed norms, SwiGLU, packed RoPE), its
+    output and every parameter's gradient, with the layer math compiled against eager."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from swift_megatron.model.build import build_model
+    from swift_megatron.parallel.state import ParallelState
+
+    ParallelState.initialize(device="cpu", seed=0)
+    try:
+        hf = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64)
+        model, _, _ = build_model(hf, torch.float32, torch.device("cpu"))
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=7, max_seqlen_kv=7)
+        tokens = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(2))
+        positions = torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)
+        results = []
+        for mode in (False, True):
+            for group in GROUPS:
+                group.set_mode(mode)
+            model.zero_grad()
+            logits = model(tokens, positions, None, packed_seq_params=params)
+            logits.float().pow(2).mean().backward()
+            results.append((logits.detach(), {n: p.grad.clone()
+                                              for n, p in model.named_parameters()}))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4,
+                                       msg=name)
+    finally:
+        ParallelState.destroy()
