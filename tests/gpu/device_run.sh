@@ -88,6 +88,8 @@
 #   trl_both          ours with head_block's second flags, then TRL, one command, 6 rollout
 #                     batches, batches 3-6 averaged (fits one call on a machine where vLLM and
 #                     TRL's wheels are already installed); trl_both_first: TRL first
+#   compiled_layers   ours with $BOTH, 6 rollout batches, the layers' elementwise math eager
+#                     (SWIFT_MEGATRON_COMPILE_LAYERS=0), then compiled (the default on CUDA)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 #   host_profile      benchmarks/host_profile.py: py-spy over ours with $BOTH (6 rollout
@@ -201,6 +203,11 @@ phase() {
                       --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \
+                             --preset qwen2.5-1.5b $STEADY --tool ours --work_dir /tmp/eager_layers \
+                             -- --max_tokens_per_micro_batch 8192 $BOTH
+                         python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY --tool ours \
+                             --work_dir /tmp/compiled_layers -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         memory_least) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                           --tool ours --work_dir /tmp/memory_least \
                           -- --max_tokens_per_micro_batch 8192 $LEAST ;;
