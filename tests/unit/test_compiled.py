@@ -107,9 +107,18 @@ def test_compiled_layer_math_equals_eager(compiled_layers, dtype, tol):
         assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
 
 
+def _saved_bytes(storages: dict):
+    """saved_tensors_hooks adding each saved tensor's storage (once) to `storages`."""
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 def test_compiled_decoder_layer_equals_eager(compiled_layers):
-    """A float32 decoder layer of our spec (the checkpointed norms, SwiGLU, packed RoPE), its
-    output and every parameter's gradient, with the layer math compiled against eager."""
+    """A float32 decoder layer of our spec (the checkpointed norms, SwiGLU, packed RoPE): its
+    output, every parameter's gradient and the bytes autograd keeps for the backward (what the
+    memory estimate counts), with the layer math compiled against eager."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from swift_megatron.model.build import build_model
@@ -131,11 +140,15 @@ def test_compiled_decoder_layer_equals_eager(compiled_layers):
             for group in GROUPS:
                 group.set_mode(mode)
             model.zero_grad()
-            logits = model(tokens, positions, None, packed_seq_params=params)
+            storages = {}
+            with _saved_bytes(storages):
+                logits = model(tokens, positions, None, packed_seq_params=params)
             logits.float().pow(2).mean().backward()
             results.append((logits.detach(), {n: p.grad.clone()
-                                              for n, p in model.named_parameters()}))
+                                              for n, p in model.named_parameters()},
+                            sum(storages.values())))
         torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+        assert results[1][2] == results[0][2] > 0   # the same saved activations
         for name, grad in results[0][1].items():
             torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4,
                                        msg=name)
