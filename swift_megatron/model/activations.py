@@ -1,50 +1,73 @@
-"""Leaner saved activations: ops whose autograd graph would keep large intermediates for the
-backward run under torch's (reentrant) checkpoint instead, which keeps only their inputs and
-reruns the same ops in the backward, so outputs and gradients are bit-identical.
+"""Leaner saved activations and fewer kernels: RMSNorm and SwiGLU as autograd nodes that keep
+their inputs alone and whose backward recomputes what it needs from them (written out, as
+`*_grad` functions), instead of autograd graphs of several ops that keep large intermediates.
 
 Measured per token and decoder layer of a Qwen2.5-1.5B shape in bfloat16 (docs/gpu.md,
 "Activation memory per token"; tests/unit/test_activation_memory.py):
 - RMSNorm in float32 (`F.rms_norm(x.float())`, cast back, times the weight) kept a float32
   copy of its input and the cast-back normalised tensor (4.5 values of 2 bytes per hidden
-  feature); recomputed it keeps its bfloat16 input (1 value).
+  feature); `RMSNormFn` keeps its bfloat16 input (1 value).
 - megatron-core's unfused SwiGLU (`MLP.forward`'s `glu`: silu(gate) * (up + 0.0)) kept the fc1
-  output, silu(gate) and the (up + 0.0) copy; `SwiGLUMLP` keeps the fc1 output alone
+  output, silu(gate) and the (up + 0.0) copy; `SwiGLUFn` keeps the fc1 output alone
   (3 * ffn values -> 2 * ffn). megatron's fused `bias_swiglu_impl` would keep only the fc1
-  output too, but its backward is a different formula (bfloat16 gradients change) and its
-  jit fuser is torch.compile.
-The recomputation costs a few elementwise kernels per layer in the backward.
+  output too, but its jit fuser is torch.compile.
+The forward math is the plain ops' (same values); the gradients are the same formulas computed
+in float32 and rounded once, so bfloat16 gradients may differ from autograd's in the last bit.
 
-The norms' and SwiGLU's math (and packed RoPE's, model/rope.py) runs compiled on CUDA
-(model/compiled.py, `SWIFT_MEGATRON_COMPILE_LAYERS`): one fused kernel per function and pass
-instead of one per op, the checkpoint around them unchanged (the same tensors saved).
+The forward and backward functions (and packed RoPE's, model/rope.py) run compiled on CUDA
+(model/compiled.py, `SWIFT_MEGATRON_COMPILE_LAYERS`): one fused kernel per function instead of
+one per op. A node with compiled functions costs the host two compiled calls, where a
+checkpointed graph of plain ops cost a dozen ops and a checkpoint (on the CPU, 365 against 913
+us for a norm's forward and backward, the kernels' work aside).
 """
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from torch.utils.checkpoint import checkpoint
 
 from swift_megatron.model.compiled import LAYERS_ENV, Compiled
 
 
-def recomputed(fn, *inputs: torch.Tensor) -> torch.Tensor:
-    """fn(*inputs), saving only `inputs` for the backward (which reruns fn) when a gradient
-    will be taken; a plain call otherwise (no grad mode, or nothing requires grad)."""
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
-        return fn(*inputs)
-    return checkpoint(fn, *inputs, use_reentrant=True, preserve_rng_state=False)
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """t in float32 at least (float64 stays: the gradient tests run in it)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x) computed in float32 and cast back before the weight (Hugging Face's
     Qwen2 / Llama order)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return weight * F.rms_norm(wide(x), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rms_norm_grad(grad, x, weight, eps: float):
+    """d/dx and d/dweight of `rms_norm` for x [tokens, features]."""
+    xf = wide(x)
+    rstd = _rstd(xf, eps)
+    normed = xf * rstd
+    dweight = (wide(grad) * wide(normed.to(x.dtype))).sum(0)
+    dnormed = wide(grad * weight)
+    dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dweight.to(weight.dtype)
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * (1 + weight) in float32, cast back (Qwen3.5's norm, weight stored around 0)."""
-    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
+    return (F.rms_norm(wide(x), (x.shape[-1],), eps=eps) * (1.0 + wide(weight))).to(x.dtype)
+
+
+def zero_centered_rms_norm_grad(grad, x, weight, eps: float):
+    """d/dx and d/dweight of `zero_centered_rms_norm` for x [tokens, features]."""
+    xf, gf = wide(x), wide(grad)
+    rstd = _rstd(xf, eps)
+    normed = xf * rstd
+    dnormed = gf * (1.0 + wide(weight))
+    dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (gf * normed).sum(0).to(weight.dtype)
 
 
 def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
@@ -54,19 +77,61 @@ def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_grad(grad, fc1_output):
+    """d/d(fc1 output) of `swiglu`: [gate, up] halves as in the fc1 output."""
+    gate, up = (wide(t) for t in torch.chunk(fc1_output, 2, dim=-1))
+    gf, sig = wide(grad), torch.sigmoid(gate)
+    dgate = gf * up * sig * (1.0 + gate * (1.0 - sig))
+    return torch.cat((dgate, gf * gate * sig), dim=-1).to(fc1_output.dtype)
+
+
 MATH = Compiled("RMSNorm and SwiGLU kernels", LAYERS_ENV,
-                dict(rms_norm=1, zero_centered_rms_norm=1, swiglu=1), rms_norm=rms_norm,
-                zero_centered_rms_norm=zero_centered_rms_norm, swiglu=swiglu)
+                dict(rms_norm=1, rms_norm_grad=2, zero_centered_rms_norm=1,
+                     zero_centered_rms_norm_grad=2, swiglu=1, swiglu_grad=2),
+                rms_norm=rms_norm, rms_norm_grad=rms_norm_grad,
+                zero_centered_rms_norm=zero_centered_rms_norm,
+                zero_centered_rms_norm_grad=zero_centered_rms_norm_grad,
+                swiglu=swiglu, swiglu_grad=swiglu_grad)
 
 
-def fused_swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
-    """`swiglu`, compiled where MATH is active."""
-    flat = fc1_output.reshape(-1, fc1_output.shape[-1])
-    return MATH.run("swiglu", flat.device, flat).view(*fc1_output.shape[:-1], -1)
+class RMSNormFn(torch.autograd.Function):
+    """MATH[kind](x, weight, eps) for x [tokens, features] (kind: rms_norm or
+    zero_centered_rms_norm), keeping x and the weight alone."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, kind: str):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.kind = eps, kind
+        return MATH.run(kind, x.device, x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx, dweight = MATH.run(ctx.kind + "_grad", grad.device, grad, x, weight, ctx.eps)
+        return dx, dweight, None, None
+
+
+class SwiGLUFn(torch.autograd.Function):
+    """MATH's swiglu of the fc1 output [tokens, 2 * ffn], keeping the fc1 output alone."""
+
+    @staticmethod
+    def forward(ctx, fc1_output):
+        ctx.save_for_backward(fc1_output)
+        return MATH.run("swiglu", fc1_output.device, fc1_output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        fc1_output, = ctx.saved_tensors
+        return MATH.run("swiglu_grad", grad.device, grad, fc1_output)
+
+
+def tokens_first(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    """fn(x as [tokens, features], *args) reshaped back: one layout for the kernels."""
+    return fn(x.reshape(-1, x.shape[-1]), *args).view(*x.shape[:-1], -1)
 
 
 class SwiGLUMLP(MLP):
-    """megatron's dense MLP with the SwiGLU recomputed in the backward (module docstring).
+    """megatron's dense MLP with `SwiGLUFn` (module docstring).
     Configurations outside ours (fc1 bias, fused or TE activations, clamping, a linear offset,
     per-token scales) take megatron's own forward. Built from the class alone (model/spec.py):
     parallel linears, the config's ffn_hidden_size and megatron's TP group by default (what
@@ -86,4 +151,4 @@ class SwiGLUMLP(MLP):
                 or config.activation_func_clamp_value is not None or config.glu_linear_offset):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         intermediate, _ = self.linear_fc1(hidden_states)
-        return self.linear_fc2(recomputed(fused_swiglu, intermediate))
+        return self.linear_fc2(tokens_first(SwiGLUFn.apply, intermediate))

@@ -9,9 +9,9 @@ and their cos / sin (cast to the activations' dtype, the rotate-half sign folded
 are computed once per micro-batch and model, cached on the micro-batch's PackedSeqParams; each
 layer then rotates its query and its key with four elementwise ops apiece (five with partial
 rotary, `rotary_percent` < 1). Same arithmetic as megatron's, so the eager results are
-bit-identical (tests/unit/test_packed_rope.py). On CUDA `rotate` runs compiled (model/compiled.py,
-`SWIFT_MEGATRON_COMPILE_LAYERS`): one kernel per query / key and pass, computed in float32 and
-rounded once.
+bit-identical (tests/unit/test_packed_rope.py). `RotateFn` is the autograd node: its backward
+(`rotate_grad`) computes in float32 and rounds once. On CUDA both run compiled
+(model/compiled.py, `SWIFT_MEGATRON_COMPILE_LAYERS`): one kernel per query / key and pass.
 
 `PackedRopeSelfAttention` (our layer spec's self-attention, model/spec.py) takes this path and
 leaves megatron's own in place where it does not apply: context parallelism (megatron offsets
@@ -28,6 +28,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
 from megatron.core.transformer.attention import SelfAttention
 from torch.utils.weak import WeakIdKeyDictionary
 
+from swift_megatron.model.activations import wide
 from swift_megatron.model.compiled import LAYERS_ENV, Compiled
 
 # PackedSeqParams of a micro-batch -> [(frequency table, dtype, mscale, cos, signed sin)]
@@ -66,7 +67,34 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return torch.cat((out, t[..., rot:]), dim=-1) if partial else out
 
 
-MATH = Compiled("packed RoPE kernel", LAYERS_ENV, dict(rotate=3), rotate=rotate)
+def rotate_grad(grad: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """d/dt of `rotate` (linear in t): grad * cos plus the halves of grad * signed_sin swapped
+    back, in float32, rounded once; the pass-through features' gradient as it comes."""
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    g = wide(grad[..., :rot])
+    scaled = g * wide(signed_sin)
+    dx = (g * wide(cos) + torch.cat((scaled[..., half:], scaled[..., :half]), dim=-1))
+    dx = dx.to(grad.dtype)
+    return torch.cat((dx, grad[..., rot:]), dim=-1) if rot != grad.shape[-1] else dx
+
+
+MATH = Compiled("packed RoPE kernels", LAYERS_ENV, dict(rotate=3, rotate_grad=3), rotate=rotate,
+                rotate_grad=rotate_grad)
+
+
+class RotateFn(torch.autograd.Function):
+    """MATH's rotate of t [total, 1, heads, dim], keeping the tables alone (shared by every
+    layer of the micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, t, cos, signed_sin):
+        ctx.save_for_backward(cos, signed_sin)
+        return MATH.run("rotate", t.device, t, cos, signed_sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, signed_sin = ctx.saved_tensors
+        return MATH.run("rotate_grad", grad.device, grad, cos, signed_sin), None, None
 
 
 def cached_rotary_tables(params, freqs: torch.Tensor, total: int, dtype: torch.dtype,
@@ -109,8 +137,7 @@ class PackedRopeSelfAttention(SelfAttention):
         params, freqs, mscale = self._rope
         query, key = output[:2]  # [t, 1, heads, dim]
         tables = cached_rotary_tables(params, freqs, query.shape[0], query.dtype, mscale)
-        return (MATH.run("rotate", query.device, query, *tables),
-                MATH.run("rotate", key.device, key, *tables)) + tuple(output[2:])
+        return (RotateFn.apply(query, *tables), RotateFn.apply(key, *tables)) + tuple(output[2:])
 
     def _batched_freqs(self, kwargs) -> Optional[torch.Tensor]:
         """The frequency table when this forward can take the batched path, else None."""

@@ -49,16 +49,16 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch.nn.attention.bias import causal_lower_right
 
-from swift_megatron.model.activations import MATH, SwiGLUMLP, recomputed
+from swift_megatron.model.activations import RMSNormFn, SwiGLUMLP, tokens_first
 from swift_megatron.model.rope import PackedRopeSelfAttention
 from swift_megatron.parallel.context import CPShare
 
 
 class RMSNorm(torch.nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does;
-    recomputed in the backward (model/activations.py: it keeps its input alone, not a float32
-    copy), its math compiled on CUDA. Subclasses pick the math (`_kind`, a function of
-    activations.MATH) or the weight it gets (`_weight`)."""
+    """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does, as one
+    autograd node that keeps its input alone (model/activations.py `RMSNormFn`), compiled on
+    CUDA. Subclasses pick the math (`_kind`, a function of activations.MATH) or the weight it
+    gets (`_weight`)."""
 
     _kind = "rms_norm"
 
@@ -69,11 +69,7 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return recomputed(self._norm, x, self.weight)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])   # [tokens, features]: one layout to compile for
-        return MATH.run(self._kind, x.device, flat, self._weight(weight), self.eps).view(x.shape)
+        return tokens_first(RMSNormFn.apply, x, self._weight(self.weight), self.eps, self._kind)
 
     def _weight(self, weight: torch.Tensor) -> torch.Tensor:
         return weight

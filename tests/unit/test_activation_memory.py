@@ -2,8 +2,8 @@
 our spec at Qwen2.5-1.5B widths (bfloat16) and around the output layer + logprobs: every saved
 tensor's storage once (views of one storage count once; parameters not). The counts stay under
 bounds derived from the tensors a layer must keep (docs/gpu.md, "Activation memory per token"),
-and the recomputed RMSNorm and SwiGLU (model/activations.py) give the outputs and gradients of
-the plain ones bit for bit.
+and the lean RMSNorm and SwiGLU nodes (model/activations.py) give the outputs of the plain ones bit
+for bit and their gradients within bf16 rounding.
 
     python -m pytest tests/unit/test_activation_memory.py -q -s   # -s prints the breakdowns
 """
@@ -160,18 +160,22 @@ def _saved_per_token(forward, inputs, tokens):
     return sum(seen.values()) / tokens
 
 
-def test_recomputed_norms_and_swiglu_are_bit_identical(model):
-    """Our modules against the same ops without recomputation (the norm's `_norm` called
-    directly, megatron's own MLP.forward): equal outputs and input / weight gradients, and what
-    each keeps for the backward, before -> after."""
+def test_lean_norms_and_swiglu_equal_the_plain_ops(model):
+    """Our modules (one autograd node each, model/activations.py) against the plain ops they
+    replace (activations' forward functions under autograd, megatron's own MLP.forward): the
+    same outputs bit for bit, input / weight gradients within bf16 rounding (ours are rounded
+    once from float32), and what each keeps for the backward, before -> after."""
+    from swift_megatron.model.activations import rms_norm, zero_centered_rms_norm
     from swift_megatron.model.spec import ZeroCenteredRMSNorm
 
     layer, tokens = model.decoder.layers[0], sum(LENGTHS)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(tokens, 1, HIDDEN, generator=gen) * 3).to(torch.bfloat16).requires_grad_()
     zero_centered = ZeroCenteredRMSNorm(layer.config, HIDDEN)
-    cases = [("RMSNorm", layer.input_layernorm, lambda m: (lambda t: m._norm(t, m.weight))),
-             ("ZeroCenteredRMSNorm", zero_centered, lambda m: (lambda t: m._norm(t, m.weight))),
+    cases = [("RMSNorm", layer.input_layernorm,
+              lambda m: (lambda t: rms_norm(t, m.weight, m.eps))),
+             ("ZeroCenteredRMSNorm", zero_centered,
+              lambda m: (lambda t: zero_centered_rms_norm(t, m.weight, m.eps))),
              ("SwiGLUMLP", layer.mlp, lambda m: (lambda t: MLP.forward(m, t)))]
     with torch.no_grad():
         for _, module, _ in cases[:2]:
@@ -180,7 +184,9 @@ def test_recomputed_norms_and_swiglu_are_bit_identical(model):
         params = list(module.parameters())
         ours = _outputs_and_grads(module, [x], params)
         ref = _outputs_and_grads(plain(module), [x], params)
-        assert all(torch.equal(a, b) for a, b in zip(ours, ref)), name
+        assert torch.equal(ours[0], ref[0]), name
+        for a, b in zip(ours[1:], ref[1:]):
+            torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02, msg=name)
         before = _saved_per_token(plain(module), [x], tokens)
         after = _saved_per_token(module, [x], tokens)
         print(f"\n{name}: {before:.0f} -> {after:.0f} B/token saved")

@@ -74,37 +74,67 @@ def _leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]
 
 
-def _math_cases(dtype):
+def _node_cases(dtype):
+    """(name, node, differentiable inputs, other arguments, the plain ops it replaces)."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 5, 16, generator=gen).to(dtype)
+    x = torch.randn(10, 16, generator=gen).to(dtype)
     weight = (1 + 0.1 * torch.randn(16, generator=gen)).to(dtype)
     fc1 = torch.randn(7, 24, generator=gen).to(dtype)
     heads = torch.randn(9, 1, 3, 8, generator=gen).to(dtype)
     cu = torch.tensor([0, 4, 9])
     freqs = torch.rand(9, 1, 1, 8, generator=gen) * 3
-    cos, sin = rope.rotary_tables(cu, freqs, 9, dtype)
-    return [(activations.MATH, "rms_norm", (x, weight), (1e-6,)),
-            (activations.MATH, "zero_centered_rms_norm", (x, weight - 1), (1e-6,)),
-            (activations.MATH, "swiglu", (fc1,), ()),
-            (rope.MATH, "rotate", (heads,), (cos, sin))]
+    tables = rope.rotary_tables(cu, freqs, 9, dtype)
+    partial = rope.rotary_tables(cu, freqs[..., :4], 9, dtype)   # rotary_percent 0.5
+    norm, centered = activations.rms_norm, activations.zero_centered_rms_norm
+    return [("rms_norm", activations.RMSNormFn.apply, (x, weight), (1e-6, "rms_norm"),
+             lambda x, w: norm(x, w, 1e-6)),
+            ("zero_centered_rms_norm", activations.RMSNormFn.apply, (x, weight - 1),
+             (1e-6, "zero_centered_rms_norm"), lambda x, w: centered(x, w, 1e-6)),
+            ("swiglu", activations.SwiGLUFn.apply, (fc1,), (), activations.swiglu),
+            ("rotate", rope.RotateFn.apply, (heads,), tables, lambda t: rope.rotate(t, *tables)),
+            ("rotate partial", rope.RotateFn.apply, (heads,), partial,
+             lambda t: rope.rotate(t, *partial))]
+
+
+def _value_and_grads(fn, tensors, rest=()):
+    leaves = _leaves(*tensors)
+    out = fn(*leaves, *rest)
+    out.float().pow(2).sum().backward()   # an upstream gradient that depends on out
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_layer_nodes_gradients_are_exact(case):
+    """The written-out backward of each node (eager, float64) against numerical gradients."""
+    _, node, tensors, rest, _ = _node_cases(torch.float64)[case]
+    assert torch.autograd.gradcheck(lambda *t: node(*t, *rest), tuple(_leaves(*tensors)))
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_layer_nodes_equal_the_plain_ops_in_bf16(case):
+    """Each node against autograd through the plain ops it replaces (eager, bfloat16): the same
+    values bit for bit, gradients within bf16 rounding (ours round once, from float32)."""
+    name, node, tensors, rest, plain = _node_cases(torch.bfloat16)[case]
+    ours, ref = _value_and_grads(node, tensors, rest), _value_and_grads(plain, tensors)
+    assert torch.equal(ours[0], ref[0]), name
+    for a, b in zip(ours[1:], ref[1:]):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02, msg=name)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_compiled_layer_math_equals_eager(compiled_layers, dtype, tol):
-    """Values and gradients of every layer function, compiled against eager."""
-    for group, name, tensors, rest in _math_cases(dtype):
-        outs, grads = [], []
-        for fn in (group.eager[name], lambda *a, g=group, n=name: g.run(n, a[0].device, *a)):
-            leaves = _leaves(*tensors)
-            out = fn(*leaves, *rest)
-            out.float().pow(2).sum().backward()   # an upstream gradient that depends on out
-            outs.append(out.detach().float())
-            grads.append([t.grad.float() for t in leaves])
-        assert outs[1].dtype == outs[0].dtype and outs[1].shape == outs[0].shape
-        torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol, msg=name)
-        for compiled, eager in zip(grads[1], grads[0]):
-            torch.testing.assert_close(compiled, eager, atol=tol * 10, rtol=tol, msg=name)
-        assert not torch.equal(outs[0], torch.zeros_like(outs[0]))
+def test_compiled_layer_nodes_equal_eager(compiled_layers, dtype, tol):
+    """Values and gradients of every node with its functions compiled against eager."""
+    for name, node, tensors, rest, _ in _node_cases(dtype):
+        results = []
+        for mode in (False, True):
+            for group in GROUPS:
+                group.mode = mode
+            results.append(_value_and_grads(node, tensors, rest))
+        for compiled, eager in zip(results[1], results[0]):
+            assert compiled.dtype == eager.dtype and compiled.shape == eager.shape
+            torch.testing.assert_close(compiled.float(), eager.float(), atol=tol, rtol=tol,
+                                       msg=name)
+        assert results[0][0].abs().sum() > 0
 
 
 def _saved_bytes(storages: dict):
