@@ -44,15 +44,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(wide(x), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def rms_norm_grad(grad, x, weight, eps: float):
-    """d/dx and d/dweight of `rms_norm` for x [tokens, features]."""
+def rms_norm_grad(grad, x, weight, eps: float, weight_grad: bool):
+    """d/dx and (with `weight_grad`, else None) d/dweight of `rms_norm`, x [tokens, features]."""
     xf = wide(x)
     rstd = _rstd(xf, eps)
     normed = xf * rstd
-    dweight = (wide(grad) * wide(normed.to(x.dtype))).sum(0)
     dnormed = wide(grad * weight)
     dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
-    return dx.to(x.dtype), dweight.to(weight.dtype)
+    if not weight_grad:
+        return dx.to(x.dtype), None
+    return dx.to(x.dtype), (wide(grad) * wide(normed.to(x.dtype))).sum(0).to(weight.dtype)
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,14 +61,14 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return (F.rms_norm(wide(x), (x.shape[-1],), eps=eps) * (1.0 + wide(weight))).to(x.dtype)
 
 
-def zero_centered_rms_norm_grad(grad, x, weight, eps: float):
-    """d/dx and d/dweight of `zero_centered_rms_norm` for x [tokens, features]."""
+def zero_centered_rms_norm_grad(grad, x, weight, eps: float, weight_grad: bool):
+    """d/dx and (with `weight_grad`, else None) d/dweight of `zero_centered_rms_norm`."""
     xf, gf = wide(x), wide(grad)
     rstd = _rstd(xf, eps)
     normed = xf * rstd
     dnormed = gf * (1.0 + wide(weight))
     dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
-    return dx.to(x.dtype), (gf * normed).sum(0).to(weight.dtype)
+    return dx.to(x.dtype), (gf * normed).sum(0).to(weight.dtype) if weight_grad else None
 
 
 def swiglu(fc1_output: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,8 @@ class RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        dx, dweight = MATH.run(ctx.kind + "_grad", grad.device, grad, x, weight, ctx.eps)
+        dx, dweight = MATH.run(ctx.kind + "_grad", grad.device, grad, x, weight, ctx.eps,
+                               ctx.needs_input_grad[1])   # no weight gradient for LoRA
         return dx, dweight, None, None
 
 

@@ -121,6 +121,16 @@ def test_layer_nodes_equal_the_plain_ops_in_bf16(case):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02, msg=name)
 
 
+@pytest.mark.parametrize("case", range(2))
+def test_norm_with_a_frozen_weight(case):
+    """A frozen norm weight (LoRA) gets no gradient computed; the input's is unchanged."""
+    _, node, (x, weight), rest, _ = _node_cases(torch.float64)[case]
+    trained = _value_and_grads(node, (x, weight), rest)
+    leaf = x.detach().clone().requires_grad_(True)
+    node(leaf, weight.detach(), *rest).float().pow(2).sum().backward()
+    assert torch.equal(leaf.grad, trained[1])
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_compiled_layer_nodes_equal_eager(compiled_layers, dtype, tol):
     """Values and gradients of every node with its functions compiled against eager."""
