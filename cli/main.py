@@ -57,16 +57,17 @@ def exit_without_teardown(code: int) -> None:
     """Exit as sys.exit(code) would, minus the interpreter's teardown of every torch /
     transformers / megatron object still alive (measured: 4-7 s of a 15 s tiny training run on
     2 CPU cores, paid by every process of every run). What the teardown would still do is done
-    first: other non-daemon threads are joined, atexit handlers run (logging, multiprocessing's
-    finalizers, tensorboard), the standard streams are flushed. Not in a process that imported
+    first: threading's exit hooks run and other non-daemon threads are joined, atexit handlers
+    run (logging, multiprocessing's finalizers, tensorboard), the standard streams are flushed. Not in a process that imported
     vLLM: its CPU shared-memory communicator removes its /dev/shm segments in that teardown (a
     later engine fails on the leftovers). Files a plugin leaves open and unflushed are not
     flushed (close them)."""
     if "vllm" in sys.modules:
         sys.exit(code)
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # the interpreter's own first step of shutting down: threading's exit hooks (they stop idle
+    # thread-pool workers, such as the executor torch._dynamo's import starts in torch 2.13,
+    # which a plain join would wait on forever), then every non-daemon thread joined
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

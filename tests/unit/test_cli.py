@@ -282,3 +282,30 @@ def test_expert_tensor_parallel_follows_tp_without_expert_parallelism():
     assert rlhf("--tensor_model_parallel_size", "2").parallel.expert_tensor_parallel_size == 2
     args = rlhf("--tensor_model_parallel_size", "2", "--expert_model_parallel_size", "2")
     assert args.parallel.expert_tensor_parallel_size == 1
+
+
+def test_exit_without_teardown_stops_idle_thread_pools():
+    """A finished run exits with its code although an idle thread-pool worker (non-daemon) is
+    alive, as the one torch._dynamo's import starts in torch 2.13: a plain join of every
+    non-daemon thread waited on it forever (a CPU e2e run hung at exit). Joins real threads
+    first: a worker still writing finishes its file."""
+    script = (
+        "import threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from swift_megatron.cli.main import exit_without_teardown\n"
+        "pool = ThreadPoolExecutor(2)\n"
+        "pool.submit(lambda: None).result()\n"
+        "def late():\n"
+        "    time.sleep(0.5)\n"
+        "    open(r'%s', 'w').write('done')\n"
+        "threading.Thread(target=late).start()\n"
+        "exit_without_teardown(3)\n")
+    marker = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"exit_marker_{os.getpid()}")
+    try:
+        result = subprocess.run([sys.executable, "-c", script % marker], timeout=60,
+                                capture_output=True, text=True)
+        assert result.returncode == 3, result.stderr
+        assert open(marker).read() == "done"
+    finally:
+        if os.path.exists(marker):
+            os.remove(marker)
