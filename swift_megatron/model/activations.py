@@ -17,8 +17,8 @@ in float32 and rounded once, so bfloat16 gradients may differ from autograd's in
 The forward and backward functions (and packed RoPE's, model/rope.py) run compiled on CUDA
 (model/compiled.py, `SWIFT_MEGATRON_COMPILE_LAYERS`): one fused kernel per function instead of
 one per op. A node with compiled functions costs the host two compiled calls, where a
-checkpointed graph of plain ops cost a dozen ops and a checkpoint (on the CPU, 365 against 913
-us for a norm's forward and backward, the kernels' work aside).
+checkpointed graph of plain ops cost a dozen ops and a checkpoint (on the CPU, with tiny tensors:
+a norm's forward and backward 429 against 754 us, SwiGLU's 413 against 418).
 """
 import torch
 import torch.nn.functional as F
