@@ -58,10 +58,10 @@ def exit_without_teardown(code: int) -> None:
     transformers / megatron object still alive (measured: 4-7 s of a 15 s tiny training run on
     2 CPU cores, paid by every process of every run). What the teardown would still do is done
     first: threading's exit hooks run and other non-daemon threads are joined, atexit handlers
-    run (logging, multiprocessing's finalizers, tensorboard), the standard streams are flushed. Not in a process that imported
-    vLLM: its CPU shared-memory communicator removes its /dev/shm segments in that teardown (a
-    later engine fails on the leftovers). Files a plugin leaves open and unflushed are not
-    flushed (close them)."""
+    run (logging, multiprocessing's finalizers, tensorboard), the standard streams are flushed.
+    Not in a process that imported vLLM: its CPU shared-memory communicator removes its /dev/shm
+    segments in that teardown (a later engine fails on the leftovers). Files a plugin leaves open
+    and unflushed are not flushed (close them)."""
     if "vllm" in sys.modules:
         sys.exit(code)
     # the interpreter's own first step of shutting down: threading's exit hooks (they stop idle

@@ -38,6 +38,11 @@ def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _input_grad(dnormed: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """d/dx of normed = x * rstd(x), given the gradient of normed (both norms share it)."""
+    return rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x) computed in float32 and cast back before the weight (Hugging Face's
     Qwen2 / Llama order)."""
@@ -50,7 +55,7 @@ def rms_norm_grad(grad, x, weight, eps: float, weight_grad: bool):
     rstd = _rstd(xf, eps)
     normed = xf * rstd
     dnormed = wide(grad * weight)
-    dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
+    dx = _input_grad(dnormed, normed, rstd)
     if not weight_grad:
         return dx.to(x.dtype), None
     return dx.to(x.dtype), (wide(grad) * wide(normed.to(x.dtype))).sum(0).to(weight.dtype)
@@ -67,7 +72,7 @@ def zero_centered_rms_norm_grad(grad, x, weight, eps: float, weight_grad: bool):
     rstd = _rstd(xf, eps)
     normed = xf * rstd
     dnormed = gf * (1.0 + wide(weight))
-    dx = rstd * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))
+    dx = _input_grad(dnormed, normed, rstd)
     return dx.to(x.dtype), (gf * normed).sum(0).to(weight.dtype) if weight_grad else None
 
 

@@ -19,8 +19,9 @@ H = logsumexp(l) - E_p[l] (no gradient: a metric and the entropy mask's input).
 
 The math on one chunk is three pure functions (`_chunk_stats`, `_logprob_grad` and the
 scaling they share). On CUDA they run compiled by torch.compile (model/compiled.py): Inductor
-fuses each into one pass that reads the bf16 logits and writes only per-token numbers (or the bf16 gradient), where
-eager PyTorch writes and reads a float32 copy of the chunk for every elementwise step. Elsewhere
+fuses each into one pass that reads the bf16 logits and writes only per-token numbers (or the
+bf16 gradient), where eager PyTorch writes and reads a float32 copy of the chunk for every
+elementwise step. Elsewhere
 they run eagerly, a chunk's float32 working set about `CHUNK_BYTES`.
 Each TP rank reduces its own columns to a log-sum-exp (and an entropy term); the ranks combine
 those per-token numbers once, after all chunks.
