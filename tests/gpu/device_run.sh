@@ -92,6 +92,8 @@
 #                     (SWIFT_MEGATRON_COMPILE_LAYERS=0), then compiled (the default on CUDA)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
+#   lora_step_eager   the same, the layers' elementwise nodes eager (no profile): before / after
+#   compiled_gpu      tests/gpu/test_compiled_gpu.py (compiled nodes against eager and float64)
 #   host_profile      benchmarks/host_profile.py: py-spy over ours with $BOTH (6 rollout
 #                     batches), a table of where the host's time goes per phase in
 #                     $OUT/host_profile/; host_profile_lora: the same for LoRA without dropout.
@@ -296,6 +298,9 @@ phase() {
                          --variant offload_ref="--offload_ref_model true" \
                          -- --max_tokens_per_micro_batch 8192 ;;
         lora_step) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --profile $OUT/lora_step ;;
+        lora_step_eager) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/lora_step.py \
+                             --preset qwen2.5-1.5b ;;
+        compiled_gpu) python3 -m pytest tests/gpu/test_compiled_gpu.py -q -s ;;
         host_profile) python3 benchmarks/host_profile.py --out $OUT/host_profile --py_spy "$PYSPY" \
                           -- --preset qwen2.5-1.5b $STEADY --work_dir /tmp/host_profile \
                           -- --max_tokens_per_micro_batch 8192 $BOTH ;;
