@@ -214,7 +214,8 @@ def memory_check(rows: list, estimate: dict) -> dict:
 
 
 PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
-              "time/sync_check_s", "perf/rollout_tokens_per_s", "perf/train_tokens_per_s",
+              "time/sync_check_s", "perf/gc_pause_s", "perf/rollout_tokens_per_s",
+              "perf/train_tokens_per_s",
               "perf/max_memory_allocated_gib", "rollout/logprob_abs_diff_mean",
               "sync/logprob_abs_diff_mean",
               "rollout/completion_tokens", "rollout/completion_length_mean",

@@ -51,6 +51,7 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     rows = logged(out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert all(r["time/sync_s"] > 0 and r["time/sync_check_s"] > 0 for r in rows)  # timed apart
+    assert all(0 <= r["perf/gc_pause_s"] < r["time/rollout_s"] + r["time/train_s"] for r in rows)
     assert "eval/reward/mean" in rows[1] and "eval/reward/mean" not in rows[0]
     assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
     assert rows[1]["eval/num_completions"] == 7 * 2  # ceil(0.1 x 64) prompts x num_generations_eval

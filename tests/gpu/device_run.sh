@@ -93,6 +93,8 @@
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 #   lora_step_eager   the same, the layers' elementwise nodes eager (no profile): before / after
+#   lora_step_8k      lora_step at GRPO's shape (2 micro-batches of 32 x 256 = 8k tokens), the
+#                     layers' nodes eager then compiled
 #   compiled_gpu      tests/gpu/test_compiled_gpu.py (compiled nodes against eager and float64)
 #   host_profile      benchmarks/host_profile.py: py-spy over ours with $BOTH (6 rollout
 #                     batches), a table of where the host's time goes per phase in
@@ -300,6 +302,10 @@ phase() {
         lora_step) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --profile $OUT/lora_step ;;
         lora_step_eager) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/lora_step.py \
                              --preset qwen2.5-1.5b ;;
+        lora_step_8k) for c in 0 1; do echo "== SWIFT_MEGATRON_COMPILE_LAYERS=$c"
+                          SWIFT_MEGATRON_COMPILE_LAYERS=$c python3 benchmarks/lora_step.py \
+                              --preset qwen2.5-1.5b --micro_batches 2 --micro_batch 32 || return 1
+                      done ;;
         compiled_gpu) python3 -m pytest tests/gpu/test_compiled_gpu.py -q -s ;;
         host_profile) python3 benchmarks/host_profile.py --out $OUT/host_profile --py_spy "$PYSPY" \
                           -- --preset qwen2.5-1.5b $STEADY --work_dir /tmp/host_profile \

@@ -44,6 +44,7 @@ from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.training.gc_pauses import GcClock, freeze_long_lived
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.profile import maybe_profile, measure_phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
@@ -111,17 +112,22 @@ class GRPOTrainer:
         self.sync_weights()
         metrics: Dict[str, float] = {}
         t = self.args.training
-        for index in progress(range(1, batches + 1), desc="GRPO"):
-            with maybe_profile(index, self.state.rank):
-                metrics = self.train_rollout_batch()
-            if self._crossed(self.eval_steps):
-                metrics.update(self.evaluate())
-            if self._crossed(t.logging_steps):
-                self.metrics_log.log(self.step, metrics)
-            if self._crossed(t.save_steps):
-                self.save(metrics)
-            if t.exit_interval and self.step >= t.exit_interval:
-                break
+        with GcClock() as gc_clock:
+            for index in progress(range(1, batches + 1), desc="GRPO"):
+                paused = gc_clock.seconds
+                with maybe_profile(index, self.state.rank):
+                    metrics = self.train_rollout_batch()
+                metrics["perf/gc_pause_s"] = gc_clock.seconds - paused
+                if index == 1:   # the engine, the model and compiled graphs exist from here on
+                    freeze_long_lived()
+                if self._crossed(self.eval_steps):
+                    metrics.update(self.evaluate())
+                if self._crossed(t.logging_steps):
+                    self.metrics_log.log(self.step, metrics)
+                if self._crossed(t.save_steps):
+                    self.save(metrics)
+                if t.exit_interval and self.step >= t.exit_interval:
+                    break
         if self._saved_step != self.step:
             self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
