@@ -31,6 +31,7 @@ def run_mode(a, lora: bool, state) -> dict:
     from swift_megatron.bridge import Bridge
     from swift_megatron.lora import LoraConfig, apply_lora
     from swift_megatron.model.build import build_model
+    from swift_megatron.model.compiled import compile_layers_on_cuda
     from swift_megatron.training.optim import (OptimizerSettings, build_optimizer,
                                                build_scheduler, wrap_ddp)
     from swift_megatron.training.step import forward_backward, optimizer_step, zero_grads
@@ -41,6 +42,7 @@ def run_mode(a, lora: bool, state) -> dict:
     torch.manual_seed(0)
     model, config, shape = build_model(hf_config, dtype, state.device,
                                        model_type=hf_config["model_type"])
+    compile_layers_on_cuda(not lora)   # as the GRPO trainer does (model/compiled.py)
     if lora:
         apply_lora(model, LoraConfig(r=8, lora_alpha=32, lora_dropout=a.lora_dropout, seed=0),
                    Bridge(hf_config, shape, config).mappings)

@@ -1,14 +1,11 @@
-"""Python's cyclic garbage collector in the rollout loop: its pauses counted, and the objects that
-live for the whole run kept out of its full collections.
+"""Python's cyclic garbage collector in the rollout loop: the seconds of its pauses, logged per
+rollout batch as `perf/gc_pause_s`.
 
-A full (generation-2) collection walks every object the collector tracks. With torch, vLLM,
-transformers and megatron-core imported that is about 460k objects and 0.4 s on a CI CPU, more
-once an engine, a model and compiled graphs exist, and it lands in whichever phase allocates
-when the collector's thresholds are crossed (seen on an H200 as rollout phases 0.4-0.7 s slower
-than their neighbours). `freeze_long_lived` (gc.collect, then gc.freeze) after the first rollout
-batch moves everything alive then to the permanent generation, so later collections walk only
-what the run made since; garbage made later is still collected. `GcClock` sums the seconds the
-collector ran, through gc.callbacks, for the `perf/gc_pause_s` metric.
+A full (generation-2) collection walks every object the collector tracks: with torch, vLLM,
+transformers and megatron-core imported, about 460k objects and 0.4 s on a CI CPU. vLLM freezes
+the heap it starts with (gc.freeze after the engine's start-up and warm-up, in the trainer's
+process in colocate mode), so such walks are rare; the metric shows what the collector still
+costs, and whether a slow rollout batch was the collector's doing (docs/gpu.md).
 """
 import gc
 import time
@@ -35,9 +32,3 @@ class GcClock:
 
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self._callback)
-
-
-def freeze_long_lived() -> None:
-    """Collect once, then exempt every surviving object from later collections."""
-    gc.collect()
-    gc.freeze()

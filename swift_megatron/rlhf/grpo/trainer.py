@@ -44,7 +44,7 @@ from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
-from swift_megatron.training.gc_pauses import GcClock, freeze_long_lived
+from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.profile import maybe_profile, measure_phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
@@ -118,8 +118,6 @@ class GRPOTrainer:
                 with maybe_profile(index, self.state.rank):
                     metrics = self.train_rollout_batch()
                 metrics["perf/gc_pause_s"] = gc_clock.seconds - paused
-                if index == 1:   # the engine, the model and compiled graphs exist from here on
-                    freeze_long_lived()
                 if self._crossed(self.eval_steps):
                     metrics.update(self.evaluate())
                 if self._crossed(t.logging_steps):
