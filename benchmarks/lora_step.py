@@ -3,7 +3,9 @@ megatron DDP, optimizer and forward_backward (the GRPO trainer's step path), nex
 cross-entropy on random tokens through the trainer's output head (model/head.py: chunked
 logprobs; megatron's logits path made LoRA's frozen output layer run one product per position,
 96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the
-ratio LoRA / full (issue: a LoRA step should be no slower than a full one). `--profile DIR`
+ratio LoRA / full (issue: a LoRA step should be no slower than a full one). The layers'
+elementwise nodes run as the trainer runs them: compiled on CUDA for full, eager for LoRA
+(model/compiled.py; SWIFT_MEGATRON_COMPILE_LAYERS=0 / 1 sets both). `--profile DIR`
 writes a torch-profiler table per mode (self time per op, by host time, then on CUDA by GPU time).
 
     python benchmarks/lora_step.py --preset qwen2.5-1.5b                  # GPU
