@@ -87,7 +87,8 @@
 #                     layers recomputed (--recompute_method block --recompute_num_layers 21)
 #   trl_both          ours with head_block's second flags, then TRL, one command, 6 rollout
 #                     batches, batches 3-6 averaged (fits one call on a machine where vLLM and
-#                     TRL's wheels are already installed); trl_both_first: TRL first
+#                     TRL's wheels are already installed); trl_both_first: TRL first;
+#                     trl_both_long: 8 rollout batches (is the last batch the slow one?)
 #   compiled_layers   ours with $BOTH, 6 rollout batches, the layers' elementwise math eager
 #                     (SWIFT_MEGATRON_COMPILE_LAYERS=0), then compiled (the default on CUDA)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
@@ -205,6 +206,9 @@ phase() {
                         -- --max_tokens_per_micro_batch 8192 ;;
         trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                       --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        trl_both_long) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 8 \
+                           --warmup_batches 2 --work_dir /tmp/trl_both -- \
+                           --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \
