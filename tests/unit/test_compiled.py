@@ -64,6 +64,7 @@ def test_eager_failure_is_raised():
 
 def test_lora_runs_keep_the_layers_eager_on_cuda(monkeypatch):
     cuda = torch.device("cuda")
+    compile_layers_on_cuda(True)   # a full-parameter run's setting (the default)
     assert all(group.mode == "auto" and group.active(cuda) for group in GROUPS)
     compile_layers_on_cuda(False)
     try:
