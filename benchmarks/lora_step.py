@@ -4,8 +4,8 @@ cross-entropy on random tokens through the trainer's output head (model/head.py:
 logprobs; megatron's logits path made LoRA's frozen output layer run one product per position,
 96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the
 ratio LoRA / full (issue: a LoRA step should be no slower than a full one). The layers'
-elementwise nodes run as the trainer runs them: compiled on CUDA for full, eager for LoRA
-(model/compiled.py; SWIFT_MEGATRON_COMPILE_LAYERS=0 / 1 sets both). `--profile DIR`
+elementwise nodes run as the trainer runs them: compiled on CUDA (model/compiled.py;
+SWIFT_MEGATRON_COMPILE_LAYERS=0 / 1 sets both modes). `--profile DIR`
 writes a torch-profiler table per mode (self time per op, by host time, then on CUDA by GPU time).
 
     python benchmarks/lora_step.py --preset qwen2.5-1.5b                  # GPU
@@ -33,7 +33,6 @@ def run_mode(a, lora: bool, state) -> dict:
     from swift_megatron.bridge import Bridge
     from swift_megatron.lora import LoraConfig, apply_lora
     from swift_megatron.model.build import build_model
-    from swift_megatron.model.compiled import compile_layers_on_cuda
     from swift_megatron.training.optim import (OptimizerSettings, build_optimizer,
                                                build_scheduler, wrap_ddp)
     from swift_megatron.training.step import forward_backward, optimizer_step, zero_grads
@@ -44,7 +43,6 @@ def run_mode(a, lora: bool, state) -> dict:
     torch.manual_seed(0)
     model, config, shape = build_model(hf_config, dtype, state.device,
                                        model_type=hf_config["model_type"])
-    compile_layers_on_cuda(not lora)   # as the GRPO trainer does (model/compiled.py)
     if lora:
         apply_lora(model, LoraConfig(r=8, lora_alpha=32, lora_dropout=a.lora_dropout, seed=0),
                    Bridge(hf_config, shape, config).mappings)

@@ -11,7 +11,10 @@ as in `megatron rlhf`):
     weight_sync.bridge      update_weights(bridge.export(model)) from a Megatron model built
                             from the checkpoint (the trainer's path; needs megatron-core)
     generate                tokens/s for --prompts requests of --prompt_len tokens,
-                            --max_tokens new tokens each (temperature 1, per-request seeds)
+                            --max_tokens new tokens each (temperature 1), --repeats times with
+                            per-request seeds and as many times with one seed per call
+                            (`request_seeds`, --vllm_request_seeds), alternating; the fastest
+                            and the median of each
     logprob_mismatch        |vLLM - transformers| logprobs of the sampled tokens, transformers in
                             the checkpoint dtype (what the trainer computes) and in float32
     sleep.level<N>          free GPU memory before sleep, asleep, after the weight sync and
@@ -29,6 +32,8 @@ rank 0) on --client_gpu:
     python benchmarks/rollout.py --mode colocate --preset qwen2.5-1.5b
     python benchmarks/rollout.py --mode server --preset qwen2.5-1.5b --server_gpu 0 --client_gpu 1
     python benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b --prompts 64 --max_tokens 128
+    python benchmarks/rollout.py --mode colocate --preset qwen2.5-1.5b --prompts 128 --prompt_len 64 \
+        --max_tokens 256 --gpu_memory_utilization 0.3 --repeats 5 --generate_only   # seeding cost
     python benchmarks/rollout.py --mode colocate --preset qwen2.5-0.5b --sleep_level 2
     python benchmarks/rollout.py --mode colocate --preset tiny --dtype float32   # CPU smoke test
 
@@ -115,16 +120,32 @@ def nbytes(tensors: dict) -> int:
 
 
 def measure_generate(engine, a, name: str) -> None:
+    """Colocate: per-request seeds against one seed per call, alternating (`--repeats` each);
+    server mode: per-request seeds (what the client sends)."""
+    import statistics
+
     from swift_megatron.rollout.engine import SamplingConfig
 
     prompts = random_prompts(a.prompts, a.prompt_len)
     sampling = SamplingConfig(max_tokens=a.max_tokens, temperature=1.0)
     engine.generate(prompts[:2], SamplingConfig(max_tokens=4), [0, 1])   # warm-up
     seeds = list(range(len(prompts)))
-    seconds, completions = timed(lambda: engine.generate(prompts, sampling, seeds))
-    tokens = sum(len(c.token_ids) for c in completions)
-    emit(name, seconds=round(seconds, 3), completion_tokens=tokens,
-         tokens_per_s=round(tokens / seconds, 1), prompts=len(prompts), max_tokens=a.max_tokens)
+    settings = getattr(engine, "settings", None)
+    modes = [True, False] if settings is not None and hasattr(settings, "request_seeds") else [True]
+    runs = {mode: [] for mode in modes}
+    for _ in range(a.repeats):
+        for mode in modes:
+            if settings is not None:
+                settings.request_seeds = mode
+            seconds, completions = timed(lambda: engine.generate(prompts, sampling, seeds))
+            runs[mode].append((seconds, sum(len(c.token_ids) for c in completions)))
+    for mode, results in runs.items():
+        times = [t for t, _ in results]
+        tokens = results[0][1]
+        emit(name if mode else f"{name}.call_seed", seconds=round(min(times), 3),
+             median_s=round(statistics.median(times), 3), all_s=[round(t, 3) for t in times],
+             completion_tokens=tokens, tokens_per_s=round(tokens / min(times), 1),
+             prompts=len(prompts), max_tokens=a.max_tokens)
 
 
 def greedy(engine):
@@ -259,8 +280,9 @@ def run_colocate(a, model_dir: str) -> None:
             seconds, _ = timed(lambda: engine.update_weights(bridge.export(model)))
         emit("weight_sync.bridge", **sync_stats(seconds, nbytes(weights), a.bucket_mb))
     measure_generate(engine, a, "generate")
-    logprob_mismatch(engine, model_dir, dtype)
-    measure_sleep(engine, weights)
+    if not a.generate_only:
+        logprob_mismatch(engine, model_dir, dtype)
+        measure_sleep(engine, weights)
     engine.close()
 
 
@@ -317,6 +339,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--prompt_len", type=int, default=128)
     parser.add_argument("--max_tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="generate: timed runs per seeding mode")
+    parser.add_argument("--generate_only", action="store_true",
+                        help="colocate: skip the logprob mismatch and sleep measurements")
     parser.add_argument("--bucket_mb", type=int, default=512)
     parser.add_argument("--sleep_level", type=int, default=1, choices=[1, 2],
                         help="colocate: the engine's sleep level, measured by sleep.level<N>")

@@ -65,6 +65,16 @@ class RolloutArguments:
                            "when every sync sends every weight anyway (always, except with a "
                            "frozen vision tower), the weights are discarded as at 2: the host "
                            "copy would be overwritten unread.", choices=[0, 1, 2])
+    vllm_request_seeds: bool = arg(True, "Colocate: sample every completion with its own seed "
+                                   "(derived from --seed and its prompt's slot), so that it does "
+                                   "not depend on the batch or the process that generated it "
+                                   "(the same completions under any DP or TP layout). false: one "
+                                   "seed per generate call and vLLM's batched draw (as ms-swift "
+                                   "and TRL sample; a rerun of the same command still samples the "
+                                   "same), which skips vLLM's per-request draw, one GPU kernel per "
+                                   "seeded request and decode step (measured 2-4% of the "
+                                   "generation at 128 requests: docs/gpu.md). Server mode always "
+                                   "sends per-request seeds.")
     offload_model: bool = arg(False, "Colocate: move the training weights (and free the grads) "
                               "to host memory while vLLM generates.")
     offload_optimizer: bool = arg(False, "Colocate: move the optimizer state and main params to "

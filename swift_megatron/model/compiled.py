@@ -31,8 +31,7 @@ RECOMPILE_LIMIT = 64
 
 class Compiled:
     """Named pure functions, compiled together at first use where `mode` says so: "auto" (on
-    CUDA, while `auto_on_cuda`), True or False; the environment variable `env` set to 0 or 1
-    overrides "auto".
+    CUDA), True or False; the environment variable `env` set to 0 or 1 overrides "auto".
     `token_major[name]`: how many leading tensor arguments of that function have the token
     count as their first dimension, compiled for any count from the first call (no recompile
     per micro-batch size)."""
@@ -44,7 +43,6 @@ class Compiled:
         self.mode: Union[str, bool] = {"0": False, "1": True}.get(os.environ.get(env, ""), "auto")
         self.compiled: Dict[str, Callable] = {}   # empty until first used compiled
         self.failed = False
-        self.auto_on_cuda = True
 
     def set_mode(self, mode: Union[str, bool]) -> None:
         """Compile "auto" (on CUDA), always (True) or never (False) from the next call on."""
@@ -57,8 +55,7 @@ class Compiled:
 
     def active(self, device: torch.device) -> bool:
         """Whether calls on `device` run the compiled functions."""
-        wanted = (device.type == "cuda" and self.auto_on_cuda) if self.mode == "auto" \
-            else bool(self.mode)
+        wanted = device.type == "cuda" if self.mode == "auto" else bool(self.mode)
         return wanted and not self.failed
 
     def run(self, name: str, device: torch.device, *args):
@@ -81,16 +78,3 @@ class Compiled:
                            "now on (%s=0 skips the compile)", self.what, error, self.env)
             self.failed = True
             return self.eager[name](*args)
-
-
-def compile_layers_on_cuda(enabled: bool) -> None:
-    """Whether "auto" compiles the decoder layers' groups on CUDA (default: yes). Measured on
-    an H200 (Qwen2.5-1.5B shape, `benchmarks/lora_step.py`, 8 micro-batches of 2k tokens): a
-    full-parameter step 0.869 s eager, 0.829 s compiled; a LoRA step 1.171 s eager, 1.336 s
-    compiled. A LoRA backward has no weight-gradient products to hide the host's time behind,
-    and a compiled call costs the host more than the few eager kernels it replaces, so LoRA runs
-    keep the layers eager (SWIFT_MEGATRON_COMPILE_LAYERS=1 still compiles them)."""
-    from swift_megatron.model import activations, rope   # both import this module
-
-    for group in (activations.MATH, rope.MATH):
-        group.auto_on_cuda = enabled

@@ -5,8 +5,15 @@ Each training process builds an in-process `LLM` (engine core in the process,
 training ranks form one vLLM TP group through vLLM's `external_launcher` executor (one engine per
 torchrun process, all of them running the same requests in lockstep); that group is independent
 of the Megatron layout. `generate` all-gathers the group's requests, every member generates all
-of them, and each rank keeps its own share, in order. Per-request seeds
-(`SamplingParams(seed=...)`) make every sample depend on its seed alone.
+of them, and each rank keeps its own share, in order.
+
+Seeds (`request_seeds`): True gives every request its own seed (`SamplingParams(seed=...)`), so
+a sample depends on its seed alone, whichever batch or process generates it; vLLM then draws
+each seeded request's noise with its own generator, one kernel per request and decode step
+(its sampler's slow path). False (`--vllm_request_seeds false`) seeds vLLM's batched draw
+once per call instead, from the call's seeds (`batch_seed`), inside a fork of
+torch's RNG state: the same requests in the same order sample the same tokens on every member of
+a TP group and in a rerun, and the trainer's RNG stream is left as it was.
 
 Weights: the engine starts with `load_format="dummy"` (random weights, nothing read from disk)
 because the trainer pushes the policy with `update_weights` before the first rollout.
@@ -37,7 +44,9 @@ prompt's encoded images (data/images.py); vLLM gets the PIL images as `multi_mod
 runs its own processor on them, with the prompt's tokens holding ONE `<|image_pad|>` per image:
 vLLM expands each pad itself (given our already expanded run it expands the first pad again).
 """
+import contextlib
 import dataclasses
+import hashlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -67,8 +76,27 @@ class ColocateSettings:
     enable_prefix_caching: bool = True
     sleep_level: int = 0
     full_syncs: bool = False   # every update_weights sends every weight (module docstring)
+    request_seeds: bool = True  # one vLLM seed per request, else one per call (module docstring)
     bucket_bytes: int = 512 << 20
     engine_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def batch_seed(seeds: Sequence[int]) -> int:
+    """One seed for a generate call, from its requests' seeds in order. Pure."""
+    digest = hashlib.sha256(",".join(map(str, seeds)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int):
+    """torch's RNGs (host and this process's GPU, what vLLM's batched sampler draws from) seeded
+    with `seed` inside the block, and restored after it."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        yield
 
 
 def _allocated() -> int:
@@ -134,16 +162,19 @@ class ColocateEngine:
                                                                   pictures)
         if not all_prompts:
             return []
+        per_request = self.settings.request_seeds
         params = [vllm_compat.sampling_params(
             sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-            sampling.repetition_penalty, seed, self.eos) for seed in all_seeds]
+            sampling.repetition_penalty, seed if per_request else None, self.eos)
+            for seed in all_seeds]
         inputs = vllm_compat.prompt_inputs(all_prompts)
         for request, picture in zip(inputs, all_pictures):
             if picture:
                 request["prompt_token_ids"] = one_pad_per_image(request["prompt_token_ids"],
                                                                 self.image_token_id)
                 request["multi_modal_data"] = {"image": picture}
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        with contextlib.nullcontext() if per_request else seeded_rng(batch_seed(all_seeds)):
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
         return [Completion(*vllm_compat.completion_fields(out), self.weight_version)
                 for out in outputs[mine]]
 

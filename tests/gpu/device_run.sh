@@ -95,7 +95,13 @@
 #                     $OUT/lora_step/ (the LoRA step measured 2.9x slower than full in GRPO)
 #   lora_step_eager   the same, the layers' elementwise nodes eager (no profile): before / after
 #   lora_step_8k      lora_step at GRPO's shape (2 micro-batches of 32 x 256 = 8k tokens), the
-#                     layers' nodes eager then compiled
+#                     layers' nodes eager then compiled; lora_8k_defaults: the same shape with
+#                     each mode's default (full compiled, LoRA eager)
+#   seeds             benchmarks/rollout.py at the trl_compare shape (1.5B, 128 requests of 64 + 256
+#                     tokens, memory 0.3): vLLM generation with per-request seeds against one
+#                     seed per call, 5 runs each, alternating
+#   trl_seeds         trl_both with ours twice: one seed per call (the default), then
+#                     --vllm_request_seeds true; TRL once
 #   compiled_gpu      tests/gpu/test_compiled_gpu.py (compiled nodes against eager and float64)
 #   host_profile      benchmarks/host_profile.py: py-spy over ours with $BOTH (6 rollout
 #                     batches), a table of where the host's time goes per phase in
@@ -209,6 +215,12 @@ phase() {
         trl_both_long) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 8 \
                            --warmup_batches 2 --work_dir /tmp/trl_both -- \
                            --max_tokens_per_micro_batch 8192 $BOTH ;;
+        trl_seeds) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
+                       --work_dir /tmp/trl_both --variant request_seeds="--vllm_request_seeds true" \
+                       -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        seeds) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-1.5b \
+                   --work_dir /tmp/rollout_seeds --prompts 128 --prompt_len 64 --max_tokens 256 \
+                   --gpu_memory_utilization 0.3 --repeats 5 --generate_only ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \
@@ -310,6 +322,8 @@ phase() {
                           SWIFT_MEGATRON_COMPILE_LAYERS=$c python3 benchmarks/lora_step.py \
                               --preset qwen2.5-1.5b --micro_batches 2 --micro_batch 32 || return 1
                       done ;;
+        lora_8k_defaults) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --micro_batches 2 \
+                              --micro_batch 32 ;;
         compiled_gpu) python3 -m pytest tests/gpu/test_compiled_gpu.py -q -s ;;
         host_profile) python3 benchmarks/host_profile.py --out $OUT/host_profile --py_spy "$PYSPY" \
                           -- --preset qwen2.5-1.5b $STEADY --work_dir /tmp/host_profile \

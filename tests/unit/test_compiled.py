@@ -3,12 +3,12 @@ torch.compile (Inductor's CPU backend here; Triton on CUDA) gives the eager valu
 (float32 to rounding, bfloat16 within a few units in the last place: Inductor rounds once), also
 through the norm's checkpoint and a whole decoder layer; when a compile fails the run warns once
 and the eager functions compute the same numbers from then on; an eager failure is not
-swallowed; "auto" compiles on CUDA only, and not the layers' math of a LoRA run unless asked."""
+swallowed; "auto" compiles on CUDA only."""
 import pytest
 import torch
 
 from swift_megatron.model import activations, logprobs, rope
-from swift_megatron.model.compiled import Compiled, compile_layers_on_cuda
+from swift_megatron.model.compiled import Compiled
 
 GROUPS = (activations.MATH, rope.MATH)
 
@@ -60,21 +60,6 @@ def test_eager_failure_is_raised():
     group.set_mode(False)
     with pytest.raises(RuntimeError, match="exploded"):
         group.run("f", torch.device("cpu"), torch.zeros(1))
-
-
-def test_lora_runs_keep_the_layers_eager_on_cuda(monkeypatch):
-    cuda = torch.device("cuda")
-    compile_layers_on_cuda(True)   # a full-parameter run's setting (the default)
-    assert all(group.mode == "auto" and group.active(cuda) for group in GROUPS)
-    compile_layers_on_cuda(False)
-    try:
-        assert not any(group.active(cuda) for group in GROUPS)
-        assert logprobs.KERNELS.active(cuda)   # the logprob kernels are not the layers'
-        monkeypatch.setattr(rope.MATH, "mode", True)   # SWIFT_MEGATRON_COMPILE_LAYERS=1
-        assert rope.MATH.active(cuda) and not activations.MATH.active(cuda)
-    finally:
-        compile_layers_on_cuda(True)
-    assert activations.MATH.active(cuda)
 
 
 def test_auto_compiles_on_cuda_only():

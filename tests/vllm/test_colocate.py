@@ -5,7 +5,9 @@
 - greedy (temperature 0: vLLM's argmax path) continuations equal transformers' greedy
   continuations of the same prompts for 8 tokens, after pushing the checkpoint's weights, and
   after pushing perturbed weights (the output changes, and equals transformers on those);
-- the same (prompt, seed) gives the same completion in different batches;
+- the same (prompt, seed) gives the same completion in different batches; with one seed per
+  call instead (request_seeds=False), the same call gives the same completions and leaves the
+  caller's RNG stream as it was;
 - the returned logprobs are log_softmax(logits / temperature) of transformers' logits at the
   sampled tokens, within 1e-4 (float32);
 - "stop" completions end with the EOS token, "length" ones have max_tokens tokens;
@@ -165,6 +167,33 @@ def test_same_seed_same_completion_in_any_batch(engine, weights):
     assert first[1].token_ids == second[3].token_ids
     assert first[2].token_ids == second[1].token_ids
     assert first[0].token_ids != first[2].token_ids  # a different seed samples differently
+
+
+def test_one_seed_per_call_reproduces_and_leaves_torch_rng_alone(engine, weights):
+    """request_seeds=False (--vllm_request_seeds false): vLLM's batched draw, seeded per call from
+    the requests' seeds: the same call samples the same tokens, other seeds sample others, and
+    the caller's RNG stream is not moved by the call."""
+    from swift_megatron.rollout.vllm_colocate import batch_seed
+
+    push(engine, weights["original"])
+    sampling = SamplingConfig(max_tokens=12, temperature=1.0)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    engine.settings.request_seeds = False
+    try:
+        torch.manual_seed(5)
+        first = [c.token_ids for c in engine.generate(prompts, sampling, seeds=[11, 12, 13])]
+        after_call = torch.rand(4)
+        again = [c.token_ids for c in engine.generate(prompts, sampling, seeds=[11, 12, 13])]
+        other = [c.token_ids for c in engine.generate(prompts, sampling, seeds=[21, 22, 23])]
+    finally:
+        engine.settings.request_seeds = True
+    torch.manual_seed(5)
+    assert torch.equal(after_call, torch.rand(4))
+    assert first == again
+    assert first != other
+    assert first[0] != first[2]   # one draw for the batch: rows get different noise
+    assert batch_seed([11, 12, 13]) != batch_seed([13, 12, 11])
+    assert 0 <= batch_seed([11, 12, 13]) < 2**63
 
 
 def test_logprobs_are_temperature_scaled(engine, weights, vllm_model_dir):

@@ -29,7 +29,6 @@ from swift_megatron.logging import CompletionsLogger, MetricsLogger, get_logger
 from swift_megatron.logging.metrics import SinkSettings
 from swift_megatron.lora import LoraConfig, apply_lora, load_adapter
 from swift_megatron.model.build import build_chunks
-from swift_megatron.model.compiled import compile_layers_on_cuda
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
@@ -188,7 +187,6 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     chunks, config, bridge = _load_model(args, state, model_dir, hf_config, dtype, weights)
     check_vision_flags(args, hf_config)
     lora = attach_lora(args, chunks[0], bridge, start.adapter, hf_config)  # one chunk with LoRA
-    compile_layers_on_cuda(lora is None)   # a LoRA step is host-bound: eager pays (compiled.py)
     if args.training.train_type == "lora_llm":
         _train_vision_in_full(chunks)
     elif lora is None and has_vision(hf_config):
