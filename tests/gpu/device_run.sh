@@ -17,6 +17,7 @@
 #   trl_tokens      trl_compare with ours forming micro-batches by an 8k-token budget, then a
 #                   16k one (--max_tokens_per_micro_batch; one TRL run for both)
 #   trl_varlen_tokens  trl_varlen with the same token budget
+#   trl_varlen_both  trl_varlen with the 8k budget and $BOTH (no more memory than TRL), 6 batches
 #   rollout_probe   benchmarks/rollout.py colocate (0.5B shape): sync speed, logprob mismatch,
 #                   sleep levels 1 and 2 with the tensors each changed
 #   sleep_level2    benchmarks/sleep_level2.py (0.5B shape, ~6 min): which step of the colocate
@@ -165,6 +166,9 @@ phase() {
                          --work_dir /tmp/trl_compare ;;
         trl_varlen) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --work_dir /tmp/trl_varlen --variable_length ;;
+        trl_varlen_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
+                             --work_dir /tmp/trl_varlen --variable_length \
+                             -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_tokens) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --work_dir /tmp/trl_tokens \
                         --variant 16k="--max_tokens_per_micro_batch 16384" \
