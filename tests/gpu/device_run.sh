@@ -24,6 +24,8 @@
 #                   flow breaks sleep level 2 and which candidate fix keeps the greedy output
 #   profile         ours alone on the trl_compare setup, the 3rd rollout batch under the torch
 #                   profiler ($OUT/profile/profile_rank0.txt, training/profile.py)
+#   profile_varlen  the same with spread lengths and $BOTH: the 3rd batch, the slow one of both
+#                   trl_varlen_both runs in the eighteenth session
 # Two GPUs (nvidia-h200-x2):
 #   trl_compare_2gpu  trl_compare data-parallel over 2 GPUs, twice the work (weak scaling)
 #   lora_scaling      ours with --train_type lora on the trl_compare setup, 1 GPU then 2 GPUs
@@ -179,6 +181,10 @@ phase() {
         profile) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile \
                      -- --max_tokens_per_micro_batch 8192 ;;
+        profile_varlen) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
+                            --preset qwen2.5-1.5b --rollout_batches 3 --tool ours \
+                            --work_dir /tmp/profile --variable_length \
+                            -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         sleep2) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                     --tool ours --work_dir /tmp/sleep2 --variant level1="--sleep_level 1" \
                     -- --max_tokens_per_micro_batch 8192 \
