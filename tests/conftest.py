@@ -2,6 +2,8 @@
 
 Session fixtures (swift_megatron.fixtures, built offline into a tmp dir): `tiny_model_dir(family)`
 -> path of a tiny seed-0 checkpoint, `math_dataset_path` -> a 64-row math jsonl.
+Per test: `single_process_group` -> a one-process torch.distributed world (reused when an
+earlier test of the worker left one up), `swift_logs` -> caplog on our logger.
 """
 import json
 import os
@@ -102,3 +104,21 @@ def swift_logs(caplog):
     caplog.set_level(logging.INFO, logger="swift_megatron")
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def single_process_group():
+    """A one-process world: the one an earlier test of this process left up on purpose
+    (tests/vllm/test_colocate.py: vLLM's in-process engines keep it), else a new gloo world."""
+    import torch.distributed as dist
+
+    from tests.distributed.launch import free_port
+
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield dist.group.WORLD
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -14,7 +14,7 @@ from swift_megatron.rlhf.grpo.losses import aggregate_loss, policy_loss
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
 from swift_megatron.rollout.engine import Completion, SamplingConfig
 from tests.unit.test_grpo_arguments import grpo
-from tests.unit.test_multi_turn import prompt_of, single_process_group, tok  # noqa: F401
+from tests.unit.test_multi_turn import prompt_of, tok  # noqa: F401
 
 
 class SeededEngine:

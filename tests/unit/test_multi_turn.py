@@ -295,26 +295,6 @@ def test_trajectory_is_a_completion():
         [{"role": "user", "content": "x"}]
 
 
-@pytest.fixture
-def single_process_group():
-    """A one-process world: the one an earlier test of this process left up on purpose
-    (tests/vllm/test_colocate.py: vLLM's in-process engines keep it), else a new gloo world."""
-    import os
-
-    import torch.distributed as dist
-
-    from tests.distributed.launch import free_port
-
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield dist.group.WORLD
-        return
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_collector_scores_the_last_answer_and_logs_turn_metrics(tok, single_process_group):
     """The collector with a scheduler: samples carry the trajectory's tokens and loss mask,
     reward functions see the last answer, the whole chat and rollout_infos; gym_reward adds the

@@ -3,8 +3,6 @@ own per-sequence `apply_rotary_pos_emb` with cu_seqlens bit for bit (both freque
 sequences of length 1, partial rotary, float32 and bfloat16), inside a real attention layer too,
 and runs 4 ops per rotated tensor (5 with partial rotary) where megatron's runs 14 and reads
 cu_seqlens back to the host (a device sync on a GPU)."""
-import os
-
 import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
@@ -101,18 +99,13 @@ def test_rope_op_count_per_layer():
 
 
 @pytest.fixture
-def single_rank():
-    import torch.distributed as dist
+def single_rank(single_process_group):
+    """Megatron's model-parallel groups (all of size 1) on the one-process world."""
     from megatron.core import parallel_state
 
-    from tests.distributed.launch import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.25])

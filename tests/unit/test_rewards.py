@@ -14,7 +14,6 @@ from swift_megatron.rewards import (BUILTIN_REWARDS, RewardConfig, compute_rewar
 from swift_megatron.rewards import math_answer, registry
 from swift_megatron.rewards.builtin import (CosineReward, RepetitionPenalty, SoftOverlong, accuracy,
                                             accuracy_one, format_reward)
-from tests.unit.test_multi_turn import single_process_group  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
