@@ -1,22 +1,17 @@
 """`megatron demo`, the README's main job: the reward the tiny model learns rises, with margin,
 and the run's report is written where the demo's last line says."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 from swift_megatron.demo.run import reward_curve
-from tests.distributed.launch import REPO
+from tests.distributed.launch import run_cli_together
 
 pytestmark = pytest.mark.slow
 
 
 def test_demo_reward_rises(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1")
-    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "demo",
-                           "--output_dir", str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=900)
+    proc = run_cli_together([(["demo", "--output_dir", tmp_path], {})], timeout=900)[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "reward rose from" in proc.stdout and "max abs logit diff" in proc.stdout
     assert "-> PASS" in proc.stdout  # the conversion precision check passed

@@ -2,13 +2,11 @@
 in peft and reproduces the merged HF export, and both merge commands give that same merged
 checkpoint bit for bit."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.distributed.launch import REPO, free_port
+from tests.distributed.launch import REPO, run_cli_together
 from tests.helpers import safetensors_of
 
 pytestmark = pytest.mark.slow
@@ -16,10 +14,7 @@ PLUGIN = os.path.join(REPO, "swift_megatron", "demo", "rewards.py")
 
 
 def megatron(*argv, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
-               MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", *map(str, argv)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    proc = run_cli_together([(argv, {})])[0]
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

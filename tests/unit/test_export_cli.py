@@ -8,23 +8,20 @@ Checks that fail before any model is built run the same entry point in-process (
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from swift_megatron.cli.main import main
 from swift_megatron.errors import UserError
-from tests.distributed.launch import REPO, free_port
+from tests.distributed.launch import REPO, free_port, run_cli_together
 from tests.helpers import safetensors_of
 
 FAMILY = "qwen3_moe"
 
 
 def export(*argv, env=None, timeout=300):
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
-    command = [sys.executable, "-m", "swift_megatron.cli.main", "export", *map(str, argv)]
-    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout)
+    return run_cli_together([(["export", *argv], env or {})], timeout)[0]
 
 
 def export_in_process(capsys, *argv):
