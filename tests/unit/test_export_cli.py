@@ -14,7 +14,7 @@ import torch
 
 from swift_megatron.cli.main import main
 from swift_megatron.errors import UserError
-from tests.distributed.launch import REPO, free_port, run_cli_together
+from tests.distributed.launch import REPO, run_cli_together
 from tests.helpers import safetensors_of
 
 FAMILY = "qwen3_moe"
@@ -163,7 +163,7 @@ def test_nproc_per_node_relaunches_under_torchrun(tiny_model_dir, tmp_path):
     out = tmp_path / "tp2"
     proc = export("--model", tiny_model_dir("qwen3"), "--to_mcore", "true", "--output_dir", out,
                   "--tensor_model_parallel_size", "2", "--test_convert_precision", "true",
-                  env={"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())})
+                  env={"NPROC_PER_NODE": "2"})   # run_cli_together sets MASTER_PORT
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "launching:" in proc.stdout and "-> PASS" in proc.stdout
     meta = json.loads((out / "swift_megatron.json").read_text())
