@@ -59,8 +59,12 @@ class Compiled:
         return wanted and not self.failed
 
     def run(self, name: str, device: torch.device, *args):
-        """functions[name](*args), compiled when active on `device`."""
-        if not self.active(device):
+        """functions[name](*args), compiled when active on `device`. Inside a region that
+        something else compiles (megatron-core's `jit_fuser`, torch.compile around
+        `GatedDeltaNet._apply_gated_norm`; a user's torch.compile) the eager function runs:
+        that compile traces it and fuses it with its neighbours, and dynamo forbids calling its
+        own API (`maybe_mark_dynamic`) from code it traces."""
+        if not self.active(device) or torch.compiler.is_compiling():
             return self.eager[name](*args)
         if not self.compiled:
             dynamo = torch._dynamo.config

@@ -155,10 +155,25 @@ def _saved_bytes(storages: dict):
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def test_compiled_decoder_layer_equals_eager(compiled_layers):
-    """A float32 decoder layer of our spec (the checkpointed norms, SwiGLU, packed RoPE): its
-    output, every parameter's gradient and the bytes autograd keeps for the backward (what the
-    memory estimate counts), with the layer math compiled against eager."""
+def _decoder_config(family: str) -> dict:
+    """qwen3: one decoder layer of our spec (the checkpointed norms, SwiGLU, packed RoPE);
+    qwen3_5: the hybrid stack (three Gated DeltaNet layers, whose gated output norm megatron-core
+    compiles itself with `jit_fuser`, then gated full attention)."""
+    if family == "qwen3":
+        return dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64)
+    from swift_megatron.fixtures.models import tiny_hf_config
+
+    return tiny_hf_config("qwen3_5", vocab_size=64).text_config.to_dict()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_compiled_decoder_layers_equal_eager(compiled_layers, family):
+    """A float32 model of our spec: its output, every parameter's gradient and the bytes
+    autograd keeps for the backward (what the memory estimate counts), with the layer math
+    compiled against eager. qwen3_5 failed on CUDA with the defaults (issue 39: the norm inside
+    megatron's compiled `_apply_gated_norm` called dynamo's API from traced code)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from swift_megatron.model.build import build_model
@@ -166,10 +181,7 @@ def test_compiled_decoder_layer_equals_eager(compiled_layers):
 
     ParallelState.initialize(device="cpu", seed=0)
     try:
-        hf = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
-                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=64)
-        model, _, _ = build_model(hf, torch.float32, torch.device("cpu"))
+        model, _, _ = build_model(_decoder_config(family), torch.float32, torch.device("cpu"))
         cu = torch.tensor([0, 5, 12], dtype=torch.int32)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=7, max_seqlen_kv=7)
@@ -188,7 +200,11 @@ def test_compiled_decoder_layer_equals_eager(compiled_layers):
                                               for n, p in model.named_parameters()},
                             sum(storages.values())))
         torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
-        assert results[1][2] == results[0][2] > 0   # the same saved activations
+        # the same saved activations; in qwen3_5 megatron's compiled gated norm recompiles
+        # (dynamic sequence lengths, our mode switch) and its partitioner may save a few
+        # kilobytes more or less in one compile than in another
+        assert results[0][2] > 0
+        assert results[1][2] == pytest.approx(results[0][2], rel=0 if family == "qwen3" else 0.01)
         for name, grad in results[0][1].items():
             torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4,
                                        msg=name)
