@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 
-from swift_megatron.fixtures.shapes import REAL_SHAPES
+from swift_megatron.fixtures.shapes import QWEN3_5_VISION, REAL_SHAPES
 
 PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "swift_megatron",
                       "demo", "rewards.py")
@@ -43,6 +43,23 @@ PRESETS = {
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen2.5-vl-3b": dict(REAL_SHAPES["qwen2.5-vl-3b"], image_size=448),
+    # the GPU gate's models (tests/gpu/matrix.py): real layer widths, 4 decoder layers (three
+    # Gated DeltaNet and one attention for Qwen3.5), 4 vision blocks keeping each tower's
+    # pattern (a full-attention block, deepstack taps)
+    "llama3.2-1b-4l": dict(REAL_SHAPES["llama3.2-1b"], num_hidden_layers=4),
+    "qwen2.5-1.5b-4l": dict(REAL_SHAPES["qwen2.5-1.5b"], num_hidden_layers=4),
+    "qwen3-1.7b-4l": dict(REAL_SHAPES["qwen3-1.7b"], num_hidden_layers=4),
+    "qwen3-moe-4l": dict(REAL_SHAPES["qwen3-moe-small"], num_hidden_layers=4),
+    "qwen3.5-moe-4l": dict(REAL_SHAPES["qwen3.5-moe-small"], model_type="qwen3_5_moe",
+                           num_hidden_layers=4),
+    "qwen2.5-vl-3b-4l": dict(REAL_SHAPES["qwen2.5-vl-3b"], num_hidden_layers=4, image_size=448,
+                             vision_config=dict(REAL_SHAPES["qwen2.5-vl-3b"]["vision_config"],
+                                                depth=4, fullatt_block_indexes=[3])),
+    "qwen3-vl-2b-4l": dict(REAL_SHAPES["qwen3-vl-2b"], num_hidden_layers=4, image_size=448,
+                           vision_config=dict(REAL_SHAPES["qwen3-vl-2b"]["vision_config"],
+                                              depth=4, deepstack_visual_indexes=[1, 2, 3])),
+    "qwen3.5-9b-4l-vl": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5", image_size=448,
+                             vision_config=dict(QWEN3_5_VISION, depth=4)),
     # the fixture's two-block tower; head_dim 32, vLLM's CPU minimum. The real vocab size makes
     # a sampled <|image_pad|> rare (1 in 151936 tokens): the trainer counts every image pad of
     # a sequence, completions' included, against the images' embeddings and stops on a mismatch
@@ -66,6 +83,8 @@ def build_model(preset: str, out_dir: str, dtype: str) -> str:
     overrides = {k: v for k, v in PRESETS[preset].items() if k not in ("model_type", "image_size")}
     if "image_size" in PRESETS[preset]:
         overrides["max_pixels"] = PRESETS[preset]["image_size"] ** 2
+        if family in ("qwen3_5", "qwen3_5_moe"):   # vision tokens and processor on request
+            overrides["images"] = True
     return build_tiny_model(family, out_dir, dtype=dtype, **overrides)
 
 

@@ -259,6 +259,8 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         recompute_modules=tuple(p.selective_recompute),
         vllm_fraction=args.vllm.vllm_gpu_memory_utilization if colocate else 0.0,
         offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
+        vision_trainable=t.train_type == "full" and not (args.model.freeze_vit
+                                                          and args.model.freeze_aligner),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))

@@ -2,9 +2,11 @@
 run prints it and warns when it exceeds the device).
 
 Per rank, in bytes:
-- weights: this rank's parameters (its PP stage's layers / TP, experts / EP) x dtype bytes;
+- weights: this rank's parameters (its PP stage's layers / TP, experts / EP; hybrid models'
+  Gated DeltaNet and full-attention layers each counted as they are; the vision tower and
+  its mergers, replicated over TP, on the first stage) x dtype bytes;
 - gradients: megatron's DDP keeps float32 main gradients of the trainable parameters (4 bytes
-  each; LoRA: the adapters only);
+  each; LoRA: the adapters only; a frozen vision tower, ms-swift's default, has none);
 - optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
   divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
 - reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
@@ -42,7 +44,7 @@ weights and, unless offloaded, gradients, optimizer and reference).
 import dataclasses
 from typing import Dict, Mapping, Optional, Tuple
 
-from swift_megatron.model.text_config import text_config
+from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -76,48 +78,102 @@ class RunShape:
     offload_model: bool = False
     offload_optimizer: bool = False
     teacher_parameters: int = 0          # --teacher_model's parameters on this rank (0: none)
+    vision_trainable: bool = False       # full training with --freeze_vit / --freeze_aligner false
 
 
-def parameter_counts(hf: Mapping) -> Dict[str, int]:
-    """Parameters of the embedding, the output head (0 when tied), one layer's attention, its
-    dense MLP or its experts (all of them) and shared parts (norms, router)."""
-    hf = text_config(hf)
+def _attention_parameters(hf: Mapping) -> int:
+    """One full-attention layer's projections (Qwen3.5's query projection also makes its output
+    gate: twice the query width)."""
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hidden // heads
-    attention = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
+    gate = heads if hf.get("model_type") in HYBRID_TYPES else 0
+    return hidden * head_dim * (heads + gate + 2 * kv) + heads * head_dim * hidden
+
+
+def _linear_attention_parameters(hf: Mapping) -> int:
+    """One Gated DeltaNet layer: q/k/v/z and b/a input projections, the depthwise convolution
+    over q, k and v, per-head dt bias and decay, the output norm and projection."""
+    hidden, v_heads = hf["hidden_size"], hf["linear_num_value_heads"]
+    keys = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+    values = v_heads * hf["linear_value_head_dim"]
+    return (hidden * (2 * keys + 2 * values + 2 * v_heads)
+            + (2 * keys + values) * hf["linear_conv_kernel_dim"] + 2 * v_heads
+            + hf["linear_value_head_dim"] + values * hidden)
+
+
+def parameter_counts(hf: Mapping) -> Dict[str, int]:
+    """Parameters of the embedding, the output head (0 when tied), one layer's token mixer
+    (attention; for hybrid models the mean over the layers of full and Gated DeltaNet linear
+    attention), its dense MLP or its experts (all of them), the shared expert with its gate
+    (not split by EP), and norms."""
+    hf = text_config(hf)
+    hidden = hf["hidden_size"]
+    attention = _attention_parameters(hf)
+    kinds = hf.get("layer_types") if hf.get("model_type") in HYBRID_TYPES else None
+    if kinds:
+        linear = _linear_attention_parameters(hf)
+        attention = sum(attention if k == "full_attention" else linear for k in kinds) // len(kinds)
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    shared = 0
     if experts:
         mlp = experts * 3 * hidden * hf["moe_intermediate_size"] + experts * hidden
+        if hf.get("shared_expert_intermediate_size"):
+            shared = 3 * hidden * hf["shared_expert_intermediate_size"] + hidden
     else:
         mlp = 3 * hidden * hf["intermediate_size"]
     embedding = hf["vocab_size"] * hidden
     return dict(embedding=embedding, head=0 if hf.get("tie_word_embeddings") else embedding,
-                attention=attention, mlp=mlp, experts=experts, norms=2 * hidden)
+                attention=attention, mlp=mlp, shared=shared, experts=experts, norms=2 * hidden)
+
+
+def vision_parameters(hf: Mapping) -> int:
+    """Parameters of a vision-language config's tower and mergers (`vision_config`; 0 without
+    one): Qwen2.5-VL's (RMSNorm, gated MLP, bias-free patch embedding) or Qwen3-VL's and
+    Qwen3.5's (LayerNorm, plain MLP, learnt position embedding, Qwen3-VL's deepstack
+    mergers); each merger is a norm and two linears over 2x2-merged features."""
+    vision = hf.get("vision_config")
+    if not isinstance(vision, Mapping):
+        return 0
+    width, ffn, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    merged = width * vision.get("spatial_merge_size", 2) ** 2
+    out = vision.get("out_hidden_size") or text_config(hf)["hidden_size"]
+    embed = 3 * vision.get("temporal_patch_size", 2) * patch * patch * width
+    attention = 4 * width * width + 4 * width
+    merger = merged * merged + merged + merged * out + out
+    if hf.get("model_type") == "qwen2_5_vl":
+        block = 2 * width + attention + 3 * width * ffn + 2 * ffn + width
+        return embed + vision["depth"] * block + width + merger
+    block = 4 * width + attention + 2 * width * ffn + ffn + width
+    deepstack = len(vision.get("deepstack_visual_indexes") or ()) * (2 * merged + merger)
+    return (embed + width + vision.get("num_position_embeddings", 0) * width
+            + vision["depth"] * block + 2 * width + merger + deepstack)
 
 
 def rank_parameters(hf: Mapping, run: RunShape) -> int:
-    """Parameters held by the first pipeline stage's ranks (it holds the embedding; the last
-    stage holds the head: the larger of the two is counted, a safe side)."""
-    hf = text_config(hf)
+    """Parameters held by the first pipeline stage's ranks (it holds the embedding and the
+    vision tower, replicated over TP; the last stage holds the head: the larger of the two ends
+    is counted, a safe side)."""
     counts = parameter_counts(hf)
-    layers = hf["num_hidden_layers"] // run.pp
+    layers = text_config(hf)["num_hidden_layers"] // run.pp
     mlp = counts["mlp"] / (run.ep if counts["experts"] else 1)
-    per_layer = (counts["attention"] + mlp) / run.tp + counts["norms"]
+    per_layer = (counts["attention"] + mlp + counts["shared"]) / run.tp + counts["norms"]
     ends = max(counts["embedding"], counts["head"]) / run.tp
     if run.pp == 1:
         ends = (counts["embedding"] + counts["head"]) / run.tp
-    return int(layers * per_layer + ends)
+    return int(layers * per_layer + ends + vision_parameters(hf))
 
 
-def _trainable(hf: Mapping, run: RunShape, params: int) -> int:
-    """Every parameter, or with LoRA the adapters of the 7 linears of each layer: A [r, in] and
-    B [out, r] of q, k, v, o, gate, up, down = r (10 hidden + 3 ffn + 2 kv) per layer."""
+def _trainable(hf: Mapping, run: RunShape, params: int, vision: int) -> int:
+    """Every parameter but a frozen vision tower's (`vision` of them), or with LoRA the adapters
+    of the 7 linears of each layer: A [r, in] and B [out, r] of q, k, v, o, gate, up, down =
+    r (10 hidden + 3 ffn + 2 kv) per layer."""
     if not run.lora:
-        return params
+        return params - (0 if run.vision_trainable else vision)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = (hf.get("num_key_value_heads") or heads) * (hf.get("head_dim") or hidden // heads)
-    per_layer = run.lora_rank * (10 * hidden + 3 * hf["intermediate_size"] + 2 * kv)
+    ffn = hf.get("intermediate_size") or hf["moe_intermediate_size"]
+    per_layer = run.lora_rank * (10 * hidden + 3 * ffn + 2 * kv)
     return per_layer * (hf["num_hidden_layers"] // run.pp) // run.tp
 
 
@@ -157,10 +213,10 @@ def _kept_layers(layers: int, run: RunShape) -> Tuple[int, int]:
 def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> Dict[str, float]:
     """{part: GiB} per GPU (module docstring), with `train`, `generate`, `peak` and, when
     `device_bytes` is given, `device`."""
-    hf = text_config(hf)
     width = _DTYPE_BYTES[run.dtype]
-    params = rank_parameters(hf, run)
-    trainable = _trainable(hf, run, params)
+    params, vision = rank_parameters(hf, run), vision_parameters(hf)
+    hf = text_config(hf)
+    trainable = _trainable(hf, run, params, vision)
     optimizer = 0 if run.optimizer_cpu_offload else 12 * trainable / (
         run.dp if run.distributed_optimizer else 1)
     parts = dict(weights=params * width, gradients=4 * trainable, optimizer=optimizer,

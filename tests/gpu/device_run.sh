@@ -6,6 +6,14 @@
 #
 #   bash tests/gpu/device_run.sh grpo_colocate grpo_full_1p5b grpo_lora_1p5b vllm_tests
 #
+# The gate every change to model, kernel, rollout, weight-sync or LoRA code passes before its
+# issue is resolved (docs/gpu.md, "The GPU gate"):
+#   matrix          tests/gpu/matrix.py: GRPO with vLLM colocate, full and LoRA, on every model
+#                   family at real layer widths (reduced depth), the defaults, the weight-sync
+#                   check and the dry run's memory estimate; one log per case in $OUT/matrix
+#                   (also packed as $OUT/matrix_logs.tgz), a table at the end. MATRIX_CASES="a b"
+#                   runs some of its cases or families (one device call is 10 minutes)
+#
 # Phases (run in the order given; a failing phase is reported and the next one still runs):
 #   grpo_colocate   GRPO, Qwen2.5-0.5B shape, vLLM colocate with sleep level 1, weight-sync check
 #   grpo_full_1p5b  GRPO, Qwen2.5-1.5B shape, full-parameter (reference model copy), vLLM colocate
@@ -156,6 +164,10 @@ build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16')
 
 phase() {
     case "$1" in
+        matrix) python3 tests/gpu/matrix.py --out "$OUT/matrix" --cases ${MATRIX_CASES:-}
+                local status=$?
+                tar czf "$OUT/matrix_logs.tgz" -C "$OUT" matrix
+                return $status ;;
         grpo_colocate) $GRPO --preset qwen2.5-0.5b --run_name colocate -- $VLLM \
                            --vllm_gpu_memory_utilization 0.35 --check_weight_sync true ;;
         grpo_full_1p5b) $GRPO --preset qwen2.5-1.5b --run_name full -- $VLLM \

@@ -178,3 +178,45 @@ def test_the_dry_run_estimate_follows_the_recompute_flags():
         (True, "block", 3)
     assert shape("--recompute_granularity", "full").recompute_num_layers == 1
     assert shape("--offload_ref_model", "true").reference_offloaded
+
+
+@pytest.mark.parametrize("family, options", [
+    ("qwen3_5", {}), ("qwen3_5_moe", dict(images=True)), ("qwen2_5_vl", {}), ("qwen3_vl", {}),
+    ("llama", {}), ("qwen3_moe", {})])
+def test_parameters_equal_transformers_models(family, options):
+    """The estimate's parameter counts against transformers' own model of the same config
+    (built on the meta device): hybrid Gated DeltaNet / gated attention layers, shared experts
+    and each vision tower exactly; the text stack within its norms and biases (a few per
+    layer, not counted)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from swift_megatron.fixtures.models import tiny_hf_config
+    from swift_megatron.model.memory import vision_parameters
+
+    config = tiny_hf_config(family, **options)
+    with torch.device("meta"):
+        cls = AutoModelForImageTextToText if hasattr(config, "text_config") else \
+            AutoModelForCausalLM
+        model = cls.from_config(config)
+    named = {n: p.numel() for n, p in model.named_parameters()}
+    tower = sum(v for n, v in named.items() if ".visual." in f".{n}")
+    hf = config.to_dict()
+    assert vision_parameters(hf) == tower
+    total = sum(named.values())
+    assert total - 1000 < rank_parameters(hf, RunShape()) <= total
+
+
+def test_a_frozen_tower_has_weights_but_no_gradients():
+    """ms-swift's default --freeze_vit / --freeze_aligner: the tower's weights are held (and
+    copied into the reference) but get no gradient or optimizer state; unfrozen they do."""
+    from swift_megatron.fixtures.models import tiny_hf_config
+    from swift_megatron.model.memory import vision_parameters
+
+    hf = tiny_hf_config("qwen2_5_vl").to_dict()
+    tower, params = vision_parameters(hf), rank_parameters(hf, RunShape())
+    frozen, trained = estimate(hf, RunShape()), estimate(hf, RunShape(vision_trainable=True))
+    assert frozen["weights"] * GIB == pytest.approx(2 * params)
+    assert frozen["gradients"] * GIB == pytest.approx(4 * (params - tower))
+    assert trained["gradients"] * GIB == pytest.approx(4 * params)
+    assert trained["optimizer"] - frozen["optimizer"] == pytest.approx(12 * tower / GIB)
