@@ -77,13 +77,15 @@ def test_qwen3_5_stack_runs_compiled_with_the_defaults():
     stack's logits and gradients within bf16 noise."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from swift_megatron.fixtures.models import tiny_hf_config
     from swift_megatron.fixtures.shapes import REAL_SHAPES
     from swift_megatron.model.build import build_model
     from swift_megatron.parallel.state import ParallelState
 
+    shape = {k: v for k, v in REAL_SHAPES["qwen3.5-9b-4l"].items() if k != "model_type"}
+    hf = tiny_hf_config("qwen3_5", **dict(shape, vocab_size=4096)).text_config.to_dict()
     ParallelState.initialize(device="cuda", seed=0)
     try:
-        hf = dict(REAL_SHAPES["qwen3.5-9b-4l"], vocab_size=4096)
         model, _, _ = build_model(hf, torch.bfloat16, torch.device("cuda"))
         cu = torch.tensor([0, 700, 1500, 2048], dtype=torch.int32, device="cuda")
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
