@@ -76,7 +76,8 @@ PHASES = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
           "perf/max_memory_allocated_gib")
 
 
-def build_model(preset: str, out_dir: str, dtype: str) -> str:
+def build_model(preset: str, out_dir: str, dtype: str, device: str = "cpu") -> str:
+    """`preset`'s random checkpoint in `out_dir`, its weights drawn on `device`."""
     from swift_megatron.fixtures import build_tiny_model
 
     family = PRESETS[preset]["model_type"]
@@ -85,7 +86,7 @@ def build_model(preset: str, out_dir: str, dtype: str) -> str:
         overrides["max_pixels"] = PRESETS[preset]["image_size"] ** 2
         if family in ("qwen3_5", "qwen3_5_moe"):   # vision tokens and processor on request
             overrides["images"] = True
-    return build_tiny_model(family, out_dir, dtype=dtype, **overrides)
+    return build_tiny_model(family, out_dir, dtype=dtype, device=device, **overrides)
 
 
 def build_task(preset: str, work_dir: str) -> list:

