@@ -17,6 +17,9 @@
 #   matrix_2gpu     server mode, TP=2, PP=2, EP=2, CP=2, each on a dense and a MoE or hybrid
 #                   model (2 GPUs per case; two at a time on 4 GPUs)
 #   matrix_4gpu     TP=2 x DP=2 and EP=4 on Qwen3.5-MoE (4 GPUs)
+#   matrix_all      the three parts packed onto a four-GPU machine, the largest cases first.
+#                   Calls of 10 minutes: MATRIX_ARGS="--start_within 420 --resume" starts no
+#                   case after 7 minutes and skips what an earlier call on the machine ran
 #
 # Phases (run in the order given; a failing phase is reported and the next one still runs):
 #   grpo_colocate   GRPO, Qwen2.5-0.5B shape, vLLM colocate with sleep level 1, weight-sync check
@@ -168,8 +171,10 @@ build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16')
 
 phase() {
     case "$1" in
-        matrix|matrix_2gpu|matrix_4gpu)
-            python3 tests/gpu/matrix.py --part "$1" --out "$OUT/$1" --cases ${MATRIX_CASES:-}
+        matrix|matrix_2gpu|matrix_4gpu|matrix_all)
+            local part=$1; [ "$1" = matrix_all ] && part=all
+            python3 tests/gpu/matrix.py --part "$part" --out "$OUT/$1" --cases ${MATRIX_CASES:-} \
+                ${MATRIX_ARGS:-}
             local status=$?
             tar czf "$OUT/$1_logs.tgz" -C "$OUT" "$1"
             return $status ;;

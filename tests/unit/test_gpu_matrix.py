@@ -3,6 +3,7 @@ fixtures build (so a new family cannot skip the gate), its presets exist, its co
 CLI's own up-front checks, and its verdict fails a case on each of the things it checks (exit
 code, rollout batches logged, non-finite loss or grad norm, sync gap, memory estimate)."""
 import math
+import sys
 
 import pytest
 
@@ -62,43 +63,62 @@ def test_commands_pass_the_argument_checks(part):
             assert args.rollout.vllm_server_port == [8123]
 
 
-def test_lanes_split_the_gpus():
-    one, two = matrix.all_cases(), matrix.all_cases("matrix_2gpu")
-    assert matrix.lanes(one, 1) == [(0,)]
-    assert matrix.lanes(one, 4) == [(0,), (1,), (2,), (3,)]
-    assert matrix.lanes(two, 4) == [(0, 1), (2, 3)] and matrix.lanes(two, 3) == [(0, 1)]
-    with pytest.raises(SystemExit, match="need 2 GPUs; 1 visible"):
-        matrix.lanes(two, 1)
+def test_the_pool_hands_out_free_gpus():
+    pool = matrix.GpuPool(4)
+    one, two = matrix.all_cases()[0], matrix.all_cases("matrix_2gpu")[0]
+    assert pool.take(two) == (0, 1) and pool.take(one) == (2,) and pool.take(two) is None
+    pool.give((0, 1))
+    assert pool.take(two) == (0, 1) and pool.take(one) == (3,) and pool.take(one) is None
+    with pytest.raises(SystemExit, match="need 4 GPUs; 2 visible"):
+        matrix.GpuPool(2).check(matrix.all_cases("matrix_4gpu"))
+    cpu = matrix.GpuPool(0)   # the harness's smoke test: one-GPU cases, one at a time
+    assert cpu.take(one) == () and cpu.take(one) is None
+    with pytest.raises(SystemExit, match="need 2 GPUs; 0 visible"):
+        cpu.check([two])
 
 
-def test_run_all_spreads_cases_and_runs_lora_after_full():
-    """Every case runs once, on one lane at a time; a family's LoRA case starts after its full
-    case ended (the compile caches); a case whose harness raises fails alone."""
+def test_all_puts_the_largest_cases_first():
+    sizes = [c.gpus for c in matrix.all_cases("all")]
+    assert sizes == sorted(sizes, reverse=True) and sizes.count(1) == 18
+
+
+def test_run_all_packs_cases_and_runs_lora_after_full():
+    """Every case runs once, concurrently on GPUs of its own; a family's LoRA case starts after
+    its full case ended (the compile caches); a case whose harness raises fails alone; no
+    case starts once the start budget is spent."""
     import threading
     import time
 
-    cases = matrix.select(matrix.all_cases(), ["qwen3_5", "qwen2", "llama3"])
-    starts, ends, lanes_used, lock = {}, {}, set(), threading.Lock()
+    cases = [*matrix.all_cases("matrix_2gpu")[:2],
+             *matrix.select(matrix.all_cases(), ["qwen3_5", "qwen2", "llama3"])]
+    starts, ends, held, lock = {}, {}, [], threading.Lock()
 
-    def run(case, gpus, lane):
+    def run(case, gpus, slot):
         with lock:
             starts[case.name] = time.monotonic()
-            lanes_used.add(gpus)
+            held.append(set(gpus))
+            busy = [g for name, (s, e, gs) in spans.items() if e is None for g in gs]
+            assert not set(gpus) & set(busy), "a GPU handed out twice"
+            spans[case.name] = (starts[case.name], None, gpus)
+        assert len(gpus) == case.gpus and slot == gpus[0]
         time.sleep(0.05)
+        with lock:
+            ends[case.name] = time.monotonic()
+            spans[case.name] = (starts[case.name], ends[case.name], ())
         if case.name == "llama3_full":
             raise RuntimeError("boom")
-        ends[case.name] = time.monotonic()
         return dict(case=case.name, failed=[])
 
-    results = matrix.run_all(cases, matrix.lanes(cases, 2), run)
-    assert [r["case"] for r in results] == [c.name for c in cases]
-    by_name = {r["case"]: r for r in results}
-    assert by_name["llama3_full"]["failed"] == ["harness: RuntimeError('boom')"]
-    assert by_name["qwen2_full"]["failed"] == []
-    assert set(starts) == {c.name for c in cases} and lanes_used == {(0,), (1,)}
+    spans = {}
+    results = matrix.run_all(cases, matrix.GpuPool(3), run)
+    assert set(results) == {c.name for c in cases}
+    assert results["llama3_full"]["failed"] == ["harness: RuntimeError('boom')"]
+    assert results["qwen2_full"]["failed"] == []
+    assert any(len(h) == 1 for h in held) and max(len(h) for h in held) == 2
     for family in ("qwen3_5", "qwen2"):
         assert ends[f"{family}_full"] <= starts[f"{family}_lora"]
     assert "llama3_lora" in starts   # ran after its failed full case
+    assert matrix.run_all(cases, matrix.GpuPool(3), run, may_start=lambda: False) == {}
 
 
 def _rows(**changes):
@@ -139,3 +159,64 @@ def test_table_has_a_row_per_case():
     lines = matrix.table(results).splitlines()
     assert len(lines) == 4 and "| qwen2_full | pass | 41 |" in lines[2]
     assert lines[3].startswith("| qwen2_lora | exit 1; 0 of 2 rollout batches logged |")
+
+
+def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsys):
+    """A call that ran out of start budget leaves cases for the next (`--resume`, same
+    --work_dir), whose table shows the earlier call's cases too; the exit code says whether
+    every case ran and passed."""
+    ran = []
+
+    def fake_case(case, inputs, estimate, a, gpus, slot):
+        ran.append(case.name)
+        return dict(case=case.name, gpus="0", seconds=1.0,
+                    **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
+
+    monkeypatch.setattr(matrix, "gpu_count", lambda: 1)
+    monkeypatch.setattr(matrix, "prepare", lambda cases, *_: {c.family: ("m", []) for c in cases})
+    monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
+    monkeypatch.setattr(matrix, "run_case", fake_case)
+    base = ["matrix.py", "--cases", "qwen2", "llama3", "--work_dir", str(tmp_path / "w"),
+            "--out", str(tmp_path / "o")]
+
+    def call(*extra):
+        monkeypatch.setattr(sys, "argv", [*base, *extra])
+        with pytest.raises(SystemExit) as stop:
+            matrix.main()
+        return stop.value.code, capsys.readouterr().out
+
+    code, out = call("--start_within", "0")
+    assert code == 1 and ran == [] and "not run yet (start budget): llama3_full" in out
+    run_all = matrix.run_all
+    monkeypatch.setattr(matrix, "run_all", _first_only(run_all))
+    code, out = call("--resume")
+    assert code == 1 and ran == ["llama3_full"]
+    monkeypatch.setattr(matrix, "run_all", run_all)
+    code, out = call("--resume")
+    assert code == 0 and ran == ["llama3_full", "qwen2_full", "llama3_lora", "qwen2_lora"]
+    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ")][1:] == \
+        ["| llama3_full", "| qwen2_full", "| llama3_lora", "| qwen2_lora"]
+    with open(tmp_path / "o" / "results.jsonl") as f:
+        assert len(f.readlines()) == 4
+
+
+def _first_only(run_all):
+    """run_all that starts one case only (a start budget spent after the first)."""
+    def wrapped(cases, pool, run, may_start=lambda: True):
+        started = []
+        return run_all(cases, pool, lambda *a: started.append(1) or run(*a),
+                       lambda: not started)
+    return wrapped
+
+
+def test_launch_env_gives_each_case_its_gpus_and_port():
+    one, two = matrix.all_cases()[0], matrix.all_cases("matrix_2gpu")
+    env = matrix.launch_env(one, (3,), 3)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and "NPROC_PER_NODE" not in env
+    tp2 = next(c for c in two if c.name == "tp2_qwen3_5")
+    env = matrix.launch_env(tp2, (2, 3), 2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NPROC_PER_NODE"] == "2"
+    assert env["MASTER_PORT"] != matrix.launch_env(tp2, (0, 1), 0)["MASTER_PORT"]
+    server = next(c for c in two if c.server)   # the trainer on the first, the server the last
+    env = matrix.launch_env(server, (0, 1), 0)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and "NPROC_PER_NODE" not in env
