@@ -9,8 +9,8 @@ import torch
 
 from swift_megatron.rlhf.grpo.losses import (FipoSettings, aggregate_loss, entropy_mask,
                                              fipo_weights, future_kl, off_policy_keep,
-                                             policy_loss, real_group_loss, rollout_correction,
-                                             sequence_kl, token_advantages)
+                                             policy_loss, real_group_loss, real_kl_term,
+                                             rollout_correction, sequence_kl, token_advantages)
 
 F64 = torch.float64
 EXACT = dict(atol=1e-12, rtol=0)
@@ -213,6 +213,55 @@ def test_off_policy_keep_by_hand():
     # drift = mean(behaviour - logprobs): rows 0, 1 -> (0.5 + 0.3) / 2 = 0.4; row 2 -> 0.1
     keep = off_policy_keep(logprobs, behaviour, mask, torch.tensor([-1.0, 1.0, -1.0]), delta=0.3)
     assert keep.tolist() == [False, True, True]   # only row 0: drift > 0.3 and A < 0
+
+
+def _real_micro_batch():
+    """Two groups of two completions (A +, -), two tokens each, on-policy (every REAL score 0);
+    the engine's logprobs of completion 1 (A < 0) lie 0.5 above the trainer's: dropped by an
+    off-policy mask of delta 0.3. ref - logprobs per token: c0 [0.1, 0.2], c1 [1, 1],
+    c2 [0, 0.3], c3 [-0.2, 0]."""
+    logprobs = torch.tensor([[-1.0, -2.0], [-1.5, -0.5], [-0.3, -0.7], [-2.0, -1.0]], dtype=F64)
+    gaps = torch.tensor([[0.1, 0.2], [1.0, 1.0], [0.0, 0.3], [-0.2, 0.0]], dtype=F64)
+    batch = {"completion_mask": torch.ones(4, 2, dtype=torch.long),
+             "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=F64),
+             "group_ids": torch.tensor([0, 0, 1, 1]), "ref_logprobs": logprobs + gaps,
+             "rollout_logprobs": logprobs + torch.tensor([[0.0], [0.5], [0.0], [0.0]], dtype=F64)}
+    return logprobs, gaps, batch
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_real_kl_averages_over_the_kept_tokens(monkeypatch, micro_batches):
+    """--loss_type real with --beta and --off_policy_sequence_mask_delta (issue 40): the KL
+    term is the mean over the KEPT completions' tokens (ms-swift's), not their sum over every
+    token of the step; each of the step's micro-batches adds its own mean / micro-batches."""
+    from swift_megatron.rlhf.grpo import objective
+
+    logprobs, gaps, batch = _real_micro_batch()
+    monkeypatch.setattr(objective, "token_logprobs", lambda mb, out, settings, with_entropy:
+                        (logprobs.clone().requires_grad_(), torch.zeros_like(logprobs)))
+    settings = objective.LossSettings(
+        loss_type="real", beta=0.1, epsilon=0.2, epsilon_high=0.2, delta=None,
+        importance_sampling_level="token", temperature=1.0, max_completion_length=2,
+        vocab_size=10, num_generations=2, real_tau=0.5, off_policy_sequence_mask_delta=0.3)
+    step = objective.StepConstants(num_sequences=4 * micro_batches, num_tokens=8.0 * micro_batches,
+                                   num_micro_batches=micro_batches, contribution_scale=1.0)
+    contribution, metrics = objective.grpo_loss(settings, step, batch, None)
+    kl = [math.exp(d) - d - 1 for row in (0, 2, 3) for d in gaps[row].tolist()]   # c1 dropped
+    # both groups hold a positive and a negative (the dropped completion keeps its advantage,
+    # its score is 0 like the others'): 2 x (log 2 + log 2) / 2 groups of the step
+    groups = 2 * (2 * math.log(2)) / (2 * micro_batches)
+    expected = groups + 0.1 * sum(kl) / 6 / micro_batches
+    assert contribution.item() == pytest.approx(expected, abs=1e-12)
+    assert metrics["kl"].item() == pytest.approx(sum(kl) / 6, abs=1e-12)
+
+
+def test_real_kl_term_by_hand():
+    kl = torch.tensor([[0.2, 0.4, 9.0], [1.0, 3.0, 5.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])   # a dropped completion: all zeros
+    assert real_kl_term(kl, mask, 2).item() == pytest.approx(0.3 / 2, abs=1e-12)
+    assert real_kl_term(kl, torch.zeros(2, 3), 1).item() == 0.0   # nothing kept adds nothing
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        real_kl_term(kl, mask, 0)
 
 
 # ------------------------------------------------------------ distillation, kl_in_reward

@@ -286,6 +286,16 @@ def real_group_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
     return total, int(valid.sum())
 
 
+def real_kl_term(kl: Tensor, completion_mask: Tensor, num_micro_batches: int) -> Tensor:
+    """REAL's KL term of this micro-batch, ms-swift's: the mean KL over the micro-batch's
+    completion tokens (with --off_policy_sequence_mask_delta, those of the kept completions
+    only: a dropped completion's tokens count neither above nor below the line), averaged over
+    the step's micro-batches (/ num_micro_batches, all ranks). kl, completion_mask [B, T]."""
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be >= 1, got {num_micro_batches}")
+    return masked_mean(kl, completion_mask) / num_micro_batches
+
+
 def entropy_mask(entropy: Tensor, completion_mask: Tensor, top_quantile: float) -> Tensor:
     """--top_entropy_quantile: bool [B, T], True on the completion tokens whose entropy is at
     least the (1 - top_quantile) quantile of this micro-batch's completion-token entropies

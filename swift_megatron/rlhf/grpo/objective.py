@@ -19,8 +19,8 @@ from swift_megatron.rlhf.grpo.batch import unpack
 from swift_megatron.rlhf.grpo.diagnostics import (entropy_summary, importance_weight_metrics,
                                                   offpolicy_metrics)
 from swift_megatron.rlhf.grpo.losses import (FipoSettings, aggregate_loss, entropy_mask, kl_k3,
-                                             masked_mean, masked_sum, off_policy_keep,
-                                             policy_loss, real_group_loss, rollout_correction,
+                                             masked_mean, off_policy_keep, policy_loss,
+                                             real_group_loss, real_kl_term, rollout_correction,
                                              token_advantages)
 
 
@@ -150,8 +150,8 @@ def _token_contribution(settings, step, micro_batch, logprobs, old, advantages, 
 
 
 def _real_contribution(settings, step, micro_batch, logprobs, old, mask, beta):
-    """REAL: the group losses / the step's number of groups, plus beta x the KL summed over
-    tokens / the step's completion tokens."""
+    """REAL: the group losses / the step's number of groups, plus beta x the micro-batch's
+    mean KL over its (kept) completion tokens / the step's micro-batches (real_kl_term)."""
     total, _ = real_group_loss(logprobs, old, micro_batch["advantages"], mask,
                                micro_batch["group_ids"], settings.real_tau,
                                settings.num_generations)
@@ -159,7 +159,7 @@ def _real_contribution(settings, step, micro_batch, logprobs, old, mask, beta):
     info: Dict[str, torch.Tensor] = {}
     if beta > 0:
         kl = kl_k3(logprobs, micro_batch["ref_logprobs"])
-        contribution = contribution + beta * masked_sum(kl, mask) / max(step.num_tokens, 1.0)
+        contribution = contribution + beta * real_kl_term(kl, mask, step.num_micro_batches)
         info["kl"] = kl.detach()
     return contribution, info
 
