@@ -2,7 +2,8 @@
 checked (--dry_run), relaunch under torchrun when NPROC_PER_NODE or NNODES is set, then run the
 trainer."""
 from swift_megatron.arguments.commands import RlhfArguments
-from swift_megatron.arguments.parser import parse_command, warn_notices
+from swift_megatron.arguments.grpo import check_rlhf_type
+from swift_megatron.arguments.parser import parse_command, raw_value, warn_notices
 from swift_megatron.launch import planned_world_size, relaunch, torchrun_argv
 from swift_megatron.preflight import dry_run_checks, preflight_rlhf, print_dry_run
 
@@ -13,6 +14,7 @@ DESCRIPTION = ("GRPO training of a Hugging Face causal LM on Megatron-core. Batc
 
 
 def main(argv) -> int:
+    check_rlhf_type(raw_value(argv, "rlhf_type"))
     args = parse_command(RlhfArguments, argv, prog="megatron rlhf", description=DESCRIPTION)
     plan, hf_config = preflight_rlhf(args, planned_world_size())
     if args.training.dry_run:

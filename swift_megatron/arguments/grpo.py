@@ -14,6 +14,14 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
 
 
+def check_rlhf_type(value: Optional[str]) -> None:
+    """ms-swift's `megatron rlhf` also trains dpo, kto, rm, gkd...: refuse those first, before a
+    flag of theirs is reported as unknown."""
+    if value is not None and value != "grpo":
+        raise UserError(f"--rlhf_type {value}: only grpo is supported (ms-swift's other RLHF "
+                        f"types are not: see docs/migrating-from-ms-swift.md#not-supported)")
+
+
 @dataclass
 class GRPOArguments:
     """GRPO"""

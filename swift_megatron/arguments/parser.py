@@ -13,6 +13,7 @@ is really close); a bad value names its flag; a flag whose feature does not exis
 `no_effect_flags(command)` lists the accepted ms-swift flags that have no effect here.
 """
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -315,6 +316,26 @@ def load_config_file(path: str, specs: Dict[str, FlagSpec], prog: str = "config"
 
 
 # ---- the command line ----------------------------------------------------------------------
+
+def raw_value(argv: Sequence[str], name: str) -> Optional[str]:
+    """The value `argv` gives flag `name` (`--name v`, `--name=v`, or a key of the leading or
+    --config file), as text, before any parsing: for checks that must come first. None when
+    unset; the command line wins over the file."""
+    config_path, rest = split_config_argument(argv)
+    found = None
+    for i, token in enumerate(rest):
+        if token == f"--{name}" and i + 1 < len(rest):
+            found = rest[i + 1]
+        elif token.startswith(f"--{name}="):
+            found = token.split("=", 1)[1]
+        elif token == "--config" and i + 1 < len(rest):
+            config_path = rest[i + 1]
+    if found is None and config_path and os.path.isfile(config_path):
+        with contextlib.suppress(UserError):
+            value = read_config_file(config_path).get(name)
+            found = None if value is None else str(value)
+    return found
+
 
 def parse_command(command_cls, argv: Sequence[str], prog: str, description: str = ""):
     """Parse argv (a leading config file, --config, flags) into an instance of command_cls;

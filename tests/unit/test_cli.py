@@ -106,6 +106,21 @@ def test_tuner_type_alias_and_lr_default():
     assert rlhf().training.lr == 1e-5
 
 
+@pytest.mark.parametrize("argv", [
+    ["--rlhf_type", "dpo", "--model", "m", "--rpo_alpha", "1"],   # dpo's own flag: not reported
+    ["--rlhf_type=kto", "--desirable_weight", "1.0"],
+    ["CONFIG", "--lr", "1e-6"]])
+def test_other_rlhf_types_are_refused_first(argv, tmp_path):
+    """ms-swift's other algorithms (issue 40): one clear error, before any flag complaint,
+    whether the type comes on the command line or from a config file."""
+    config = tmp_path / "gkd.yaml"
+    config.write_text("rlhf_type: gkd\nmodel: m\nteacher_model: t\n")
+    argv = [str(config) if a == "CONFIG" else a for a in argv]
+    with pytest.raises(UserError, match=r"^--rlhf_type (dpo|kto|gkd): only grpo is supported .*"
+                                        r"migrating-from-ms-swift.md#not-supported"):
+        run(["rlhf", *argv])
+
+
 def test_unknown_flag_suggests_closest():
     with pytest.raises(UserError, match="did you mean --micro_batch_size"):
         rlhf("--micro_batch_sise", "2")
