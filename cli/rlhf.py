@@ -18,7 +18,7 @@ def main(argv) -> int:
     args = parse_command(RlhfArguments, argv, prog="megatron rlhf", description=DESCRIPTION)
     plan, hf_config = preflight_rlhf(args, planned_world_size())
     if args.training.dry_run:
-        warn_notices(args)
+        warn_notices(args, no_effect=True)
         print_dry_run(plan, dry_run_checks(args, hf_config, plan))
         return 0
     cmd = torchrun_argv("rlhf", argv)

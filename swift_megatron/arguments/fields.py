@@ -8,8 +8,8 @@ Metadata keys read by arguments/parser.py:
   the default then fails with "not supported yet" instead of being silently ignored. A dict
   {value: reason} refuses only those values;
 - no_effect: set on an ms-swift flag that has no effect in our design (a Transformer Engine
-  fusion, a dataloader setting): the flag is accepted, and a run that sets it prints one warning
-  naming every such flag with this reason.
+  fusion, a dataloader setting): the flag is accepted quietly; `--dry_run true` names every such
+  flag it was given, with this reason.
 """
 import dataclasses
 from typing import Any, Optional, Sequence

@@ -379,25 +379,28 @@ def _reject_not_yet(values: Dict[str, Any], specs: Dict[str, FlagSpec]) -> None:
             raise UserError(f"--{name} is not supported yet: {not_yet}")
 
 
-def notices(command) -> List[str]:
+def notices(command, no_effect: bool = True) -> List[str]:
     """What the user should be told once about the parsed flags: values adjusted as ms-swift
-    adjusts them (a group's `adjustments`), and the flags accepted without effect."""
+    adjusts them (a group's `adjustments`) and, with `no_effect`, the flags accepted without
+    effect (the dry run names them; a real run stays quiet about them: ms-swift's examples pass
+    several of them every time, and docs/migrating-from-ms-swift.md lists them)."""
     lines = [note for _, group in vars(command).items() if dataclasses.is_dataclass(group)
              for note in getattr(group, "adjustments", [])]
-    ignored = no_effect_flags(command)
+    ignored = no_effect_flags(command) if no_effect else []
     if ignored:
         lines.append("accepted without effect here: " + "; ".join(
             f"--{name} ({reason})" for name, reason in ignored))
     return lines
 
 
-def warn_notices(command) -> None:
-    """Log `notices(command)` once: from the process that runs the command, on global rank 0."""
+def warn_notices(command, no_effect: bool = False) -> None:
+    """Log `notices(command, no_effect)` once: from the process that runs the command, on
+    global rank 0."""
     if int(os.environ.get("RANK", "0")) != 0:
         return
     from swift_megatron.logging.logger import get_logger
 
-    for line in notices(command):
+    for line in notices(command, no_effect):
         get_logger(__name__).warning(line)
 
 

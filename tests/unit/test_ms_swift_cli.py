@@ -174,6 +174,11 @@ def test_silent_adjustments_and_ignored_flags_are_noticed():
     assert len(ignored) == 1 and "--gradient_accumulation_fusion" in ignored[0]
     assert "--moe_permute_fusion" in ignored[0] and "--padding_free" not in ignored[0]
     assert notices(rlhf()) == []
+    # a real run names the adjustments but not the no-effect flags ms-swift's examples always
+    # pass (issue 40): the dry run does
+    quiet = notices(args, no_effect=False)
+    assert quiet == [line for line in lines if not line.startswith("accepted without effect")]
+    assert quiet
 
 
 def test_recompute_modules_as_ms_swift():
