@@ -11,6 +11,7 @@ import importlib.util
 import os
 from typing import List, Optional, Tuple
 
+from swift_megatron.arguments import ms_swift
 from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
@@ -186,7 +187,17 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
                             "TP but without sequence parallelism)")
     system_prompt(args.data.system)
     check_group_loss(args, plan)
+    check_scheduler_name(args)
     return plan, hf_config
+
+
+def check_scheduler_name(args: RlhfArguments) -> None:
+    """ms-swift's built-in scheduler names that are not ours: refused before anything loads
+    (a plugin file may register the name itself: then its lookup, after the plugins, decides)."""
+    g = args.grpo
+    if g.multi_turn_scheduler in ms_swift.SCHEDULERS and not g.external_plugins:
+        raise UserError(f"--multi_turn_scheduler {g.multi_turn_scheduler}: "
+                        f"{ms_swift.SCHEDULERS[g.multi_turn_scheduler]}")
 
 
 def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:

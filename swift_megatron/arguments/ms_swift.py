@@ -3,6 +3,7 @@
 - `NOT_SUPPORTED`: flags ms-swift's Megatron GRPO accepts that swift-megatron does not (yet),
   each with the reason, or the feature (and its tracking issue) that will add it.
 - `HINTS`: names users bring from TRL, transformers or Megatron-LM, and what to use instead.
+- `SCHEDULERS`: ms-swift's built-in multi-turn scheduler names that are not built in here.
 
 Used by arguments/parser.py when it reports unknown flags (all at once, each with the table's
 answer, else the closest known flag when one is really close). Nothing here is accepted as a
@@ -99,6 +100,20 @@ HINTS: Dict[str, str] = {
     "max_new_tokens": "--max_completion_length",
     "eval_strategy": "--eval_steps",
     "save_dir": "--save (or --output_dir)",
+}
+
+
+_WRITE_A_SCHEDULER = ("is not built in here: write it as a --multi_turn_scheduler plugin (a "
+                      "few lines: docs/multi_turn.md; ms-swift's scheduler classes load "
+                      "unchanged) or use a built-in one (calculator, gym_scheduler)")
+# ms-swift's built-in multi-turn schedulers that are not ours, with the reason and the way out
+SCHEDULERS: Dict[str, str] = {
+    "base_scheduler": "ms-swift's single-turn base class: drop --multi_turn_scheduler (one "
+                      "turn is the default)",
+    "math_tip_trick": "ms-swift's math tip (re-ask once with a 'recheck' prompt after a wrong "
+                      "answer) " + _WRITE_A_SCHEDULER,
+    "math_tip_trick_multi_turn": "ms-swift's multi-turn math tip " + _WRITE_A_SCHEDULER,
+    "thinking_tips_scheduler": "ms-swift's thinking-model tips " + _WRITE_A_SCHEDULER,
 }
 
 

@@ -12,8 +12,9 @@ Torch-free (cheap to import).
 """
 import difflib
 import inspect
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+from swift_megatron.arguments import ms_swift
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 
@@ -23,8 +24,10 @@ logger = get_logger(__name__)
 class PluginRegistry:
     """Named classes of one kind (`what`, e.g. "gym env"), chosen with the flag `flag`."""
 
-    def __init__(self, what: str, flag: str):
-        self.what, self.flag = what, flag
+    def __init__(self, what: str, flag: str, elsewhere: Optional[Dict[str, str]] = None):
+        """`elsewhere`: names ms-swift has built in and we do not, with the reason and the way
+        out (what a lookup of such a name says when no plugin registered it)."""
+        self.what, self.flag, self.elsewhere = what, flag, elsewhere or {}
         self._classes: Dict[str, type] = {}
         self._sources: Dict[str, str] = {}
 
@@ -46,6 +49,8 @@ class PluginRegistry:
         and the closest one when there is none."""
         if name in self._classes:
             return self._classes[name]
+        if name in self.elsewhere:
+            raise UserError(f"{self.flag} {name}: {self.elsewhere[name]}")
         close = difflib.get_close_matches(name, self._classes, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         available = ", ".join(self.names()) or "(none: register one in a file passed with " \
@@ -57,5 +62,5 @@ class PluginRegistry:
 
 
 GYM_ENVS = PluginRegistry("gym env", "--gym_env")
-SCHEDULERS = PluginRegistry("multi-turn scheduler", "--multi_turn_scheduler")
+SCHEDULERS = PluginRegistry("multi-turn scheduler", "--multi_turn_scheduler", ms_swift.SCHEDULERS)
 RM_PLUGINS = PluginRegistry("reward-model plugin", "--reward_model_plugin")

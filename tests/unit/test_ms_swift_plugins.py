@@ -240,6 +240,34 @@ def test_lookup_of_unknown_names():
         SCHEDULERS.lookup("anything")   # the built-ins (rollout/multi_turn/builtin.py)
 
 
+@pytest.mark.parametrize("name", ["math_tip_trick", "math_tip_trick_multi_turn",
+                                  "thinking_tips_scheduler", "base_scheduler"])
+def test_ms_swift_builtin_schedulers_get_the_reason_before_the_model(name, tmp_path):
+    """ms-swift's built-in scheduler names that are not ours (issue 40): the lookup says why and
+    what to do instead, and a run without plugin files (which might register the name) stops
+    in its preflight, before any model is built; a plugin's class of that name wins."""
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.preflight import check_scheduler_name
+
+    with pytest.raises(UserError, match=rf"^--multi_turn_scheduler {name}: ms-swift's .*"
+                                        r"(drop --multi_turn_scheduler|plugin)"):
+        SCHEDULERS.lookup(name)
+    argv = ["--model", "m", "--dataset", "d", "--multi_turn_scheduler", name]
+    with pytest.raises(UserError, match=rf"^--multi_turn_scheduler {name}: ms-swift's"):
+        check_scheduler_name(parse_command(RlhfArguments, argv, "megatron rlhf"))
+    plugin = tmp_path / "tips.py"
+    plugin.write_text("")
+    check_scheduler_name(parse_command(RlhfArguments, [*argv, "--external_plugins", str(plugin)],
+                                       "megatron rlhf"))   # the plugin may register it
+    SCHEDULERS.register(name, type("Tips", (), {}), "tips.py")
+    try:
+        assert SCHEDULERS.lookup(name).__name__ == "Tips"
+    finally:
+        SCHEDULERS._classes.pop(name)
+        SCHEDULERS._sources.pop(name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Names that need ms-swift
 
