@@ -48,12 +48,11 @@ class RlhfArguments:
         self._check_optimizer_flags()
         self._check_virtual_pipeline()
         t = self.training
-        if self.model.model is None and not (t.dry_run or t.mcore_model or t.mcore_adapter
-                                             or t.load):
+        if self.model.model is None and not (t.mcore_model or t.mcore_adapter or t.load):
             raise UserError("--model is required (a local HF directory or a hub id), unless "
                             "--mcore_model, --mcore_adapter or --load gives a checkpoint that "
                             "holds or names it")
-        if not self.data.dataset and not self.training.dry_run:
+        if not self.data.dataset:
             raise UserError("--dataset is required (a local file, HF datasets name or ModelScope id)")
         g = self.grpo
         if g.use_gym_env and g.multi_turn_scheduler is None and self.rollout.vllm_mode != "server":

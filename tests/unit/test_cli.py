@@ -165,6 +165,13 @@ def test_group_validation(argv, match):
         rlhf(*argv)
 
 
+def test_the_dry_run_requires_what_a_run_requires():
+    """issue 40: a dry run that passes means the run starts; it passed without --model."""
+    for missing, argv in (("--model", ["--dataset", "d"]), ("--dataset", ["--model", "m"])):
+        with pytest.raises(UserError, match=f"^{missing} is required"):
+            parse_command(RlhfArguments, [*argv, "--dry_run", "true"], "megatron rlhf")
+
+
 def test_model_and_dataset_required():
     with pytest.raises(UserError, match="--model is required"):
         parse_command(RlhfArguments, ["--dataset", "d"], "megatron rlhf")
@@ -195,8 +202,12 @@ def test_config_file_errors(tmp_path):
 
 # ---- dry run and exit codes --------------------------------------------------------------------
 
+HUB = ["--model", "Qwen/Qwen3-8B", "--dataset", "AI-MO/NuminaMath-TIR"]   # never downloaded
+
+
 def test_dry_run_prints_plan_for_launch_world():
-    proc = cli("rlhf", "--dry_run", "true", "--reward_funcs", "accuracy", "--micro_batch_size", "4",
+    proc = cli("rlhf", "--dry_run", "true", *HUB, "--reward_funcs", "accuracy",
+               "--micro_batch_size", "4",
                "--global_batch_size", "128",
                "--num_generations", "8", "--steps_per_generation", "4", env={"NPROC_PER_NODE": "8"})
     assert proc.returncode == 0, proc.stderr
@@ -204,8 +215,8 @@ def test_dry_run_prints_plan_for_launch_world():
 
 
 def test_invalid_batch_exits_2_without_traceback():
-    proc = cli("rlhf", "--dry_run", "true", "--micro_batch_size", "1", "--global_batch_size", "12",
-               "--num_generations", "4", env={"NPROC_PER_NODE": "8"})
+    proc = cli("rlhf", "--dry_run", "true", *HUB, "--micro_batch_size", "1",
+               "--global_batch_size", "12", "--num_generations", "4", env={"NPROC_PER_NODE": "8"})
     assert proc.returncode == 2
     assert "global_batch_size=12" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -215,8 +226,8 @@ def test_dry_run_checks_the_model(tmp_path):
                   num_key_value_heads=2, num_hidden_layers=4, moe_intermediate_size=32,
                   vocab_size=64, hidden_size=32, intermediate_size=64, num_experts_per_tok=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    base = ["rlhf", "--dry_run", "true", "--model", str(tmp_path), "--global_batch_size", "32",
-            "--reward_funcs", "accuracy", "--check_model", "false"]
+    base = ["rlhf", "--dry_run", "true", "--model", str(tmp_path), "--dataset", HUB[-1],
+            "--global_batch_size", "32", "--reward_funcs", "accuracy", "--check_model", "false"]
     bad = cli(*base, "--expert_model_parallel_size", "4", env={"NPROC_PER_NODE": "4"})
     assert bad.returncode == 2 and "num_experts=6" in bad.stderr
     bad_tp = cli(*base, "--tensor_model_parallel_size", "4", env={"NPROC_PER_NODE": "4"})
@@ -228,8 +239,8 @@ def test_dry_run_checks_the_model(tmp_path):
 
 
 def test_dry_run_checks_multi_turn_names():
-    base = ["rlhf", "--dry_run", "true", "--micro_batch_size", "4", "--global_batch_size", "32",
-            "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "5"]
+    base = ["rlhf", "--dry_run", "true", *HUB, "--micro_batch_size", "4", "--global_batch_size",
+            "32", "--multi_turn_scheduler", "gym_scheduler", "--max_turns", "5"]
     ok = cli(*base, "--gym_env", "grid_world")
     assert ok.returncode == 0, ok.stderr
     assert "checked rewards: gym_reward" in ok.stdout

@@ -293,7 +293,8 @@ def test_nnodes_alone_relaunches_and_nproc_words_pass_through():
 
 def test_dry_run_checks_node_rank():
     proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--dry_run",
-                           "true", "--reward_funcs", "accuracy"],
+                           "true", "--reward_funcs", "accuracy", "--model", "Qwen/Qwen3-8B",
+                           "--dataset", "AI-MO/NuminaMath-TIR"],
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, NPROC_PER_NODE="1", NNODES="2", NODE_RANK="2"))
     assert proc.returncode == 2 and "NODE_RANK=2 must be smaller than NNODES=2" in proc.stderr
