@@ -4,6 +4,7 @@ trainer."""
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.grpo import check_rlhf_type
 from swift_megatron.arguments.parser import parse_command, raw_value, warn_notices
+from swift_megatron.errors import UserError
 from swift_megatron.launch import planned_world_size, relaunch, torchrun_argv
 from swift_megatron.preflight import dry_run_checks, preflight_rlhf, print_dry_run
 
@@ -14,6 +15,10 @@ DESCRIPTION = ("GRPO training of a Hugging Face causal LM on Megatron-core. Batc
 
 
 def main(argv) -> int:
+    if not argv:
+        raise UserError("megatron rlhf needs flags (at least --model, --dataset and "
+                        "--reward_funcs): `megatron rlhf --help` lists them all, and "
+                        "`megatron demo` runs a whole job on a tiny embedded model first")
     check_rlhf_type(raw_value(argv, "rlhf_type"))
     args = parse_command(RlhfArguments, argv, prog="megatron rlhf", description=DESCRIPTION)
     plan, hf_config = preflight_rlhf(args, planned_world_size())

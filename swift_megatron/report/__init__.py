@@ -5,8 +5,8 @@ and completions.html (a static page for reading the sampled completions).
 Written by the GRPO trainer on rank 0 at every checkpoint save and at the end of training
 (`write_run_report`, which never raises: a report problem is a warning, never a failed run), and
 by `megatron plot OUTPUT_DIR` (`write_report`) from logging.jsonl at any time, also for a run
-that is still going or was killed. matplotlib is optional: without it the plots are skipped
-with a one-line warning and the rest is written.
+that is still going or was killed. Without matplotlib (a base requirement, which an environment
+may still lack) the plots are skipped with a one-line warning and the rest is written.
 """
 import os
 from dataclasses import dataclass, field

@@ -2,8 +2,9 @@
 points faint and the EMA-smoothed curve (report/smoothing.py) on top; steps where a value was
 logged as null (non-finite) are marked with a red x on the panel's floor.
 
-matplotlib is optional (`pip install matplotlib`, or the package's `report` extra): figures are
-drawn with the Agg canvas directly (no pyplot, no GUI backend, safe inside the trainer).
+matplotlib comes with the package (an environment without it gets no plots and a warning):
+figures are drawn with the Agg canvas directly (no pyplot, no GUI backend, safe inside the
+trainer).
 """
 import importlib.util
 import math

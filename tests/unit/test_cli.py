@@ -35,6 +35,11 @@ def test_router_lists_commands(capsys):
         assert name in out
 
 
+def test_rlhf_without_arguments_points_at_help_and_the_demo():
+    with pytest.raises(UserError, match=r"megatron rlhf --help.*megatron demo"):
+        run(["rlhf"])
+
+
 def test_unknown_command_suggests():
     with pytest.raises(UserError, match="did you mean 'rlhf'"):
         run(["rlfh"])
