@@ -1,6 +1,8 @@
 """Work-arounds for megatron-core 0.16.1: running without Transformer Engine (our only setup: TE
 is absent on CPU and on the GPU machine), and its `layernorm` selective recomputation.
 
+- TransformerConfig's warning about Transformer Engine's fused attention, printed on every run
+  with ms-swift's default --recompute_modules core_attn, is silenced: it concerns TE runs only.
 - moe_utils references `te_general_gemm` in the router's linear function but defines it only
   when TE imports; without TE the router crashes with NameError. Defining it as None selects
   megatron's own torch.mm path.
@@ -15,6 +17,8 @@ is absent on CPU and on the GPU machine), and its `layernorm` selective recomput
   calls the norm with no input: TypeError in the backward. There the norm runs as usual and its
   output is kept (what it would cost without recomputation, for that layer only).
 """
+import warnings
+
 import torch
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.moe import moe_utils
@@ -49,7 +53,13 @@ def _discard_unless_plain(discard):
     return _patched(discard_output_and_register_recompute)
 
 
+# TransformerConfig warns about Transformer Engine's fused attention whenever "core_attn" is among
+# --recompute_modules (ms-swift's default): advice for TE runs, which ours never are
+TE_ADVICE = "If you are using transformer_engine as the transformer implementation"
+
+
 def apply() -> None:
+    warnings.filterwarnings("ignore", message=TE_ADVICE, category=UserWarning)
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     cls = mcore_random.CheckpointWithoutOutput
