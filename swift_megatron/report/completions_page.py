@@ -1,6 +1,10 @@
 """The HTML/CSS/JS template of report/completions.html (filled by report/completions_view.py:
 @TITLE@ with the escaped run name, @DATA@ with the escaped JSON). All data reaches the page
-through textContent, never innerHTML, so completions are shown as text whatever they hold."""
+through textContent, never innerHTML, so completions are shown as text whatever they hold.
+
+The page opens on the last step; it filters by step and by text (in prompts and completions, or
+completions only), sorts by reward or advantage, and pages. The pure parts (sorting, matching,
+the last step) are the `logic` script's CompletionsLogic, which tests run under Node."""
 
 PAGE = """<!DOCTYPE html>
 <html lang="en">
@@ -30,6 +34,13 @@ summary { cursor: pointer; }
 <div id="controls">
 <label>step <select id="step"></select></label>
 <label>search <input id="search" type="search" placeholder="text in prompt or completion"></label>
+<label><input id="only" type="checkbox"> in completions only</label>
+<label>sort <select id="sort">
+<option value="">prompt order</option>
+<option value="reward:-1">reward, highest first</option>
+<option value="reward:1">reward, lowest first</option>
+<option value="advantage:-1">advantage, highest first</option>
+<option value="advantage:1">advantage, lowest first</option></select></label>
 <label>per page <select id="size">
 <option>20</option><option>50</option><option>100</option></select></label>
 <button id="prev" type="button">&larr; previous</button>
@@ -41,12 +52,42 @@ summary { cursor: pointer; }
 <tbody id="rows"></tbody>
 </table>
 <script type="application/json" id="data">@DATA@</script>
+<script id="logic">
+var CompletionsLogic = (function () {
+  "use strict";
+  function missing(x) { return x === null || x === undefined; }
+  // rows ordered by "key:1" (lowest first) or "key:-1" (highest first), nulls last, ties in
+  // their original order; "" keeps the order
+  function sortRows(rows, order) {
+    if (!order) { return rows.slice(); }
+    var key = order.split(":")[0], direction = Number(order.split(":")[1]);
+    return rows.map(function (r, i) { return [r, i]; }).sort(function (a, b) {
+      var x = a[0][key], y = b[0][key];
+      if (missing(x) || missing(y) || x === y) {
+        return missing(x) === missing(y) ? a[1] - b[1] : (missing(x) ? 1 : -1);
+      }
+      return x < y ? -direction : direction;
+    }).map(function (pair) { return pair[0]; });
+  }
+  function matches(row, prompt, step, query, completionsOnly) {
+    query = query.toLowerCase();
+    return (step === "" || String(row.step) === step) && (query === "" ||
+      row.completion.toLowerCase().indexOf(query) >= 0 ||
+      (!completionsOnly && prompt.toLowerCase().indexOf(query) >= 0));
+  }
+  function lastStep(rows) {
+    return rows.reduce(function (last, r) { return Math.max(last, r.step); }, -Infinity);
+  }
+  return {sortRows: sortRows, matches: matches, lastStep: lastStep};
+}());
+</script>
 <script>
 (function () {
   "use strict";
   var data = JSON.parse(document.getElementById("data").textContent);
   var byId = function (id) { return document.getElementById(id); };
   var stepSelect = byId("step"), search = byId("search"), size = byId("size");
+  var only = byId("only"), sort = byId("sort"), logic = CompletionsLogic;
   var body = byId("rows"), view = data.rows, page = 0;
   var columns = ["step", "reward"].concat(data.funcs,
                                            ["advantage", "length", "truncated", "completion"]);
@@ -109,12 +150,9 @@ summary { cursor: pointer; }
     byId("next").disabled = page >= pages - 1;
   }
   function applyFilter() {
-    var step = stepSelect.value, query = search.value.toLowerCase();
-    view = data.rows.filter(function (r) {
-      return (step === "" || String(r.step) === step) && (query === "" ||
-        r.completion.toLowerCase().indexOf(query) >= 0 ||
-        data.prompts[r.p].toLowerCase().indexOf(query) >= 0);
-    });
+    view = logic.sortRows(data.rows.filter(function (r) {
+      return logic.matches(r, data.prompts[r.p], stepSelect.value, search.value, only.checked);
+    }), sort.value);
     page = 0;
     render();
   }
@@ -136,10 +174,13 @@ summary { cursor: pointer; }
       "step (all of them are in completions.jsonl).";
     stepSelect.addEventListener("change", applyFilter);
     search.addEventListener("input", applyFilter);
+    only.addEventListener("change", applyFilter);
+    sort.addEventListener("change", applyFilter);
     size.addEventListener("change", function () { page = 0; render(); });
     byId("prev").addEventListener("click", function () { page -= 1; render(); });
     byId("next").addEventListener("click", function () { page += 1; render(); });
-    render();
+    if (data.rows.length) { stepSelect.value = String(logic.lastStep(data.rows)); }
+    applyFilter();   // opens on the last step
   }
   setUp();
 }());

@@ -9,7 +9,7 @@ trainer).
 import importlib.util
 import math
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from swift_megatron.report.groups import Group
 from swift_megatron.report.records import MetricLog
@@ -37,13 +37,24 @@ def figure_pixels(panels: int) -> Tuple[int, int]:
     return round(columns * PANEL_INCHES[0] * DPI), round(rows * PANEL_INCHES[1] * DPI)
 
 
+def constant(values: List[Optional[float]]) -> Optional[float]:
+    """The value of a series whose finite values (two or more) are all equal, else None."""
+    finite = [v for v in values if v is not None]
+    return finite[0] if len(finite) > 1 and all(v == finite[0] for v in finite) else None
+
+
 def draw_panel(ax, log: MetricLog, key: str, smoothing: float) -> None:
     from matplotlib.ticker import MaxNLocator
 
     steps, values = log.series(key)
     points = [(s, v) for s, v in zip(steps, values) if v is not None]
     smoothed = [(s, v) for s, v in zip(steps, ema(values, smoothing)) if v is not None]
-    if points:
+    flat = constant(values)
+    if flat is not None:   # a flat line says less than its value, written out
+        ax.text(0.5, 0.5, f"{flat:.6g} at every one of {len(points)} steps\n(steps {points[0][0]}"
+                f"-{points[-1][0]})", ha="center", va="center", transform=ax.transAxes)
+        ax.set_yticks([])
+    elif points:
         ax.plot(*zip(*points), color="C0", alpha=0.3, linewidth=1, marker="o", markersize=2.5,
                 label="raw")
         ax.plot(*zip(*smoothed), color="C0", linewidth=1.8, label=f"EMA {smoothing:g}")

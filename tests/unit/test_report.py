@@ -120,6 +120,24 @@ def test_grid_and_figure_size():
     assert figure_pixels(4) == (900, 600) and figure_pixels(6) == (1350, 600)
 
 
+def test_a_constant_series_is_written_out_not_drawn_flat():
+    """issue 40: a panel whose values never change shows the value as text (a flat line at an
+    unreadable height said nothing); a varying one, or a single point, keeps its curve."""
+    from matplotlib.figure import Figure
+
+    from swift_megatron.report.plots import constant, draw_panel
+    from swift_megatron.report.records import MetricLog
+
+    assert constant([0.0, None, 0.0, 0.0]) == 0.0 and constant([1.5, 1.5]) == 1.5
+    assert constant([1.0, 1.0001]) is None and constant([2.0]) is None and constant([]) is None
+    log = MetricLog("x", [{"step": s, "kl": 0.0, "loss": 0.1 * s} for s in (1, 2, 3)])
+    flat, curve = Figure().subplots(1, 2)
+    draw_panel(flat, log, "kl", 0.6)
+    draw_panel(curve, log, "loss", 0.6)
+    assert [t.get_text() for t in flat.texts] == ["0 at every one of 3 steps\n(steps 1-3)"]
+    assert not flat.lines and len(curve.lines) == 2 and not curve.texts
+
+
 def test_sampling_keeps_every_step_and_whole_groups():
     entries = [Entry(line=10 * s + i, step=s, group=str(i // 4), reward=float(i % 4))
                for s in range(3) for i in range(8)]
@@ -210,15 +228,57 @@ def test_trainer_hook_never_raises(tmp_path, swift_logs):
 def test_completions_page_escapes_and_renders(run_dir, tmp_path):
     page = report.write_report(str(run_dir), ["reward/mean"]).completions
     text = open(page).read()
-    assert text.count("<script") == 2 and text.count("</script>") == 2  # the page's own two
+    assert text.count("<script") == 3 and text.count("</script>") == 3  # the page's own three
     data = json.loads(text.split('id="data">')[1].split("</script>")[0])
     assert len(data["rows"]) == 96 and data["funcs"] == list(FUNCS)
     assert data["rows"][0]["completion"] == "It is </script><script>alert(0)</script> & 0"
     assert data["rows"][0]["rewards"] == [0.0, None] and len(data["prompts"]) == 2
     dom = rendered_dom(page, tmp_path)
-    if dom is not None:  # Chromium ran the page's script: the first page is filled
-        assert dom.count('<tr class="completion">') == 20 and dom.count('<tr class="prompt">') == 5
-        assert "page 1 of 5 (96 completions)" in dom and "<script>alert" not in dom
+    if dom is not None:  # Chromium ran the page's script: it opens on the last step
+        last = max(r["step"] for r in data["rows"])
+        shown = sum(r["step"] == last for r in data["rows"])
+        assert dom.count('<tr class="completion">') == min(shown, 20)
+        assert f"({shown} completions)" in dom and "<script>alert" not in dom
+
+
+def test_completions_page_logic_sorts_searches_and_opens_on_the_last_step(run_dir):
+    """The page's pure logic (its `logic` script) under Node (issue 40): sort by reward or
+    advantage either way with nulls last and ties kept in order, search the completions only
+    or the prompts too, within a step; the last step is the one the page opens on."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("Node.js is not installed")
+    page = report.write_report(str(run_dir), ["reward/mean"]).completions
+    logic = open(page).read().split('<script id="logic">')[1].split("</script>")[0]
+    rows = [dict(step=1, reward=0.5, advantage=None, completion="alpha", p=0),
+            dict(step=2, reward=None, advantage=1.0, completion="beta", p=0),
+            dict(step=2, reward=0.9, advantage=-1.0, completion="Gamma", p=1),
+            dict(step=3, reward=0.5, advantage=0.5, completion="delta", p=1)]
+    prompts = ["find the gamma", "other"]
+    probe = logic + """
+    var rows = %s, prompts = %s, L = CompletionsLogic;
+    function names(list) { return list.map(function (r) { return r.completion; }); }
+    function find(step, q, only) { return names(rows.filter(function (r) {
+      return L.matches(r, prompts[r.p], step, q, only); })); }
+    console.log(JSON.stringify({
+      reward_high: names(L.sortRows(rows, "reward:-1")), reward_low: names(L.sortRows(rows, "reward:1")),
+      advantage_high: names(L.sortRows(rows, "advantage:-1")), kept: names(L.sortRows(rows, "")),
+      gamma_anywhere: find("", "gamma", false), gamma_completions: find("", "GAMMA", true),
+      step2: find("2", "", false), last: L.lastStep(rows)}));
+    """ % (json.dumps(rows), json.dumps(prompts))
+    proc = subprocess.run([node, "-e", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert found["reward_high"] == ["Gamma", "alpha", "delta", "beta"]   # ties in order, null last
+    assert found["reward_low"] == ["alpha", "delta", "Gamma", "beta"]
+    assert found["advantage_high"] == ["beta", "delta", "Gamma", "alpha"]
+    assert found["kept"] == ["alpha", "beta", "Gamma", "delta"]
+    assert found["gamma_anywhere"] == ["alpha", "beta", "Gamma"]   # prompt 0 says gamma
+    assert found["gamma_completions"] == ["Gamma"] and found["step2"] == ["beta", "Gamma"]
+    assert found["last"] == 3
 
 
 def rendered_dom(page, tmp_path):
@@ -256,7 +316,8 @@ def check_structure(text):
 
     parser = Tags()
     parser.feed(text)
-    assert {"step", "search", "size", "prev", "next", "rows", "data", "info"} <= parser.ids
+    assert {"step", "search", "only", "sort", "size", "prev", "next", "rows", "data", "info",
+            "logic"} <= parser.ids
 
 
 # ---- the command ------------------------------------------------------------------------------
