@@ -141,7 +141,7 @@ def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool)
 _LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
 _FREEZE_FLAGS = ("freeze_vit", "freeze_aligner", "freeze_llm")   # LoRA: components.py decides
 _SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
-                 "vllm_server_timeout")
+                 "vllm_server_timeout", "vllm_server_api_key")
 _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
                    "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                    "vllm_max_model_len", "vllm_enforce_eager", "vllm_enable_prefix_caching",

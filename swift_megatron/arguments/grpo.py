@@ -232,6 +232,9 @@ class GRPOArguments:
                 raise UserError(f"--{name} must be >= 1, got {value}")
         if self.max_completion_length < 1:
             raise UserError(f"--max_completion_length must be >= 1, got {self.max_completion_length}")
+        if self.max_resample_times < 0:
+            raise UserError(f"--max_resample_times must be >= 0 (0: --dynamic_sample never "
+                            f"resamples), got {self.max_resample_times}")
         if self.temperature <= 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
         if self.repetition_penalty <= 0:

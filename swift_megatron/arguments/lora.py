@@ -29,5 +29,8 @@ class LoraArguments:
             raise UserError(f"--adapters takes one adapter directory, got {len(self.adapters)}")
         if self.lora_rank < 1:
             raise UserError(f"--lora_rank must be >= 1, got {self.lora_rank}")
+        if self.lora_alpha <= 0:
+            raise UserError(f"--lora_alpha must be > 0 (the adapters' scale is lora_alpha / "
+                            f"lora_rank), got {self.lora_alpha}")
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")

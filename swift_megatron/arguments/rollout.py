@@ -13,6 +13,17 @@ from swift_megatron.errors import UserError
 API_KEY_ENV = "SWIFT_MEGATRON_ROLLOUT_API_KEY"  # the rollout server's key, for both sides
 
 
+
+def api_key(flag: str, value: Optional[str]) -> Optional[str]:
+    """The key the flag (or else API_KEY_ENV, where empty means unset) gives; None for none. An
+    empty or blank flag would silently turn authentication off: refused."""
+    if value is None:
+        return os.environ.get(API_KEY_ENV) or None
+    if not value.strip():
+        raise UserError(f"{flag} is empty: that would turn authentication off. Give the key, or "
+                        f"leave {flag} out for a server without authentication")
+    return value
+
 @dataclass
 class VllmEngineArguments:
     """vLLM engine"""
@@ -117,7 +128,7 @@ class RolloutArguments:
             raise UserError("--weight_sync_bucket_mb must be >= 1")
         if self.vllm_server_timeout <= 0:
             raise UserError("--vllm_server_timeout must be > 0")
-        self.vllm_server_api_key = self.vllm_server_api_key or os.environ.get(API_KEY_ENV) or None
+        self.vllm_server_api_key = api_key("--vllm_server_api_key", self.vllm_server_api_key)
         if self.vllm_mode == "server" and not self.vllm_server_host:
             self.vllm_server_host = ["127.0.0.1"]
         ports, hosts = self.vllm_server_port, self.vllm_server_host
@@ -180,7 +191,7 @@ class ServeArguments:
 
     def __post_init__(self):
         check_max_pixels(self.max_pixels)
-        self.api_key = self.api_key or os.environ.get(API_KEY_ENV) or None
+        self.api_key = api_key("--api_key", self.api_key)
         if self.vllm_data_parallel_size < 1:
             raise UserError("--vllm_data_parallel_size must be >= 1")
         if not 0 < self.communicator_timeout < float("inf"):

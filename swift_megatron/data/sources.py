@@ -38,6 +38,7 @@ FILE_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 _FILE_LIKE = FILE_FORMATS + (".tsv", ".txt", ".arrow", ".xlsx", ".xls", ".gz", ".zip")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 _LIMIT = re.compile(r"(.+?)[:#](\d+)")
+_BAD_LIMIT = re.compile(r"(.+)[:#]([^:#/]*)")   # a file with a suffix that is not a row count
 _TRAIN_PATH = re.compile(r"(^|[^a-z])train([^a-z]|$)", re.IGNORECASE)
 
 
@@ -71,6 +72,11 @@ def parse_spec(spec: str) -> DatasetSpec:
         return DatasetSpec(spec, path, "file", limit)
     if _is_hub_id(source):
         return DatasetSpec(spec, source, "hub", limit)
+    suffix = _BAD_LIMIT.fullmatch(spec)
+    if suffix and os.path.exists(os.path.expanduser(suffix.group(1))):
+        raise UserError(f"dataset {spec}: {suffix.group(1)} exists; the {suffix.group(2)!r} after "
+                        f"'#' must be a whole number of rows, at least 1 (e.g. "
+                        f"{suffix.group(1)}#1000)")
     raise UserError(f"dataset {spec}: no such file or directory (and it is not a hub id of the "
                     f"form owner/name); check the path")
 

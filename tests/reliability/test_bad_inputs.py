@@ -94,6 +94,12 @@ FLAGS = [   # values and combinations refused at parse time
          "--train_type lora_llm cannot continue from --adapters/--mcore_adapter"),
     case(["--tuner_type", "lora_llm", "--merge_lora", "false"],
          "--train_type lora_llm needs --merge_lora true"),
+    # issue 40's re-run of the corpus: silent before
+    case(["--lora_alpha", "-32", "--train_type", "lora"], "--lora_alpha must be > 0"),
+    case(["--max_resample_times", "-1", "--dynamic_sample", "true"],
+         "--max_resample_times must be >= 0"),
+    case(["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_api_key", ""],
+         "--vllm_server_api_key is empty: that would turn authentication off"),
 ]
 
 FILES = [   # model directories, datasets, plugins, system prompts
@@ -104,6 +110,8 @@ FILES = [   # model directories, datasets, plugins, system prompts
     case(["--model", "BAD_GARBAGE_WEIGHTS"], "model.safetensors"),
     case(["--model", "BAD_CONFIG_JSON"], "config.json"),
     case(["--dataset", "BAD_MISSING_DATA.jsonl"], "BAD_MISSING_DATA.jsonl"),
+    case(["--dataset", "DATA#abc"], "the 'abc' after '#' must be a whole number of rows"),
+    case(["--dataset", "DATA#-3"], "the '-3' after '#' must be a whole number of rows"),
     case(["--dataset", "BAD_NOT_UTF8.jsonl"], "line 2: not UTF-8 text"),
     case(["--dataset", "BAD_NOT_JSON.jsonl"], "line 1: not valid JSON"),
     case(["--dataset", "BAD_LIST_LINE.jsonl"], "each line must be a JSON object"),
@@ -185,6 +193,7 @@ EXPORT = [   # megatron export
 ROLLOUT = [   # megatron rollout (refused before any engine starts)
     case(["--model", "BAD_MISSING_DIR"], "BAD_MISSING_DIR", "rollout", base=False),
     case(["--model", "MODEL", "--port", "0"], "--port must be in 1..65535", "rollout", base=False),
+    case(["--model", "MODEL", "--api_key", " "], "--api_key is empty", "rollout", base=False),
     case(["--model", "MODEL", "--vllm_data_parallel_size", "0"], "--vllm_data_parallel_size",
          "rollout", base=False),
     case(["--model", "MODEL", "--vllm_gpu_memory_utilization", "1.5"],
@@ -307,7 +316,7 @@ def _data(root) -> str:
 
 
 def _fill(argv, paths, out):
-    return [out if a == "OUT" else paths.get(a, a) for a in argv]
+    return [out if a == "OUT" else _fill_text(a, paths) for a in argv]
 
 
 def _fill_text(text, paths):

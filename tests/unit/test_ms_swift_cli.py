@@ -314,6 +314,12 @@ def test_flags_the_chosen_mode_ignores_are_noticed():
     quiet = rlhf("--train_type", "lora", "--lora_rank", 16, "--global_batch_size", 8)
     preflight_rlhf(quiet, world_size=1)
     assert not any(line.startswith("ignored here") for line in notices(quiet))
+    # issue 40: a server's key given to a colocate run was accepted without a word
+    key = rlhf("--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_server_api_key", "k",
+               "--global_batch_size", 8)
+    preflight_rlhf(key, world_size=1)
+    assert "ignored here, they only act with --vllm_mode server: --vllm_server_api_key" in \
+        notices(key)
 
 
 @pytest.mark.parametrize("argv, message", [
