@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from swift_megatron.rlhf.grpo.advantages import (compute_advantages, gdpo_advantages,
-                                                 group_advantages, weighted_rewards)
+                                                 group_advantages, overflow_problem,
+                                                 weighted_rewards)
 
 EPS = 1e-4
 
@@ -203,3 +204,22 @@ def test_gdpo_is_permutation_invariant():
     perm = torch.randperm(24, generator=g)
     assert torch.equal(gdpo_advantages(per_func[perm], weights, ids[perm]),
                        gdpo_advantages(per_func, weights, ids)[perm])
+
+
+def test_rewards_whose_statistics_overflow_are_named():
+    """issue 40: a function returning 1e300 (finite, accepted) made reward/std inf, every
+    advantage 0 and the run train nothing, silently; now the function is named. Ordinary
+    rewards, a None (NaN) among them included, pass."""
+    per_func = torch.tensor([[1e300, 0.5], [0.0, math.nan], [2.0, 0.1], [1.0, 0.2]],
+                            dtype=torch.float64)
+    prompts = torch.tensor([0, 0, 1, 1])
+    weights = torch.ones(2, dtype=torch.float64)
+    advantages, metrics = compute_advantages(per_func, weights, prompts)
+    assert metrics["reward_std"] == math.inf
+    problem = overflow_problem(per_func, advantages, metrics, ["huge", "fine"])
+    assert problem.startswith("the rewards' statistics are not finite (reward/mean")
+    assert "reward function 'huge' returned |reward| up to 1e+300" in problem
+    ordinary = per_func.clone()
+    ordinary[0, 0] = 3.0
+    advantages, metrics = compute_advantages(ordinary, weights, prompts)
+    assert overflow_problem(ordinary, advantages, metrics, ["huge", "fine"]) is None

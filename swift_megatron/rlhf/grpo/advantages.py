@@ -11,7 +11,8 @@ Estimators (`--advantage_estimator`), R the reward, mean/std over the completion
   reinforce_plus_plus: R - mean, divided by the std of those differences
 `--scale_rewards gdpo` normalises each reward function within its groups first (gdpo_advantages).
 """
-from typing import Dict, Optional, Tuple
+import math
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -158,3 +159,19 @@ def weighted_rewards(per_func: Tensor, weights: Tensor) -> Tensor:
         raise ValueError(f"per_func must be [N, F] and weights [F], got {tuple(per_func.shape)} "
                          f"and {tuple(weights.shape)}")
     return (per_func * weights.to(per_func.dtype)[None, :]).nansum(dim=1)
+
+
+def overflow_problem(per_func: Tensor, advantages: Tensor, metrics: Dict[str, float],
+                     names: Sequence[str]) -> Optional[str]:
+    """What went wrong when finite rewards give non-finite statistics or advantages (a function
+    returning 1e300: its squares overflow float64, the std is inf, every advantage 0 or NaN and
+    nothing trains), naming the function with the largest |reward|; None when all is finite."""
+    if torch.isfinite(advantages).all() and all(
+            math.isfinite(metrics[k]) for k in ("reward_mean", "reward_std")):
+        return None
+    largest = per_func.abs().nan_to_num(0.0).amax(dim=0)   # [F]
+    worst = int(largest.argmax())
+    return (f"the rewards' statistics are not finite (reward/mean {metrics['reward_mean']}, "
+            f"reward/std {metrics['reward_std']}): reward function {names[worst]!r} returned "
+            f"|reward| up to {largest[worst].item():.3g}; keep rewards to a scale whose squares "
+            f"fit a float64 (well below 1e150), e.g. within [-1e6, 1e6]")

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from swift_megatron.data import Prompt
+from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rewards import score_rewards
-from swift_megatron.rlhf.grpo.advantages import compute_advantages
+from swift_megatron.rlhf.grpo.advantages import compute_advantages, overflow_problem
 from swift_megatron.rlhf.grpo.batch import Sample
 from swift_megatron.rlhf.grpo.filtering import zero_std_prompt_ids
 from swift_megatron.rollout.engine import RolloutEngine, SamplingConfig
@@ -220,6 +221,9 @@ class RolloutCollector:
             table[:, :n_funcs], weights, groups, estimator=s.advantage_estimator,
             scale_rewards=s.scale_rewards, kl=None if kl is None else table[:, n_funcs + 4],
             beta=s.kl_beta)
+        problem = overflow_problem(table[:, :n_funcs], advantages, metrics, s.reward_names)
+        if problem:   # every rank has the whole table: all stop together
+            raise UserError(problem)
         start = dist.get_rank(self.dp_group) * len(samples)
         for sample, value in zip(samples, advantages[start:start + len(samples)].tolist()):
             sample.advantage = value
