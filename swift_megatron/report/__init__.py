@@ -45,9 +45,22 @@ def load_log(output_dir: str):
         raise UserError(f"{path} not found: OUTPUT_DIR must be a training run's --output_dir "
                         f"(where logging.jsonl is written)")
     log = read_metric_log(path)
+    if not log.records and log.bad_lines > _being_written(path):
+        raise UserError(f"{path} is not a run's log: none of its {log.bad_lines} line(s) is a "
+                        f"logged step (a JSON object with a 'step')")
     if not log.records:
         raise UserError(f"{path} has no logged step yet")
     return log
+
+
+def _being_written(path: str) -> int:
+    """1 when the file's last line is unfinished (a run writing or killed mid-line), else 0."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return 0
+        f.seek(-1, os.SEEK_END)
+        return int(f.read(1) != b"\n")
 
 
 def remove_stale_plots(report_dir: str, keep: Sequence[str]) -> None:

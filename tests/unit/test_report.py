@@ -347,6 +347,13 @@ def test_plot_command_user_errors(tmp_path):
         run(["plot", str(tmp_path), "--smoothing", "1.5"])
     with pytest.raises(UserError, match=f"{tmp_path / 'missing'}/logging.jsonl not found"):
         run(["plot", str(tmp_path / "missing")])
+    (tmp_path / "logging.jsonl").write_text("")
+    with pytest.raises(UserError, match="has no logged step yet"):
+        run(["plot", str(tmp_path)])
+    (tmp_path / "logging.jsonl").write_bytes(b"garbage\n\x00\xff{not json\n[1, 2]\n")
+    with pytest.raises(UserError, match=r"is not a run's log: none of its 3 line\(s\) is a "
+                                        r"logged step"):   # issue 40: it said "no step yet"
+        run(["plot", str(tmp_path)])
 
 
 def test_plot_help_imports_neither_torch_nor_matplotlib():
