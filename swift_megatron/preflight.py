@@ -20,6 +20,7 @@ from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
+from swift_megatron.paths import check_output_path
 
 
 def vllm_installed() -> bool:
@@ -188,6 +189,9 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     system_prompt(args.data.system)
     check_group_loss(args, plan)
     check_scheduler_name(args)
+    for flag, path in (("--output_dir", args.training.output_dir), ("--save", args.training.save)):
+        if path:
+            check_output_path(path, flag)
     return plan, hf_config
 
 

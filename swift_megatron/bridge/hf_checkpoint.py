@@ -16,6 +16,7 @@ from swift_megatron.bridge.io import INDEX, SINGLE, HFReader, HFWriter
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.logging.progress import progress
+from swift_megatron.paths import check_output_path
 
 logger = get_logger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -23,6 +24,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def check_output_dir(out_dir: str, exist_ok: bool) -> None:
+    check_output_path(out_dir, "--output_dir")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not exist_ok:
         raise UserError(f"{out_dir} exists and is not empty; pass --exist_ok true to overwrite it")
 

@@ -111,6 +111,8 @@ FILES = [   # model directories, datasets, plugins, system prompts
     case(["--model", "BAD_CONFIG_JSON"], "config.json"),
     case(["--dataset", "BAD_MISSING_DATA.jsonl"], "BAD_MISSING_DATA.jsonl"),
     case(["--dataset", "DATA#abc"], "the 'abc' after '#' must be a whole number of rows"),
+    case(["--output_dir", "BAD_TEXT.txt"], "--output_dir BAD_TEXT.txt is a file, not a directory"),
+    case(["--save", "BAD_TEXT.txt/ckpt"], "lies under BAD_TEXT.txt, which is a file"),
     case(["--dataset", "DATA#-3"], "the '-3' after '#' must be a whole number of rows"),
     case(["--dataset", "BAD_NOT_UTF8.jsonl"], "line 2: not UTF-8 text"),
     case(["--dataset", "BAD_NOT_JSON.jsonl"], "line 1: not valid JSON"),
@@ -173,6 +175,8 @@ CHECKPOINTS = [   # --load / --mcore_model / --mcore_adapter / --adapters
 ]
 
 EXPORT = [   # megatron export
+    case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "BAD_TEXT.txt"],
+         "--output_dir BAD_TEXT.txt is a file, not a directory", "export", base=False),
     case(["--model", "BAD_GPT2", "--to_mcore", "true", "--output_dir", "OUT"],
          "model_type 'gpt2' is not supported", "export", base=False),
     case(["--model", "BAD_MISSING_DIR", "--to_mcore", "true", "--output_dir", "OUT"],
