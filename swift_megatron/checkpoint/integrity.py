@@ -19,17 +19,25 @@ HINT = "the checkpoint is damaged: resume from another iter_* directory (edit " 
        "latest_checkpointed_iteration.txt) or start without --load"
 
 
-def check_checkpoint_files(directory: str) -> None:
-    """UserError for the first damaged file of the checkpoint at `directory` (see module doc)."""
-    for name in JSON_FILES:
-        _check_json(os.path.join(directory, name))
-    for name in DCP_DIRS:
-        if os.path.isdir(os.path.join(directory, name)):
-            _check_dcp(os.path.join(directory, name))
-    rng = os.path.join(directory, "rng")
-    if os.path.isdir(rng):
-        for name in sorted(os.listdir(rng)):
-            _check_zip(os.path.join(rng, name))
+class Damaged(Exception):
+    """A damaged file: what is wrong with it (check_checkpoint_files adds the hint)."""
+
+
+def check_checkpoint_files(directory: str, hint: str = HINT) -> None:
+    """UserError for the first damaged file of the checkpoint at `directory` (see module doc),
+    ending with `hint` (what to do instead)."""
+    try:
+        for name in JSON_FILES:
+            _check_json(os.path.join(directory, name))
+        for name in DCP_DIRS:
+            if os.path.isdir(os.path.join(directory, name)):
+                _check_dcp(os.path.join(directory, name))
+        rng = os.path.join(directory, "rng")
+        if os.path.isdir(rng):
+            for name in sorted(os.listdir(rng)):
+                _check_zip(os.path.join(rng, name))
+    except Damaged as damage:
+        raise UserError(f"{damage}; {hint}") from None
 
 
 def _check_json(path: str) -> None:
@@ -39,7 +47,7 @@ def _check_json(path: str) -> None:
         with open(path, encoding="utf-8") as f:
             json.load(f)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not valid JSON ({exc}); {HINT}") from None
+        raise Damaged(f"{path}: not valid JSON ({exc})") from None
 
 
 def _check_zip(path: str) -> None:
@@ -47,9 +55,9 @@ def _check_zip(path: str) -> None:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise UserError(f"{path}: not a readable torch.save file ({exc}); {HINT}") from None
+        raise Damaged(f"{path}: not a readable torch.save file ({exc})") from None
     if bad is not None:
-        raise UserError(f"{path}: entry {bad} fails its CRC check; {HINT}")
+        raise Damaged(f"{path}: entry {bad} fails its CRC check")
 
 
 def _check_dcp(path: str) -> None:
@@ -59,8 +67,8 @@ def _check_dcp(path: str) -> None:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:  # a truncated pickle raises EOFError, UnpicklingError, ...
-        raise UserError(f"{os.path.join(path, '.metadata')}: unreadable ({type(exc).__name__}: "
-                        f"{exc}); {HINT}") from None
+        raise Damaged(f"{os.path.join(path, '.metadata')}: unreadable ({type(exc).__name__}: "
+                      f"{exc})") from None
     needed = {}
     for info in (metadata.storage_data or {}).values():
         end = info.offset + info.length
@@ -69,9 +77,9 @@ def _check_dcp(path: str) -> None:
         data = os.path.join(path, name)
         size = os.path.getsize(data) if os.path.isfile(data) else None
         if size is None:
-            raise UserError(f"{data}: missing (the checkpoint's metadata lists it); {HINT}")
+            raise Damaged(f"{data}: missing (the checkpoint's metadata lists it)")
         if size < end:
-            raise UserError(f"{data}: truncated ({size} bytes, the metadata needs {end}); {HINT}")
+            raise Damaged(f"{data}: truncated ({size} bytes, the metadata needs {end})")
     common = os.path.join(path, "common.pt")
     if os.path.isfile(common):
         _check_zip(common)

@@ -21,6 +21,7 @@ import os
 from typing import Optional
 
 from swift_megatron.checkpoint import ms_swift
+from swift_megatron.checkpoint.integrity import check_checkpoint_files
 from swift_megatron.errors import UserError
 
 OUR_META = "swift_megatron.json"   # checkpoint/layout.py's META (that module imports torch)
@@ -85,6 +86,9 @@ def our_model_dir(path: str) -> Optional[str]:
 
 
 def _our_source(directory: str, flag: str) -> WeightsSource:
+    if flag != "--load":   # --load's directory is checked as the checkpoint to resume
+        check_checkpoint_files(directory, f"the checkpoint is damaged: point {flag} at another "
+                                          f"one, or write it again")
     meta = _read_json(os.path.join(directory, OUR_META))
     if meta.get("train_type") == "lora_llm":   # adapters and a fully trained vision tower
         raise UserError(f"{flag} {directory} is a --train_type lora_llm checkpoint, which only "

@@ -71,9 +71,8 @@ def plan_start(training: TrainingArguments, lora: LoraArguments) -> Start:
             notices.append(f"--finetune false: {path} is an ms-swift checkpoint, whose optimizer "
                            "and step are in ms-swift's format: its weights load, training "
                            "starts at step 0")
-    for directory in {resume, weights.path if weights and weights.kind == "mcore" else None}:
-        if directory:
-            check_checkpoint_files(directory)
+    if resume:   # --mcore_model's and --mcore_adapter's directories: checkpoint/sources.py
+        check_checkpoint_files(resume)
     return Start(weights, adapter, resume, notices)
 
 

@@ -183,6 +183,11 @@ EXPORT = [   # megatron export
          "BAD_MISSING_DIR", "export", base=False),
     case(["--mcore_model", "BAD_EMPTY_DIR", "--to_hf", "true", "--output_dir", "OUT"],
          "BAD_EMPTY_DIR", "export", base=False),
+    # issue 40: a bare EOFError from deep in the loader (the file check covered --load only)
+    case(["--mcore_model", "BAD_CKPT_MODEL_SHARD", "--to_hf", "true", "--output_dir", "OUT"],
+         "model/__0_0.distcp: truncated", "export", base=False),
+    case(["--mcore_model", "BAD_CKPT_OPTIM_METADATA", "--to_hf", "true", "--output_dir", "OUT"],
+         "optimizer/.metadata: unreadable", "export", base=False),
     case(["--model", "MODEL", "--output_dir", "OUT"], "--to_hf", "export", base=False),
     case(["--model", "MODEL", "--to_hf", "true", "--to_mcore", "true", "--output_dir", "OUT"],
          "--to_mcore", "export", base=False),
