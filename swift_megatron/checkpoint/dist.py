@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from torch.distributed.checkpoint.api import CheckpointException
 
 from swift_megatron.errors import UserError
 
@@ -78,12 +80,26 @@ def save_model(chunks: Sequence[torch.nn.Module], directory: str, exist_ok: bool
     dist.barrier()
 
 
+def _first_failure(exc: Exception) -> str:
+    """The first line of what failed: torch's CheckpointException wraps each rank's exception
+    (megatron's CheckpointingException naming the tensor and its shapes)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    return str(exc).strip().splitlines()[0][:300]
+
+
 def load_model(chunks: Sequence[torch.nn.Module], directory: str) -> None:
     """Load weights saved by save_model (with any parallel layout) into this model."""
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         raise UserError(f"{directory} is not a megatron distributed checkpoint "
                         "(no metadata.json)")
-    state = dist_checkpointing.load(sharded_state_dict(chunks), directory)
+    try:
+        state = dist_checkpointing.load(sharded_state_dict(chunks), directory)
+    except (CheckpointingException, CheckpointException) as exc:   # another model's weights
+        raise UserError(f"{directory} holds another model than the one built here (from --model's "
+                        f"config.json and the flags): {_first_failure(exc)}; give the checkpoint "
+                        f"of this model, or the --model it was made from") from None
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(state, strict=True)
     for i, chunk in enumerate(chunks if len(chunks) > 1 else []):

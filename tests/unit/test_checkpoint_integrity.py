@@ -77,3 +77,33 @@ def test_a_garbage_latest_file_is_named(tmp_path, text):
     with pytest.raises(UserError, match=r"latest_checkpointed_iteration.txt: expected an "
                                         r"iteration number"):
         read_latest(str(tmp_path))
+
+
+def test_another_models_weights_are_named(single_process_group, tmp_path):
+    """Weights of another model shape (--mcore_model of model A with --model of model B): one
+    clear error naming the checkpoint and the mismatch (issue 40: megatron's
+    CheckpointingException, wrapped in torch's CheckpointException, the checkpoint unnamed)."""
+    from swift_megatron.checkpoint.dist import load_model, save_model
+    from swift_megatron.model.build import build_model
+    from swift_megatron.parallel.state import ParallelState
+
+    def tiny(hidden):
+        return build_model(dict(model_type="qwen3", vocab_size=64, hidden_size=hidden,
+                                intermediate_size=2 * hidden, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                rms_norm_eps=1e-6, max_position_embeddings=64),
+                           torch.float32, torch.device("cpu"))[0]
+
+    ParallelState.initialize(device="cpu", seed=0)   # megatron on the CPU, on the fixture's world
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_model([tiny(32)], str(tmp_path / "a"))
+            load_model([tiny(32)], str(tmp_path / "a"))   # the same shape loads
+            with pytest.raises(UserError, match=r"a holds another model than the one built here "
+                                                r".*Global shape mismatch .* give the checkpoint"):
+                load_model([tiny(16)], str(tmp_path / "a"))
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()   # the world is the fixture's
