@@ -330,3 +330,17 @@ def test_flags_the_chosen_mode_ignores_are_noticed():
 def test_numeric_values_are_checked_up_front(argv, message):
     with pytest.raises(UserError, match=message):
         rlhf(*argv)
+
+
+def test_eval_steps_without_validation_prompts_is_a_note(swift_logs):
+    """ms-swift's frozen_lake.sh passes --eval_steps 1000 and no validation set: ms-swift then
+    never evaluates, and so do we, saying so once (issue 40: it was an error)."""
+    from swift_megatron.rlhf.grpo.components import eval_steps
+
+    args = rlhf("--eval_steps", 1000, "--save_steps", 50)
+    assert eval_steps(args, has_validation=False) is None
+    assert any("--eval_steps 1000: no validation prompts" in r.getMessage()
+               for r in swift_logs.records)
+    assert eval_steps(args, has_validation=True) == 1000
+    assert eval_steps(rlhf("--save_steps", 50), has_validation=True) == 50   # ms-swift's default
+    assert eval_steps(rlhf("--save_steps", 50), has_validation=False) is None

@@ -509,12 +509,16 @@ def versioned(base: str) -> str:
 
 
 def eval_steps(args: RlhfArguments, has_validation: bool) -> Optional[int]:
-    """--eval_steps, by default --save_steps when there are validation prompts (ms-swift)."""
+    """--eval_steps, by default --save_steps when there are validation prompts (ms-swift);
+    without validation prompts no evaluation runs, as in ms-swift (whose examples pass
+    --eval_steps without any), with a one-line note when the flag was given."""
     t = args.training
-    if t.eval_steps and not has_validation:
-        raise UserError("--eval_steps needs validation prompts: pass --val_dataset or "
-                        "--split_dataset_ratio")
-    return t.eval_steps or (t.save_steps if has_validation else None)
+    if not has_validation:
+        if t.eval_steps:
+            logger.info(f"--eval_steps {t.eval_steps}: no validation prompts (--val_dataset or "
+                        f"--split_dataset_ratio), so no evaluation runs")
+        return None
+    return t.eval_steps or t.save_steps
 
 
 def loggers(args: RlhfArguments, state: ParallelState, out: str, run_config: dict):
