@@ -327,21 +327,32 @@ def _rollout(state: ServerState, request) -> dict:
             "weight_version": state.weight_version}
 
 
+def check_multi_turn_names(args) -> None:
+    """Load --external_plugins and check the scheduler and gym env names they and the built-ins
+    register: before any engine process starts (a typo cost a vLLM start before)."""
+    options = args.multi_turn
+    if options.multi_turn_scheduler is None:
+        return
+    import swift_megatron.rollout.multi_turn  # noqa: F401  (registers the built-ins)
+    from swift_megatron.rewards import load_plugins
+    from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
+
+    load_plugins(options.external_plugins)
+    SCHEDULERS.lookup(options.multi_turn_scheduler)
+    if options.gym_env is not None:
+        GYM_ENVS.lookup(options.gym_env)
+
+
 def multi_turn_service(args, model_dir: str) -> Optional[MultiTurnService]:
-    """--multi_turn_scheduler's scheduler (plugins loaded, names checked), or None."""
+    """--multi_turn_scheduler's scheduler (after check_multi_turn_names), or None."""
     options = args.multi_turn
     if options.multi_turn_scheduler is None:
         return None
     from transformers import AutoTokenizer
 
     from swift_megatron.compat.ms_swift import flat_args
-    from swift_megatron.rewards import load_plugins
     from swift_megatron.rollout.multi_turn import build_scheduler
-    from swift_megatron.rollout.plugin_registry import GYM_ENVS
 
-    load_plugins(options.external_plugins)
-    if options.gym_env is not None:
-        GYM_ENVS.lookup(options.gym_env)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     scheduler = build_scheduler(options.multi_turn_scheduler, max_turns=options.max_turns,
                                 tokenizer=tokenizer, args=flat_args(args))
@@ -633,6 +644,7 @@ def serve(args) -> None:
         from swift_megatron.model.files import check_model_dir
 
         check_model_dir(model_dir)
+    check_multi_turn_names(args)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_on_signal)
     # the replicas import vLLM (seconds) while this process does for its checks

@@ -203,6 +203,10 @@ ROLLOUT = [   # megatron rollout (refused before any engine starts)
     case(["--model", "BAD_MISSING_DIR"], "BAD_MISSING_DIR", "rollout", base=False),
     case(["--model", "MODEL", "--port", "0"], "--port must be in 1..65535", "rollout", base=False),
     case(["--model", "MODEL", "--api_key", " "], "--api_key is empty", "rollout", base=False),
+    case(["--model", "MODEL", "--multi_turn_scheduler", "nope"],   # issue 40: after vLLM started
+         "--multi_turn_scheduler: unknown multi-turn scheduler 'nope'", "rollout", base=False),
+    case(["--model", "MODEL", "--multi_turn_scheduler", "gym_scheduler", "--gym_env", "nope"],
+         "--gym_env: unknown gym env 'nope'", "rollout", base=False),
     case(["--model", "MODEL", "--vllm_data_parallel_size", "0"], "--vllm_data_parallel_size",
          "rollout", base=False),
     case(["--model", "MODEL", "--vllm_gpu_memory_utilization", "1.5"],
