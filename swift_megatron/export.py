@@ -360,7 +360,7 @@ def _publish(tmp: str, out_dir: str, state: "ParallelState") -> None:
 
 def _tmp_name(out_dir: str) -> str:
     """Rank 0's staging directory for `out_dir` (after removing those dead runs left)."""
-    from swift_megatron.checkpoint.staging import staging_dir, sweep_stale
+    from swift_megatron.paths import staging_dir, sweep_stale
 
     if int(os.environ.get("RANK", "0")) == 0:
         sweep_stale(out_dir)

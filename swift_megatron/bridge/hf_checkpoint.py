@@ -16,7 +16,7 @@ from swift_megatron.bridge.io import INDEX, SINGLE, HFReader, HFWriter
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.logging.progress import progress
-from swift_megatron.paths import check_output_path
+from swift_megatron.paths import check_output_path, staging_dir, sweep_stale
 
 logger = get_logger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -69,9 +69,10 @@ def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str,
                         passthrough_dir: Optional[str] = None) -> None:
     writer_rank = not dist.is_initialized() or dist.get_rank() == 0
     out_dir = os.path.abspath(out_dir)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    tmp = staging_dir(out_dir)
     if writer_rank:
         check_output_dir(out_dir, exist_ok)
+        sweep_stale(out_dir)   # what a killed export or save staged here
         os.makedirs(tmp, exist_ok=True)
         writer = HFWriter(tmp, max_shard_size)
     written_dtype = dtype

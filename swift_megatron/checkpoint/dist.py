@@ -3,7 +3,9 @@
 A checkpoint written by any TP/PP/EP layout loads into any other: every rank saves and loads
 only its shards, described by megatron's sharded_state_dict. Writes go to `<dir>.tmp-<pid>`
 and are renamed into place when every rank has finished, so a crash never leaves a half
-written checkpoint under the final name.
+written checkpoint under the final name; the next write to the same place removes what a dead
+process staged there (paths.py), and the writer processes megatron forks die with
+the trainer.
 """
 import os
 import queue
@@ -16,7 +18,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
+from swift_megatron.checkpoint.forks import writer_children_die_with_us
 from swift_megatron.errors import UserError
+from swift_megatron.paths import staging_dir, sweep_stale
 
 
 def save_strategy():
@@ -67,11 +71,13 @@ def save_model(chunks: Sequence[torch.nn.Module], directory: str, exist_ok: bool
     directory = os.path.abspath(directory)
     if os.path.exists(directory) and not exist_ok:
         raise UserError(f"{directory} exists; pass --exist_ok true to overwrite it")
-    tmp = _broadcast_str(f"{directory}.tmp-{os.getpid()}")
+    tmp = _broadcast_str(staging_dir(directory))
     if dist.get_rank() == 0:
+        sweep_stale(directory)
         os.makedirs(tmp, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(chunks), tmp, sharded_strategy=save_strategy())
+    with writer_children_die_with_us():
+        dist_checkpointing.save(sharded_state_dict(chunks), tmp, sharded_strategy=save_strategy())
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(directory):

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
-from swift_megatron.checkpoint.staging import staging_dir, sweep_stale
+from swift_megatron.paths import staging_dir, sweep_stale
 from swift_megatron.checkpoint.trainer import iteration_dir
 from swift_megatron.logging import get_logger
 

@@ -159,7 +159,7 @@ def test_staging_directories_of_dead_runs_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from swift_megatron.checkpoint.staging import sweep_stale
+    from swift_megatron.paths import sweep_stale
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
@@ -174,3 +174,74 @@ def test_staging_directories_of_dead_runs_are_swept(tmp_path):
     assert sweep_stale(str(tmp_path / "final_hf")) == []
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == \
         sorted([live.name, other.name])
+
+
+def test_the_hf_writer_sweeps_what_a_killed_export_staged(tiny_model_dir, tmp_path):
+    """issue 40: a killed `megatron export --to_hf` left OUT.tmp-PID, which a later export to
+    the same OUT kept for good (the HF writer did not sweep)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from swift_megatron.bridge.hf_checkpoint import write_hf_checkpoint
+
+    model = tiny_model_dir("qwen3")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"out.tmp-{dead}"
+    stale.mkdir()
+    (stale / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    write_hf_checkpoint([("w", torch.zeros(2))], str(tmp_path / "out"), hf_config=config,
+                        source_dir=model)
+    assert not stale.exists() and (tmp_path / "out" / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("saving", [True, False])
+def test_checkpoint_writer_children_die_with_the_trainer(saving):
+    """issue 40: megatron's torch_dist writer forks copies of the trainer; a trainer killed
+    during a shard write left them running with PPID 1. Children forked inside the save
+    (writer_children_die_with_us) are killed with it; others are not touched."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import os, signal, sys, time
+import swift_megatron.checkpoint.forks as d
+with (d.writer_children_die_with_us() if {saving} else open(os.devnull)):
+    pid = os.fork()
+    if pid == 0:   # let go of the test's pipes, then wait to be killed (or 60 s)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        time.sleep(60)
+        os._exit(0)
+print(pid, flush=True)
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    child = int(proc.stdout.split()[0])
+
+    def alive():
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 10
+    while alive() and saving and time.time() < deadline:
+        time.sleep(0.1)
+    try:
+        assert alive() != saving
+    finally:
+        if alive():
+            os.kill(child, signal.SIGKILL)
