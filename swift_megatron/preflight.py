@@ -200,8 +200,9 @@ def check_scheduler_name(args: RlhfArguments) -> None:
     (a plugin file may register the name itself: then its lookup, after the plugins, decides)."""
     g = args.grpo
     if g.multi_turn_scheduler in ms_swift.SCHEDULERS and not g.external_plugins:
-        raise UserError(f"--multi_turn_scheduler {g.multi_turn_scheduler}: "
-                        f"{ms_swift.SCHEDULERS[g.multi_turn_scheduler]}")
+        from swift_megatron.rollout.plugin_registry import SCHEDULERS
+
+        SCHEDULERS.lookup(g.multi_turn_scheduler)   # says why, and what to do instead
 
 
 def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:

@@ -4,7 +4,7 @@ through textContent, never innerHTML, so completions are shown as text whatever 
 
 The page opens on the last step; it filters by step and by text (in prompts and completions, or
 completions only), sorts by reward or advantage, and pages. The pure parts (sorting, matching,
-the last step) are the `logic` script's CompletionsLogic, which tests run under Node."""
+the last step) are the `logic` script's CompletionsLogic, which tests run in QuickJS."""
 
 PAGE = """<!DOCTYPE html>
 <html lang="en">
