@@ -1,6 +1,8 @@
 """`megatron rlhf --rlhf_type grpo ...`: parse and check the flags, print the plan and what was
 checked (--dry_run), relaunch under torchrun when NPROC_PER_NODE or NNODES is set, then run the
 trainer."""
+import signal
+
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.grpo import check_rlhf_type
 from swift_megatron.arguments.parser import parse_command, raw_value, warn_notices
@@ -32,5 +34,13 @@ def main(argv) -> int:
     warn_notices(args)
     from swift_megatron.rlhf.grpo.trainer import run_grpo
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     run_grpo(args, plan)
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM (torchrun stopping its workers, a scheduler's kill) leaves through the trainer's
+    way out, which gives back a rollout server's weight-sync communicator, then exits 143."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signal.SIGTERM)

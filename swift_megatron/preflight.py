@@ -18,6 +18,7 @@ from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
+from swift_megatron.logging.metrics import check_report_to
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.paths import check_output_path
@@ -187,6 +188,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
                             "--sequence_parallel true (megatron-core refuses to train MoE with "
                             "TP but without sequence parallelism)")
     system_prompt(args.data.system)
+    check_report_to(args.training.report_to)   # (a missing sink package: before the model)
     check_group_loss(args, plan)
     check_scheduler_name(args)
     for flag, path in (("--output_dir", args.training.output_dir), ("--save", args.training.save)):
@@ -339,13 +341,22 @@ def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
     return f"dataset {spec}: {len(rows)} rows", list(columns)
 
 
-def check_reward_sources(args: RlhfArguments) -> None:
-    """A run needs something to learn from: reward functions, a reward model or a teacher."""
+def check_reward_sources(args: RlhfArguments, servers_asked: bool = False) -> None:
+    """A run needs something to learn from: reward functions, a reward model, a teacher or the
+    gym reward. In server mode the rollout servers may supply that one (megatron rollout
+    --use_gym_env): the check then waits until their /health was read (`servers_asked`)."""
     g = args.grpo
-    if not (g.reward_funcs or g.reward_model or g.teacher_model or g.use_gym_env):
-        raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
-                        "or --reward_model, or a --teacher_model to distil, or --use_gym_env "
-                        "true with a gym environment")
+    if g.reward_funcs or g.reward_model or g.teacher_model or g.use_gym_env:
+        return
+    server = args.rollout.vllm_mode == "server" and "use_gym_env" not in args.explicit
+    if server and not servers_asked:
+        return
+    raise UserError("--reward_funcs is required: e.g. accuracy, format (see docs/rewards.md), "
+                    "or --reward_model, or a --teacher_model to distil, or --use_gym_env "
+                    "true with a gym environment" + (
+                        "; the rollout servers supply no reward (a `megatron rollout "
+                        "--multi_turn_scheduler gym_scheduler --gym_env ...` server supplies "
+                        "the environment's)" if server else ""))
 
 
 def _check_rewards(args: RlhfArguments) -> List[str]:
@@ -356,8 +367,9 @@ def _check_rewards(args: RlhfArguments) -> List[str]:
     modules = load_plugins(g.external_plugins)
     resolve_reward_funcs(g.reward_funcs, modules, RewardConfig.from_args(g))
     names = g.reward_funcs + g.reward_model + (["gym_reward"] if g.use_gym_env else [])
+    none = "(teacher only)" if g.teacher_model else "(the rollout servers', asked at start)"
     return [f"plugin: {path}" for path in g.external_plugins] + \
-        [f"rewards: {', '.join(names) or '(teacher only)'}"] + _check_multi_turn(args)
+        [f"rewards: {', '.join(names) or none}"] + _check_multi_turn(args)
 
 
 def _check_multi_turn(args: RlhfArguments) -> List[str]:

@@ -180,9 +180,14 @@ class ServeArguments:
                                  "Trainers send it with --vllm_server_api_key.")
     enable_docs: bool = arg(False, "Serve FastAPI's /docs, /redoc and /openapi.json.")
     communicator_timeout: float = arg(120.0, "Seconds the replicas wait for the trainer to join "
-                                      "the weight-sync communicator after /init_communicator "
+                                      "the weight-sync communicator after /join_communicator "
                                       "(and for each bucket's broadcast); a communicator nobody "
                                       "joins is closed after it and generation goes on.")
+    communicator_lease: float = arg(60.0, "Seconds a trainer keeps the weight-sync communicator "
+                                    "without a sign of life (it renews the lease every quarter "
+                                    "of it while it runs): once it lapses, the server frees the "
+                                    "communicator of a trainer that died or was killed, and the "
+                                    "next trainer connects.")
     vllm_data_parallel_size: int = arg(1, "vLLM engine replicas, one process each, "
                                        "vllm_tensor_parallel_size GPUs each; generate requests "
                                        "are spread over them.")
@@ -197,6 +202,9 @@ class ServeArguments:
         if not 0 < self.communicator_timeout < float("inf"):
             raise UserError(f"--communicator_timeout must be a positive number of seconds, got "
                             f"{self.communicator_timeout}")
+        if not 0 < self.communicator_lease < float("inf"):
+            raise UserError(f"--communicator_lease must be a positive number of seconds, got "
+                            f"{self.communicator_lease}")
         if not 0 < self.port < 65536:
             raise UserError(f"--port must be in 1..65535, got {self.port}")
 
@@ -217,12 +225,26 @@ class ServeMultiTurnArguments:
                                  "gym_scheduler; a row's env_config name overrides it.")
     external_plugins: List[str] = arg([], "Python files to import at start: they register "
                                       "schedulers and gym environments.")
+    use_gym_env: Optional[bool] = arg(None, "The server supplies the reward: each episode's "
+                                      "total environment reward, which trainers add as their "
+                                      "gym_reward column (they read it from /health and then "
+                                      "need no --reward_funcs). Default: true with --gym_env.")
+    enable_thinking: Optional[bool] = arg(None, "Passed to the chat template as "
+                                          "`enable_thinking` when the server renders an "
+                                          "episode's later turns (a trainer's --enable_thinking "
+                                          "wins).")
+    max_length: Optional[int] = arg(None, "Most tokens an episode (prompt and every turn) may "
+                                    "reach; a trainer's smaller --max_length wins.")
 
     def __post_init__(self):
         if self.max_turns is not None and self.max_turns < 1:
             raise UserError(f"--max_turns must be >= 1 (or none: no limit), got {self.max_turns}")
+        if self.max_length is not None and self.max_length < 2:
+            raise UserError(f"--max_length must be >= 2, got {self.max_length}")
+        if self.use_gym_env is None:
+            self.use_gym_env = self.gym_env is not None
         if self.multi_turn_scheduler is None:
-            for name in ("max_turns", "gym_env"):
-                if getattr(self, name) is not None:
+            for name in ("max_turns", "gym_env", "use_gym_env", "enable_thinking", "max_length"):
+                if getattr(self, name) not in (None, False):
                     raise UserError(f"--{name} applies to multi-turn rollouts: pass "
                                     f"--multi_turn_scheduler")

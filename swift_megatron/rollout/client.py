@@ -6,10 +6,15 @@ Only global rank 0 talks to the servers:
   one batch split over the servers in proportion to their world size (so each server batches
   the whole rollout), and each rank gets its own completions back, in order. Every rank calls
   `generate` at the same point (the trainer's collector does), as with every collective engine.
-- update_weights: rank 0 opens a communicator with each server once (POST /init_communicator,
-  then NCCL on CUDA or gloo on CPU), and for each bucket of the export stream POSTs its metadata
-  to /update_weights and broadcasts the flat bucket (weight_sync.py). Every other rank drains
-  the export stream, which is collective over the training ranks.
+- update_weights: at the first sync, rank 0 opens a communicator with each server (POST
+  /init_communicator, /join_communicator, then NCCL on CUDA or gloo on CPU; a server whose
+  communicator another trainer holds is asked again until that lease lapses, within
+  --vllm_server_timeout), and for each bucket of the export stream POSTs its metadata to
+  /update_weights and broadcasts the flat bucket (weight_sync.py). Every other rank drains the
+  export stream, which is collective over the training ranks. Until the first sync the
+  trainer holds nothing on the servers (the trainer's own checks run before it), and from then
+  on a background thread renews the communicators' leases (server.py) until `close`, which
+  the trainer calls on every exit path.
 - rollout (servers started with --multi_turn_scheduler, named by their /health): whole
   multi-turn episodes instead of single generations, gathered and split back the same way;
   the servers run the scheduler (rollout/multi_turn) and answer with trajectories.
@@ -20,6 +25,7 @@ Only global rank 0 talks to the servers:
 """
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -48,11 +54,12 @@ def backoff_delays(retries: int, base: float = 0.5, factor: float = 2.0,
 
 
 class ServerError(RuntimeError):
-    """A rollout server answered with an error status (`status`)."""
+    """A rollout server answered with an error status (`status`; `retry_after`: seconds its
+    Retry-After header asks to wait, else None)."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, retry_after: Optional[float] = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after = status, retry_after
 
 
 def _refused(exc: Exception) -> bool:
@@ -80,7 +87,7 @@ class ServerConnection:
         attempt = 0
         while True:
             try:
-                return self._once(path, payload)
+                return self.send_once(path, payload)
             except (urllib.error.URLError, ConnectionError, socket.timeout) as exc:
                 if attempt == self.retries or not (idempotent or _refused(exc)):
                     raise UserError(f"rollout server {self.address} did not answer {path} "
@@ -89,7 +96,8 @@ class ServerConnection:
                 time.sleep(delays[attempt])
                 attempt += 1
 
-    def _once(self, path: str, payload: Optional[dict]) -> dict:
+    def send_once(self, path: str, payload: Optional[dict]) -> dict:
+        """One request, no retry."""
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(f"http://{self.address}{path}", data=data,
                                      headers=self.headers)
@@ -102,8 +110,10 @@ class ServerConnection:
                 raise UserError(f"rollout server {self.address} refused the API key ({detail}): "
                                 "pass the server's --api_key as --vllm_server_api_key (or set "
                                 f"${API_KEY_ENV})") from None
+            retry_after = exc.headers.get("Retry-After") if exc.headers else None
             raise ServerError(f"rollout server {self.address}{path}: HTTP {exc.code}: "
-                              f"{detail}", exc.code) from None
+                              f"{detail}", exc.code,
+                              float(retry_after) if retry_after else None) from None
 
     def wait_healthy(self, timeout: float) -> dict:
         """Poll /health until it answers or `timeout` seconds pass."""
@@ -111,7 +121,7 @@ class ServerConnection:
         delays = iter(backoff_delays(1000, base=0.2, cap=2.0))
         while True:
             try:
-                return self._once("/health", None)
+                return self.send_once("/health", None)
             except (urllib.error.URLError, ConnectionError, socket.timeout, ServerError) as exc:
                 if time.monotonic() >= deadline:
                     raise UserError(
@@ -143,6 +153,7 @@ class ServerEngine:
         self.image_token_id = image_token_id
         self.bucket_bytes = bucket_bytes
         self.device = device
+        self.timeout = timeout
         self.weight_version = 0
         self.weights_discarded = False
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -151,37 +162,64 @@ class ServerEngine:
         self.servers: List[ServerConnection] = []
         self.world_sizes: List[int] = []
         self.communicators: list = []
-        schedulers = [self._connect(addresses, timeout, api_key) if self.rank == 0 else None]
+        self.lease: Optional[Lease] = None
+        offers = [self._connect(addresses, timeout, api_key) if self.rank == 0 else None]
         if self.group is not None:
-            dist.broadcast_object_list(schedulers, src=0, group=self.group)
-        self.server_scheduler: Optional[str] = schedulers[0]   # the servers' multi-turn one
+            dist.broadcast_object_list(offers, src=0, group=self.group)
+        # what the servers run: their multi-turn scheduler, whether they add the gym reward
+        self.server_scheduler, self.server_use_gym_env = offers[0]
 
     def _connect(self, addresses: Sequence[str], timeout: float,
-                 api_key: Optional[str]) -> Optional[str]:
-        """Connect to every server; returns the multi-turn scheduler they run (None: none)."""
+                 api_key: Optional[str]) -> Tuple[Optional[str], bool]:
+        """Wait for every server's /health; (the multi-turn scheduler they run, whether they
+        supply the gym reward). Nothing is opened on them yet (see open_communicators)."""
         self.servers = [ServerConnection(a, timeout, api_key=api_key) for a in addresses]
         healths = [s.wait_healthy(timeout) for s in self.servers]
         self.world_sizes = [int(h["world_size"]) for h in healths]
-        schedulers = {h.get("multi_turn_scheduler") for h in healths}
-        if len(schedulers) > 1:
-            raise UserError("the rollout servers run different multi-turn schedulers (" + ", ".join(
-                f"{s.address}: {h.get('multi_turn_scheduler')}"
+        offers = {(h.get("multi_turn_scheduler"), bool(h.get("use_gym_env"))) for h in healths}
+        if len(offers) > 1:
+            raise UserError("the rollout servers run different multi-turn settings (" + ", ".join(
+                f"{s.address}: --multi_turn_scheduler {h.get('multi_turn_scheduler')} "
+                f"--use_gym_env {bool(h.get('use_gym_env'))}"
                 for s, h in zip(self.servers, healths))
-                + "): start them all with the same --multi_turn_scheduler")
-        for server in self.servers:
-            self.communicators.append(self._open_communicator(server))
+                + "): start them all with the same flags")
         logger.info("rollout servers: " + ", ".join(
             f"{s.address} (vLLM world {w})" for s, w in zip(self.servers, self.world_sizes)))
-        return schedulers.pop()
+        return offers.pop()
 
-    def _open_communicator(self, server: ServerConnection):
-        info = server.request("/init_communicator", {}, idempotent=False)
+    def open_communicators(self) -> None:
+        """Rank 0: a weight-sync communicator with every server, kept alive by a Lease."""
+        for server in self.servers:
+            self.communicators.append(self._open_communicator(server))
+        lease_s = min(info["lease_s"] for _, _, _, info in self.communicators)
+        self.lease = Lease([(server, token) for server, (_, _, token, _)
+                            in zip(self.servers, self.communicators)], lease_s)
+
+    def _open_communicator(self, server: "ServerConnection"):
+        info = self._reserve(server)
         if info["backend"] == "nccl" and self.device.type != "cuda":
             raise UserError(f"rollout server {server.address} runs on CUDA (NCCL weight sync) but "
                             "this trainer runs on the CPU")
+        server.request("/join_communicator", {"token": info["token"]}, idempotent=False)
         comm = open_communicator(info["backend"], server.host, info["port"], info["client_rank"],
                                  info["world_size"], self.device)
-        return comm, info["client_rank"], info["token"]
+        return comm, info["client_rank"], info["token"], info
+
+    def _reserve(self, server: "ServerConnection") -> dict:
+        """POST /init_communicator, again while another trainer's lease runs (409 with
+        Retry-After), for up to the --vllm_server_timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return server.request("/init_communicator", {}, idempotent=False)
+            except ServerError as exc:
+                left = deadline - time.monotonic()
+                if exc.status != 409 or exc.retry_after is None or left <= 0:
+                    raise UserError(f"{exc} (waited up to --vllm_server_timeout "
+                                    f"{self.timeout:g} s)") from None
+                logger.warning(f"rollout server {server.address}: another trainer holds the "
+                               f"weight-sync communicator; asking again in {exc.retry_after:g} s")
+                time.sleep(min(exc.retry_after, max(left, 0.1)))
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
@@ -268,6 +306,8 @@ class ServerEngine:
             for _ in named_tensors:  # the export stream is collective: drain it
                 pass
         else:
+            if not self.communicators:
+                self.open_communicators()
             for bucket, last in iter_buckets(named_tensors, self.bucket_bytes):
                 self._push_bucket(bucket, last)
         self.weight_version += 1
@@ -277,9 +317,9 @@ class ServerEngine:
         specs, flat = pack(bucket, device)
         meta = {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
                 "shapes": [list(s.shape) for s in specs], "last": last}
-        for server, (_, _, token) in zip(self.servers, self.communicators):
+        for server, (_, _, token, _) in zip(self.servers, self.communicators):
             server.request("/update_weights", dict(meta, token=token), idempotent=False)
-        for comm, client_rank, _ in self.communicators:
+        for comm, client_rank, _, _ in self.communicators:
             comm.broadcast(flat, client_rank)
 
     # ---- the rest of the protocol ----------------------------------------------------------
@@ -290,7 +330,40 @@ class ServerEngine:
         return None
 
     def close(self) -> None:
-        for server, (comm, _, token) in zip(self.servers, self.communicators):
-            server.request("/close_communicator", {"token": token}, idempotent=False)
+        """Give back every communicator (idempotent, and safe on a failing run's way out: a
+        server that does not answer is logged; its lease then lapses)."""
+        if self.lease is not None:
+            self.lease.stop()
+        for server, (comm, _, token, _) in zip(self.servers, self.communicators):
+            try:
+                server.request("/close_communicator", {"token": token}, idempotent=False)
+            except (UserError, ServerError) as exc:
+                logger.warning(f"closing the weight-sync communicator: {exc}")
             comm.close()
-        self.communicators, self.servers = [], []
+        self.communicators, self.servers, self.lease = [], [], None
+
+
+    def abandon(self) -> None:
+        self.close()   # rank 0's HTTP calls and its own side of the communicators only
+
+
+class Lease:
+    """A daemon thread that renews the communicators' leases (POST /communicator_heartbeat)
+    every quarter of the servers' --communicator_lease, until `stop`."""
+
+    def __init__(self, holders: List[Tuple[ServerConnection, str]], lease_s: float):
+        self.holders, self.period = holders, lease_s / 4
+        self.stopped = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="communicator_lease").start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period):
+            for server, token in self.holders:
+                try:
+                    server.send_once("/communicator_heartbeat", {"token": token})
+                except (ServerError, urllib.error.URLError, ConnectionError,
+                        socket.timeout) as exc:
+                    logger.warning(f"weight-sync lease on {server.address} not renewed: {exc}")
+
+    def stop(self) -> None:
+        self.stopped.set()

@@ -72,3 +72,7 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Free every resource."""
+
+    def abandon(self) -> None:
+        """On a failing run's way out (an error, Ctrl-C, SIGTERM): give back what the engine
+        holds outside this process, with no collective (other ranks may be gone)."""

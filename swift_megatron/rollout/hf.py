@@ -171,6 +171,9 @@ class HFEngine:
     def wake_up(self) -> None:
         return None
 
+    def abandon(self) -> None:
+        return None   # it holds nothing outside this process
+
     def close(self) -> None:
         self.model = None
         self._params = {}

@@ -10,19 +10,30 @@ sends weight updates to all of them. Endpoints (JSON; docs/rollout.md has reques
 examples):
 
     GET  /health              {"status": "ok", "world_size", "weight_version",
-                              "weight_sync_error"} (503 once a replica process exited)
+                              "weight_sync_error", "communicator" (null, or whether it is
+                              joined and the seconds left on its lease), "multi_turn_scheduler",
+                              "use_gym_env"} (503 once a replica process exited)
     GET  /get_world_size      {"world_size": T x D}
     POST /generate            prompts (token ids or text), per-request seeds, sampling params,
                               optionally per-request images (base64 image files; the prompt
                               holds one image pad per image, vLLM expands it)
                               -> token ids, logprobs, finish reasons
-    POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token"};
-                              the trainer then joins a weight-sync group with every worker
-                              (NCCL on CUDA, gloo on CPU)
+    POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token",
+                              "lease_s"}: reserves the weight-sync communicator for this client
+                              (the replicas do nothing yet, so generation never waits on it)
+    POST /join_communicator   {"token"}: the replicas join the weight-sync group, and the
+                              trainer right after (NCCL on CUDA, gloo on CPU)
+    POST /communicator_heartbeat  {"token"}: renews the lease
     POST /update_weights      one bucket's metadata and the token; the tensors follow over the
                               communicator
     POST /reset_prefix_cache
     POST /close_communicator  {"token"}
+
+One trainer owns the communicator at a time, on a lease of --communicator_lease seconds that
+every request carrying its token renews (a trainer sends a heartbeat every quarter of it). The
+communicator of a trainer that stopped renewing it (killed, crashed, cut off) is freed once the
+lease lapses: another trainer's /init_communicator is answered 409 with a Retry-After header
+until then, and succeeds after.
     POST /rollout             with --multi_turn_scheduler: whole multi-turn episodes (prompt
                               token ids, chat messages, dataset columns, seeds, sampling and
                               length budget) -> trajectories with loss masks and rollout_infos
@@ -70,9 +81,13 @@ class ServerState:
     host: str
     backend: str                     # weight-sync backend: "nccl" (CUDA) or "gloo" (CPU)
     communicator_timeout: float = 120.0   # seconds to join the communicator / per broadcast
+    communicator_lease: float = 60.0      # seconds the owner keeps it without renewing
     weight_version: int = 0          # weight updates loaded by every replica
     client_rank: Optional[int] = None
     communicator_token: Optional[str] = None   # given to the client that opened it
+    joined: bool = False             # whether the replicas were told to join (/join_communicator)
+    port: int = 0                    # the reserved communicator's port
+    lease_until: float = 0.0         # time.monotonic() at which the owner's lease lapses
     sync_error: Optional[str] = None           # why the open communicator's last update failed
     # why the last weight update did not complete (its complete layers were loaded, the rest
     # kept their previous weights), until an update completes; /health reports it
@@ -136,6 +151,9 @@ def _models():
     class CloseCommunicatorRequest(Strict):
         token: Optional[StrictStr] = None
 
+    class TokenRequest(Strict):
+        token: StrictStr                 # from /init_communicator
+
     class RolloutRequest(GenerateRequest):
         prompts: List[List[StrictInt]] = Field(min_length=1)
         messages: List[List[Dict[str, Any]]]
@@ -146,7 +164,7 @@ def _models():
         template_kwargs: Dict[str, Any] = {}
 
     return (GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest,
-            CloseCommunicatorRequest, RolloutRequest)
+            CloseCommunicatorRequest, RolloutRequest, TokenRequest)
 
 
 def _check_generate(request, vocab_size: int) -> None:
@@ -260,6 +278,9 @@ class MultiTurnService:
     scheduler: Any
     tokenizer: Any
     max_turns: Optional[int]
+    use_gym_env: bool = False                 # whether trainers add the gym reward (/health)
+    max_length: Optional[int] = None          # --max_length: caps each request's
+    template_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)   # defaults
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -312,9 +333,11 @@ def _rollout(state: ServerState, request) -> dict:
                                                    columns)]
     sampling = SamplingConfig(**_sampling(request))
     settings = MultiTurnSettings(max_completion_length=request.max_tokens,
-                                 max_length=request.max_length, max_turns=service.max_turns,
-                                 limit_scope=request.limit_scope,
-                                 template_kwargs=dict(request.template_kwargs))
+                                 max_length=min(request.max_length,
+                                                service.max_length or request.max_length),
+                                 max_turns=service.max_turns, limit_scope=request.limit_scope,
+                                 template_kwargs={**service.template_kwargs,
+                                                  **request.template_kwargs})
     seeds = [s if s is not None else i for i, s in enumerate(request.seeds or [None] * count)]
     engine = _ReplicaEngine(state, request.stop_token_ids)
     try:
@@ -356,7 +379,10 @@ def multi_turn_service(args, model_dir: str) -> Optional[MultiTurnService]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     scheduler = build_scheduler(options.multi_turn_scheduler, max_turns=options.max_turns,
                                 tokenizer=tokenizer, args=flat_args(args))
-    return MultiTurnService(options.multi_turn_scheduler, scheduler, tokenizer, options.max_turns)
+    thinking = options.enable_thinking
+    return MultiTurnService(options.multi_turn_scheduler, scheduler, tokenizer, options.max_turns,
+                            options.use_gym_env, options.max_length,
+                            {} if thinking is None else {"enable_thinking": thinking})
 
 
 def _when_all_done(count: int, then: Callable[[List[ReplicaError]], None]):
@@ -374,48 +400,105 @@ def _when_all_done(count: int, then: Callable[[List[ReplicaError]], None]):
     return done
 
 
+def _renew(state: ServerState) -> None:
+    state.lease_until = time.monotonic() + state.communicator_lease
+
+
+def _release(state: ServerState) -> None:
+    """Forget the communicator; the replicas close their side (in the background: a join, or a
+    receive that waits on a dead trainer, holds a replica until --communicator_timeout)."""
+    joined = state.joined
+    state.client_rank = state.communicator_token = state.sync_error = None
+    state.joined = False
+    if joined:
+        threading.Thread(target=_close_replicas, args=(state.replicas,), daemon=True).start()
+
+
+def _close_replicas(replicas: List[Replica]) -> None:
+    for replica in replicas:
+        try:
+            replica.call("close_communicator")
+        except ReplicaError as exc:
+            logger.warning(f"closing the weight-sync communicator: {exc}")
+
+
+def _expire(state: ServerState) -> None:
+    """Free the communicator whose owner's lease lapsed (the trainer died or was cut off)."""
+    if state.client_rank is not None and time.monotonic() > state.lease_until:
+        logger.warning(f"weight-sync communicator freed: its trainer sent no sign of life for "
+                       f"--communicator_lease {state.communicator_lease:g} s")
+        _release(state)
+
+
 def _init_communicator(state: ServerState, request) -> dict:
-    """Open the weight-sync group; every replica waits for the trainer to join it for up to
-    --communicator_timeout seconds, after which the communicator is closed again (a client that
-    never joins does not hold the server)."""
+    """Reserve the weight-sync communicator for the caller (nothing happens in the replicas
+    until /join_communicator, so a client that never joins holds no generation); 409 with
+    Retry-After while another trainer's lease runs."""
     from fastapi import HTTPException
 
+    _expire(state)
     if state.client_rank is not None:
-        raise HTTPException(409, "a weight-sync communicator is already open; POST "
-                                 "/close_communicator first")
+        wait = max(1, round(state.lease_until - time.monotonic() + 0.5))
+        raise HTTPException(409, f"a weight-sync communicator is open (another trainer's; its "
+                                 f"lease lapses within {wait} s unless renewed): retry then, or "
+                                 "its owner POSTs /close_communicator",
+                            headers={"Retry-After": str(wait)})
     port = request.port or free_port(state.host)
     world_size = state.world_size + 1
     token = secrets.token_urlsafe(16)
     state.client_rank, state.communicator_token, state.sync_error = world_size - 1, token, None
+    state.port, state.joined = port, False
+    _renew(state)
+    return {"port": port, "world_size": world_size, "client_rank": state.client_rank,
+            "backend": state.backend, "token": token, "lease_s": state.communicator_lease}
+
+
+def _join_communicator(state: ServerState, request) -> dict:
+    """The replicas join the reserved group; each waits for the trainer to join it for up to
+    --communicator_timeout seconds, after which the communicator is freed again."""
+    from fastapi import HTTPException
+
+    _owned(state, request.token)
+    if state.joined:
+        raise HTTPException(409, "the weight-sync communicator was joined already")
+    token, state.joined = state.communicator_token, True
+    _renew(state)
 
     def opened(errors: List[ReplicaError]) -> None:
         if errors and state.communicator_token == token:
             logger.warning(f"weight-sync communicator closed: the trainer did not join within "
                            f"--communicator_timeout {state.communicator_timeout:g} s "
                            f"({errors[0]})")
-            state.client_rank = state.communicator_token = None
+            state.joined = False   # (the replicas' failed join left nothing to close)
+            _release(state)
 
     done = _when_all_done(len(state.replicas), opened)
     try:
         for replica in state.replicas:
             replica.submit("open_communicator", done, backend=state.backend, host=state.host,
-                           port=port, world_size=world_size,
+                           port=state.port, world_size=state.world_size + 1,
                            rank_offset=replica.index * state.tensor_parallel_size,
                            timeout_s=state.communicator_timeout)
     except ReplicaError as exc:
         state.client_rank = state.communicator_token = None
+        state.joined = False
         raise HTTPException(500, str(exc)) from None
-    return {"port": port, "world_size": world_size, "client_rank": state.client_rank,
-            "backend": state.backend, "token": token}
+    return {"status": "ok"}
 
 
-def _check_owner(state: ServerState, token: Optional[str]) -> None:
-    """403 unless `token` is the one /init_communicator gave (only the client that opened the
-    weight-sync communicator may push weights or close it)."""
+def _owned(state: ServerState, token: Optional[str]) -> None:
+    """409 without a communicator (or once its lease lapsed), 403 unless `token` is the one
+    /init_communicator gave (only its client may join, push weights, renew or close); renews
+    the lease."""
     from fastapi import HTTPException
 
+    _expire(state)
+    if state.client_rank is None:
+        raise HTTPException(409, "no weight-sync communicator (none opened, or its lease "
+                                 "lapsed): POST /init_communicator first")
     if not hmac.compare_digest((token or "").encode(), state.communicator_token.encode()):
         raise HTTPException(403, "token: the weight-sync communicator belongs to another client")
+    _renew(state)
 
 
 def _update_weights(state: ServerState, request) -> dict:
@@ -424,9 +507,10 @@ def _update_weights(state: ServerState, request) -> dict:
     from fastapi import HTTPException
 
     _check_bucket(request)
-    if state.client_rank is None:
-        raise HTTPException(409, "no weight-sync communicator: POST /init_communicator first")
-    _check_owner(state, request.token)
+    _owned(state, request.token)
+    if not state.joined:
+        raise HTTPException(409, "the weight-sync communicator is not joined: POST "
+                                 "/join_communicator first")
     if state.sync_error is not None:
         raise HTTPException(500, f"the previous weight bucket failed ({state.sync_error}); POST "
                                  "/close_communicator and open a new one")
@@ -448,11 +532,20 @@ def _update_weights(state: ServerState, request) -> dict:
 
 
 def _close_communicator(state: ServerState, request) -> dict:
+    """Free the caller's communicator (a client without one gets ok: closing is idempotent)."""
+    _expire(state)
     if state.client_rank is not None:
-        _check_owner(state, request.token)
-        state.client_rank = state.communicator_token = state.sync_error = None
-        _replica_call(state, "call", "close_communicator")
+        _owned(state, request.token)
+        _release(state)
     return {"status": "ok"}
+
+
+def _communicator_health(state: ServerState) -> Optional[dict]:
+    _expire(state)
+    if state.client_rank is None:
+        return None
+    return {"joined": state.joined,
+            "lease_left_s": round(max(state.lease_until - time.monotonic(), 0.0), 1)}
 
 
 def _bearer_check(api_key: str):
@@ -497,7 +590,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     from fastapi.exceptions import RequestValidationError
 
     GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest, \
-        RolloutRequest = _models()
+        RolloutRequest, TokenRequest = _models()
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
         if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
@@ -512,7 +605,9 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
             raise HTTPException(503, "; ".join(reasons))
         return {"status": "ok", "world_size": state.world_size,
                 "weight_version": state.weight_version, "weight_sync_error": state.update_error,
-                "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None}
+                "communicator": _communicator_health(state),
+                "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None,
+                "use_gym_env": bool(state.multi_turn and state.multi_turn.use_gym_env)}
 
     @app.get("/get_world_size")
     def get_world_size():
@@ -529,6 +624,15 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     @app.post("/init_communicator")
     def init_communicator(request: InitCommunicatorRequest):
         return _init_communicator(state, request)
+
+    @app.post("/join_communicator")
+    def join_communicator(request: TokenRequest):
+        return _join_communicator(state, request)
+
+    @app.post("/communicator_heartbeat")
+    def communicator_heartbeat(request: TokenRequest):
+        _owned(state, request.token)
+        return {"status": "ok", "lease_s": state.communicator_lease}
 
     @app.post("/update_weights")
     def update_weights(request: UpdateWeightsRequest):
@@ -663,7 +767,8 @@ def serve(args) -> None:
     try:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
                             serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl",
-                            serve_args.communicator_timeout, multi_turn=multi_turn)
+                            serve_args.communicator_timeout, serve_args.communicator_lease,
+                            multi_turn=multi_turn)
         logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
                     f"on http://{serve_args.host}:{serve_args.port}")
         app = build_app(state, serve_args.api_key, serve_args.enable_docs)

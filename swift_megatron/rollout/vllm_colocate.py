@@ -222,6 +222,9 @@ class ColocateEngine:
             vllm_compat.wake_up(self.llm, list(self._asleep))
             self._asleep = []
 
+    def abandon(self) -> None:
+        return None   # it holds nothing outside this process
+
     def close(self) -> None:
         if self.llm is not None:
             self.llm = None

@@ -340,3 +340,13 @@ def test_exit_without_teardown_stops_idle_thread_pools():
     finally:
         if os.path.exists(marker):
             os.remove(marker)
+
+
+def test_a_missing_sink_package_stops_the_preflight(monkeypatch):
+    """--report_to swanlab without swanlab installed: an error before anything loads (it came
+    after the model and the rollout servers' connection)."""
+    from swift_megatron.preflight import preflight_rlhf
+
+    monkeypatch.setitem(sys.modules, "swanlab", None)   # `import swanlab` raises ImportError
+    with pytest.raises(UserError, match=r"^--report_to swanlab: swanlab is not installed"):
+        preflight_rlhf(rlhf("--report_to", "tensorboard", "swanlab"), world_size=1)

@@ -121,3 +121,59 @@ def test_server_multi_turn_flags():
         parse("--max_turns", 2)
     with pytest.raises(UserError, match="--max_turns must be >= 1"):
         parse("--multi_turn_scheduler", "calculator", "--max_turns", 0)
+
+
+def test_server_reward_and_template_flags():
+    """frozen_lake_server.sh's server flags: --use_gym_env (default: with --gym_env),
+    --enable_thinking and --max_length, each meaningful with a scheduler only."""
+    def parse(*argv):
+        return parse_command(RolloutCommandArguments, ["--model", "m", *map(str, argv)],
+                             "megatron rollout").multi_turn
+
+    lake = parse("--multi_turn_scheduler", "gym_scheduler", "--gym_env", "frozen_lake",
+                 "--enable_thinking", "false", "--max_length", 6120)
+    assert (lake.use_gym_env, lake.enable_thinking, lake.max_length) == (True, False, 6120)
+    assert parse("--multi_turn_scheduler", "calculator").use_gym_env is False
+    assert parse("--multi_turn_scheduler", "gym_scheduler", "--gym_env", "frozen_lake",
+                 "--use_gym_env", "false").use_gym_env is False
+    for flags in (["--use_gym_env", "true"], ["--enable_thinking", "true"],
+                  ["--max_length", 100]):
+        with pytest.raises(UserError, match=f"{flags[0]} applies to multi-turn rollouts"):
+            parse(*flags)
+    with pytest.raises(UserError, match="--max_length must be >= 2"):
+        parse("--multi_turn_scheduler", "calculator", "--max_length", 1)
+
+
+def test_trainer_takes_the_servers_gym_reward():
+    """Server mode: without --reward_funcs the reward check waits for the servers' /health; a
+    server's --use_gym_env then adds gym_reward unless the trainer set --use_gym_env itself;
+    --async_generate with the servers' scheduler is refused."""
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.preflight import check_reward_sources
+    from swift_megatron.rlhf.grpo.components import (adopt_server_gym_reward,
+                                                     check_multi_turn_sources)
+
+    def rlhf(*argv):
+        return parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *argv],
+                             "megatron rlhf")
+
+    server = rlhf("--vllm_mode", "server")
+    check_reward_sources(server)   # the servers may supply it: asked later
+    with pytest.raises(UserError, match="the rollout servers supply no reward"):
+        check_reward_sources(server, servers_asked=True)
+    adopt_server_gym_reward(server, True)
+    assert server.grpo.use_gym_env is True
+    check_reward_sources(server, servers_asked=True)
+    off = rlhf("--vllm_mode", "server", "--use_gym_env", "false")
+    adopt_server_gym_reward(off, True)
+    assert off.grpo.use_gym_env is False
+    with pytest.raises(UserError, match="--reward_funcs is required"):
+        check_reward_sources(off)
+    with pytest.raises(UserError, match="--reward_funcs is required"):
+        check_reward_sources(rlhf())   # colocate: nothing to wait for
+    asynchronous = rlhf("--vllm_mode", "server", "--async_generate", "true")
+    check_multi_turn_sources(asynchronous, None)
+    with pytest.raises(UserError, match="--async_generate true does not support multi-turn "
+                                        "rollouts, and the rollout servers run the scheduler "
+                                        "gym_scheduler"):
+        check_multi_turn_sources(asynchronous, "gym_scheduler")

@@ -47,6 +47,7 @@ from tests.vllm.test_colocate import EOS, PROMPTS, hf_greedy, hf_model  # noqa: 
 pytestmark = pytest.mark.slow
 SERVER_LOG = {}   # "path": the server's stdout + stderr
 COMMUNICATOR_TIMEOUT_S = 6
+LEASE_S = 4   # --communicator_lease
 API_KEY = "test-key-0123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -67,7 +68,8 @@ def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extr
            "127.0.0.1", "--port", str(port), "--vllm_enforce_eager", "true",
            "--vllm_max_model_len", "256", "--vllm_max_num_seqs", "8", "--vllm_engine_kwargs",
            '{"max_num_batched_tokens": 1024}', "--api_key", API_KEY,
-           "--communicator_timeout", str(COMMUNICATOR_TIMEOUT_S), *extra]
+           "--communicator_timeout", str(COMMUNICATOR_TIMEOUT_S),
+           "--communicator_lease", str(LEASE_S), *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     address = f"127.0.0.1:{port}"
@@ -190,9 +192,10 @@ def test_weight_push_over_gloo(server, vllm_model_dir):
         assert all(c.weight_version == 1 for c in after)
         assert ServerConnection(server, 30, api_key=API_KEY).request("/health")["weight_version"] >= 1
         status, answer = post(server, "/init_communicator", b"{}")
-        assert status == 409 and "already open" in answer["detail"]
+        assert status == 409 and "is open (another trainer's" in answer["detail"]
         for path, body in (("/update_weights", BUCKET), ("/close_communicator", {"token": "t"}),
-                           ("/close_communicator", {})):   # only the owner's token works
+                           ("/close_communicator", {}), ("/join_communicator", {"token": "t"}),
+                           ("/communicator_heartbeat", {"token": "t"})):   # the owner's only
             status, answer = post(server, path, json.dumps(body).encode())
             assert status == 403 and "belongs to another client" in answer["detail"]
         engine.update_weights(iter(original.items()))
@@ -223,6 +226,8 @@ MALFORMED = [
     ("/update_weights", json.dumps({k: v for k, v in BUCKET.items() if k != "token"}).encode(),
      422),
     ("/init_communicator", json.dumps({"port": "x"}).encode(), 422),
+    ("/join_communicator", b"{}", 422),
+    ("/communicator_heartbeat", json.dumps({"token": "t"}).encode(), 409),
     ("/generate", json.dumps({"prompts": [[1, 2]], "seeds": [2 ** 64]}).encode(), 422),
     ("/generate", json.dumps({"prompts": [[1, 2]], "seeds": [-1]}).encode(), 422),
     ("/generate", b'{"prompts": [[1, 2]], "temperature": NaN}', 422),
@@ -249,6 +254,8 @@ def test_malformed_requests_get_4xx(server, path, body, status):
 @pytest.mark.parametrize("path,body", [("/health", None), ("/get_world_size", None),
                                        ("/generate", b'{"prompts": [[1, 2]]}'),
                                        ("/init_communicator", b"{}"),
+                                       ("/join_communicator", b'{"token": "t"}'),
+                                       ("/communicator_heartbeat", b'{"token": "t"}'),
                                        ("/close_communicator", b"{}")])
 def test_every_endpoint_needs_the_api_key(server, path, body):
     assert post(server, path, body, headers={})[0] == 401
@@ -277,23 +284,81 @@ def test_backoff_policy():
     assert backoff_delays(0) == []
 
 
-def test_a_communicator_nobody_joins_is_closed_after_the_timeout(server):
-    """/init_communicator without joining holds the replicas for --communicator_timeout only:
-    generation then goes on, no weight version is counted and a new communicator can open (a
-    trainer opens and joins one: a second unjoined one would hold the replicas, and its
-    /close_communicator, for another timeout)."""
+def test_a_communicator_nobody_joins_holds_nothing_for_long(server):
+    """A stray /init_communicator only reserves the communicator: generation goes on at once,
+    and a trainer gets it once the stray client's lease (--communicator_lease) lapses (409 with
+    Retry-After until then, which the client waits out). A client that also asks the replicas to
+    join (/join_communicator) and never joins holds them for --communicator_timeout only; no
+    weight version is counted."""
     health = ServerConnection(server, 30, api_key=API_KEY)
     version = health.request("/health")["weight_version"]
     status, opened = post(server, "/init_communicator", b"{}")
+    assert status == 200 and opened["lease_s"] == LEASE_S
+    started = time.monotonic()
+    generate(server, prompts=[[1, 2, 3]], max_tokens=2)
+    assert time.monotonic() - started < COMMUNICATOR_TIMEOUT_S - 1   # no wait for a join
+    status, answer = post(server, "/init_communicator", b"{}")
+    assert status == 409 and "lease lapses within" in answer["detail"], answer
+    assert health.request("/health")["communicator"]["joined"] is False
+    engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,
+                          device=torch.device("cpu"), api_key=API_KEY)
+    started = time.monotonic()
+    engine.open_communicators()
+    try:
+        assert time.monotonic() - started < LEASE_S + 3
+        assert engine.communicators[0][2] != opened["token"]
+    finally:
+        engine.close()
+    assert health.request("/health")["communicator"] is None
+    status, opened = post(server, "/init_communicator", b"{}")
+    assert status == 200
+    status, _ = post(server, "/join_communicator", json.dumps(
+        {"token": opened["token"]}).encode())
     assert status == 200
     started = time.monotonic()
     generate(server, prompts=[[1, 2, 3]], max_tokens=2)   # waits for the timeout
     assert COMMUNICATOR_TIMEOUT_S - 1 < time.monotonic() - started < COMMUNICATOR_TIMEOUT_S + 30
     assert health.request("/health")["weight_version"] == version
-    engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,   # no 409: the
-                          device=torch.device("cpu"), api_key=API_KEY)        # first one closed
+    assert health.request("/health")["communicator"] is None
+
+
+KILLED_MID_SYNC = """
+import sys, time, torch
+from swift_megatron.rollout.client import ServerEngine
+engine = ServerEngine([sys.argv[1]], [0], timeout=60, bucket_bytes=1 << 20,
+                      device=torch.device("cpu"), api_key=sys.argv[2])
+engine.open_communicators()
+token = engine.communicators[0][2]
+engine.servers[0].request("/update_weights", {"token": token, "names": ["x"],
+                          "dtypes": ["float32"], "shapes": [[4]], "last": False},
+                          idempotent=False)
+print("announced", flush=True)
+time.sleep(600)   # killed here: the bucket's tensors never come
+"""
+
+
+def test_a_trainer_killed_mid_sync_frees_the_server(server, vllm_model_dir):
+    """kill -9 of a trainer between a bucket's announcement and its broadcast: the replicas'
+    receive fails, the dead trainer's lease lapses, and a new trainer pushes a whole update
+    within the lease (and the receive's timeout)."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_SYNC, server, API_KEY],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        assert engine.communicators[0][2] != opened["token"]
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.strip() == "announced" for line in lines)
+    finally:
+        proc.kill()
+        proc.wait()
+    original = load_file(f"{vllm_model_dir}/model.safetensors")
+    engine = ServerEngine([server], [EOS], timeout=60, bucket_bytes=64 << 10,
+                          device=torch.device("cpu"), api_key=API_KEY)
+    started = time.monotonic()
+    try:
+        engine.update_weights(iter(original.items()))
+        assert time.monotonic() - started < LEASE_S + COMMUNICATOR_TIMEOUT_S + 10
+        engine.generate(PROMPTS, SamplingConfig(max_tokens=2))   # after the update's load
+        health = ServerConnection(server, 30, api_key=API_KEY).request("/health")
+        assert health["weight_sync_error"] is None and health["communicator"]["joined"]
     finally:
         engine.close()
 
@@ -312,6 +377,7 @@ def test_an_update_that_fails_halfway_fails_only_weight_sync(server, vllm_model_
     try:
         before = [c.token_ids for c in engine.generate(PROMPTS, greedy)]
         query, key = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qk")
+        engine.open_communicators()
         engine._push_bucket([(query, original[query])], False)
         token = engine.communicators[0][2]
         status, _ = post(server, "/update_weights", json.dumps(
@@ -460,6 +526,49 @@ def test_grpo_async_generate(server, vllm_model_dir, math_dataset_path, tmp_path
     assert rows[0]["reward/mean"] == sync[0]["reward/mean"]
     assert rows[0]["rollout/logprob_abs_diff_mean"] < 1e-4
     assert min(r["rollout/logprob_abs_diff_mean"] for r in rows[1:]) > 1e-3
+
+
+def rlhf_against(server, model_dir, dataset, out, *extra):
+    """The argv and environment of a one-process `megatron rlhf --vllm_mode server` run."""
+    host, port = server.rsplit(":", 1)
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model_dir,
+           "--dataset", dataset, "--num_generations", "4", "--global_batch_size", "8",
+           "--micro_batch_size", "1", "--max_completion_length", "8", "--report_to", "none",
+           "--add_version", "false", "--output_dir", str(out), "--vllm_mode", "server",
+           "--vllm_server_host", host, "--vllm_server_port", port, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
+               SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
+    return cmd, env
+
+
+def test_failing_and_stopped_trainers_leave_the_server_free(server, vllm_model_dir,
+                                                            math_dataset_path, tmp_path):
+    """A trainer that fails its checks (no reward: the server supplies none) opens nothing on
+    the server; one stopped by SIGTERM after its first weight sync gives its communicator back
+    on the way out (exit 143), not only after its lease; the next trainer trains
+    (test_grpo_server_mode, next)."""
+    health = ServerConnection(server, 30, api_key=API_KEY)
+    cmd, env = rlhf_against(server, vllm_model_dir, math_dataset_path, tmp_path / "no_reward")
+    failed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert failed.returncode == 2 and "the rollout servers supply no reward" in failed.stderr \
+        and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert health.request("/health")["communicator"] is None
+    cmd, env = rlhf_against(server, vllm_model_dir, math_dataset_path, tmp_path / "stopped",
+                            "--reward_funcs", "format", "--train_iters", "1000")
+    log = tmp_path / "stopped.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while health.request("/health")["communicator"] is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    communicator = health.request("/health")["communicator"]
+    assert communicator is None, communicator
 
 
 def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):

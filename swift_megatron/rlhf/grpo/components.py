@@ -332,13 +332,15 @@ def sync_filter(args: RlhfArguments, pol: Policy) -> Optional[Callable[[str], bo
     return lambda name: not frozen[vision_part(name)]
 
 
-def check_images(args: RlhfArguments, state: ParallelState, eng, prompts: List[Prompt]) -> None:
-    """Refuse what prompts with images do not support yet (docs/multimodal.md)."""
+def check_images(args: RlhfArguments, state: ParallelState, prompts: List[Prompt],
+                 server_scheduler: Optional[str] = None) -> None:
+    """Refuse what prompts with images do not support yet (docs/multimodal.md): before the
+    model is built, and again once the rollout servers named their scheduler."""
     if not any(p.images for p in prompts):
         return
     if state.cp > 1:
         raise UserError("--context_parallel_size > 1 with images is not supported yet")
-    if args.grpo.multi_turn_scheduler or getattr(eng, "server_scheduler", None):
+    if args.grpo.multi_turn_scheduler or server_scheduler:
         raise UserError("multi-turn rollouts with images are not supported yet")
 
 
@@ -366,22 +368,35 @@ def engine(args: RlhfArguments, state: ParallelState, pol: Policy, tok, prompts:
                        eos_token_ids=eos_token_ids(pol.model_dir, tok), pad_token_id=pad,
                        images=any(p.images for p in prompts),
                        full_syncs=sync_filter(args, pol) is None)
-    try:
-        check_multi_turn_sources(args, getattr(eng, "server_scheduler", None))
-    except UserError:
-        eng.close()   # a server must not keep this trainer's weight-sync communicator
-        raise
+    adopt_server_gym_reward(args, getattr(eng, "server_use_gym_env", False))
+    check_multi_turn_sources(args, getattr(eng, "server_scheduler", None))
+    check_images(args, state, prompts, getattr(eng, "server_scheduler", None))
     return eng
+
+
+def adopt_server_gym_reward(args: RlhfArguments, server_use_gym_env: bool) -> None:
+    """Rollout servers started with --use_gym_env supply each episode's environment reward:
+    the trainer adds its gym_reward column unless --use_gym_env was given here (as ms-swift's
+    trainer takes it from the server)."""
+    if server_use_gym_env and "use_gym_env" not in args.explicit:
+        args.grpo.use_gym_env = True
+        logger.info("the rollout servers supply the gym environment's reward (megatron rollout "
+                    "--use_gym_env): reward column gym_reward")
 
 
 def check_multi_turn_sources(args: RlhfArguments, server_scheduler: Optional[str]) -> None:
     """One multi-turn scheduler at most: ours (--multi_turn_scheduler) or the rollout
-    servers' (`server_scheduler`); --use_gym_env needs one of them."""
+    servers' (`server_scheduler`); --use_gym_env needs one of them; no --async_generate with
+    the servers' (checked before the trainer opens anything on them)."""
     g = args.grpo
     if server_scheduler is not None and g.multi_turn_scheduler is not None:
         raise UserError(f"the rollout servers run the multi-turn scheduler {server_scheduler} "
                         f"(megatron rollout --multi_turn_scheduler): drop --multi_turn_scheduler "
                         f"{g.multi_turn_scheduler} here, or start the servers without one")
+    if server_scheduler is not None and g.async_generate:
+        raise UserError(f"--async_generate true does not support multi-turn rollouts, and the "
+                        f"rollout servers run the scheduler {server_scheduler}: drop "
+                        "--async_generate, or start the servers without --multi_turn_scheduler")
     if g.use_gym_env and g.multi_turn_scheduler is None and server_scheduler is None:
         raise UserError("--use_gym_env true: the rollout servers run no multi-turn scheduler "
                         "(start them with --multi_turn_scheduler gym_scheduler --gym_env ...)")
@@ -405,7 +420,7 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     importing --external_plugins. Reward classes get, besides their RewardConfig values,
     `args`: every flag of the run as an attribute (what ms-swift's ORM classes receive)."""
     g = args.grpo
-    check_reward_sources(args)
+    check_reward_sources(args, servers_asked=True)
     plugins = load_plugins(g.external_plugins)
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []

@@ -69,6 +69,7 @@ class GRPOTrainer:
         images = build.image_encoder(args, model_dir, hf_config)
         self.train_prompts, self.val_prompts = build.prompts(args, self.tokenizer, hf_config,
                                                              images)
+        build.check_images(args, self.state, self.train_prompts + self.val_prompts)
         self.eval_steps = build.eval_steps(args, bool(self.val_prompts))
         self.train_iters = build.train_iters(args, plan, len(self.train_prompts))
         check_resume_step(start.resume_dir, self.train_iters)   # before building anything
@@ -79,7 +80,6 @@ class GRPOTrainer:
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer,
                                    self.train_prompts + self.val_prompts)
         self.sync_filter, self.synced = build.sync_filter(args, self.policy), False
-        build.check_images(args, self.state, self.engine, self.train_prompts + self.val_prompts)
         frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
         self.reward_funcs = build.rewards(args, self.state.device)
@@ -106,6 +106,15 @@ class GRPOTrainer:
                         "train (raise --train_iters to continue)")
             self.close()
             return {}
+        try:
+            metrics = self._train()
+        except BaseException:   # an error, Ctrl-C or SIGTERM (cli/rlhf.py)
+            self.engine.abandon()   # a rollout server's weight-sync communicator
+            raise
+        self.close()
+        return metrics
+
+    def _train(self) -> Dict[str, float]:
         batches = math.ceil((self.train_iters - self.step) / self.steps_per_rollout)
         logger.info(f"GRPO: {self.train_iters} optimizer steps, {batches} rollout batches\n"
                     f"{self.plan.table()}")
@@ -130,7 +139,6 @@ class GRPOTrainer:
             self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
             self.export_final()
-        self.close()
         return metrics
 
     def train_rollout_batch(self) -> Dict[str, float]:
