@@ -148,6 +148,7 @@ _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
                    "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                    "vllm_max_model_len", "vllm_enforce_eager", "vllm_enable_prefix_caching",
                    "vllm_max_num_seqs", "vllm_engine_kwargs")
+COLOCATE_ENGINE = "the vLLM colocate engine"
 
 
 def _note_ignored_flags(args: RlhfArguments, colocate: bool) -> None:
@@ -156,12 +157,25 @@ def _note_ignored_flags(args: RlhfArguments, colocate: bool) -> None:
              (args.training.train_type != "full", _FREEZE_FLAGS, "--train_type full"),
              (args.rollout.vllm_mode != "server" or not uses_vllm(args), _SERVER_FLAGS,
               "--vllm_mode server"),
-             (not colocate, _COLOCATE_FLAGS, "the vLLM colocate engine"))
-    notes = [f"ignored here, they only act with {mode}: "
-             f"{', '.join('--' + f for f in flags if f in args.explicit)}"
-             for ignored, flags, mode in rules if ignored and any(f in args.explicit for f in flags)]
+             (not colocate, _COLOCATE_FLAGS, COLOCATE_ENGINE))
+    notes = [_ignored_note(args, flags, mode) for ignored, flags, mode in rules if ignored]
+    notes = [note for note in notes if note]
     if notes:
         args.rollout.adjustments = getattr(args.rollout, "adjustments", []) + notes
+
+
+def _ignored_note(args: RlhfArguments, flags, mode: str) -> Optional[str]:
+    """The notice for those of `flags` the user set (None: none), which act only with `mode`."""
+    given = ", ".join(f"--{flag}" for flag in flags if flag in args.explicit)
+    return f"ignored here, they only act with {mode}: {given}" if given else None
+
+
+def note_no_colocate_engine(args: RlhfArguments) -> Optional[str]:
+    """The colocate flags' notice for a run that turned out to generate without the colocated
+    vLLM although preflight_rlhf expected it (it assumes CUDA unless --device cpu: --device auto
+    on a machine without CUDA gets the embedded engine); None otherwise or when none was set."""
+    expected = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
+    return _ignored_note(args, _COLOCATE_FLAGS, COLOCATE_ENGINE) if expected else None
 
 
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
@@ -318,11 +332,13 @@ def _is_hub(spec: str) -> bool:
 
 
 def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
-    """A local dataset: every row must hold a prompt (hub ids are only recognised). Returns the
-    line to print and the column names its rows have."""
+    """A local dataset: every row must hold a prompt, and its images must be readable (checked
+    cheaply: data/images.py `check_image`); hub ids are only recognised. Returns the line to
+    print and the column names its rows have."""
     import numpy as np
 
-    from swift_megatron.data.prompts import RowError, rename_columns, row_messages
+    from swift_megatron.data.images import check_image
+    from swift_megatron.data.prompts import RowError, rename_columns, row_images, row_messages
     from swift_megatron.data.sources import load_rows
 
     if _is_hub(spec):
@@ -334,7 +350,10 @@ def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
     columns: dict = {}
     for number, row in enumerate(rows, 1):
         try:
-            row_messages(rename_columns(row, args.data.columns))
+            renamed = rename_columns(row, args.data.columns)
+            row_messages(renamed)
+            for value in row_images(renamed):
+                check_image(value)
         except RowError as error:
             raise UserError(f"dataset {spec} row {number}: {error}") from None
         columns.update(dict.fromkeys(row))

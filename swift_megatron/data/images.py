@@ -9,17 +9,19 @@ Qwen2-VL's) turns images into `pixel_values` and `image_grid_thw`; each tag beco
 `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`, as the processor's
 chat template expands it; `mrope_position_ids` gives the 3-D M-RoPE ids with the family's own
 transformers `get_rope_index` (config only, no weights). Errors name the row (`RowError`).
-`http(s)://` URLs are downloaded (as ms-swift does). `ImageEncoder` bundles these for the
-trainer: a prompt's images -> pixels, and its tokens -> 3-D positions.
+`http(s)://` URLs are downloaded (as ms-swift does). `check_image` checks a value cheaply
+(type, file, header: no pixels decoded) for the dry run's row checks. `ImageEncoder` bundles
+these for the trainer: a prompt's images -> pixels, and its tokens -> 3-D positions.
 
 The image processor is transformers' `AutoImageProcessor`, not `AutoProcessor`: the latter also
 builds Qwen2-VL's video processor, which needs torchvision; the tag expansion here gives the
 token count the full processor's `<|image_pad|>` expansion gives (tested).
 """
+import contextlib
 import io
 import os
 import urllib.request
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from swift_megatron.data.prompts import RowError
 from swift_megatron.errors import UserError
@@ -29,23 +31,61 @@ VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|i
 
 
 def load_image(value: Any):
-    """An RGB PIL image from a path, bytes, a datasets Image dict or a PIL image."""
+    """An RGB PIL image from a path, URL, bytes, a datasets Image dict or a PIL image."""
+    from PIL import Image
+
+    value = _image_source(value)
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if _is_url(value):
+        value = _download(value)
+    with _opened(value) as image:
+        return image.convert("RGB")
+
+
+def check_image(value: Any) -> None:
+    """RowError unless load_image can read `value`, checked cheaply (before anything loads): its
+    type, the file's existence, and its header and structure (PIL's verify, which decodes no
+    pixels). URLs are not fetched here."""
+    from PIL import Image
+
+    value = _image_source(value)
+    if not (isinstance(value, Image.Image) or _is_url(value)):
+        with _opened(value) as image:
+            image.verify()
+
+
+def _is_url(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
+
+
+def _image_source(value: Any):
+    """The path, URL, bytes or PIL image a row's image value holds (a datasets Image dict: its
+    bytes, else its path); RowError for any other type and for a missing file."""
     from PIL import Image
 
     if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, Image.Image):
-        return value.convert("RGB")
-    if isinstance(value, str) and value.startswith(("http://", "https://")):
-        value = _download(value)
-    if isinstance(value, str) and not os.path.isfile(value):
+        held = value.get("bytes") or value.get("path")
+        if not held:
+            raise RowError(f"an image dict needs 'bytes' or 'path', got the keys {sorted(value)}")
+        value = held
+    if isinstance(value, str) and not _is_url(value) and not os.path.isfile(value):
         raise RowError(f"image {value!r} does not exist")
-    if not isinstance(value, (str, bytes)):
+    if not isinstance(value, (str, bytes, Image.Image)):
         raise RowError(f"an image must be a path, bytes or a PIL image, got {type(value).__name__}")
+    return value
+
+
+@contextlib.contextmanager
+def _opened(value: Union[str, bytes]):
+    """The PIL image a path or bytes hold (lazily opened); RowError naming it when it is not
+    one, or is damaged (OSError, ValueError, or the SyntaxError of PIL's verify)."""
+    from PIL import Image
+
     try:
         with Image.open(io.BytesIO(value) if isinstance(value, bytes) else value) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError) as error:
+            yield image
+    except (OSError, ValueError, SyntaxError) as error:
         name = value if isinstance(value, str) else f"of {len(value)} bytes"
         raise RowError(f"image {name} is unreadable: {error}") from None
 

@@ -5,8 +5,8 @@ runs every check that needs no weights, so the corpus costs seconds. Damaged che
 also refused by real runs (the same plan_start call, tests/unit/test_checkpoint_integrity.py);
 the server's bad requests are in tests/vllm/test_server.py.
 
-Placeholders in a case: MODEL (a tiny qwen3), DATA (a 64-row math jsonl), and the names of the
-bad artefacts the `bad` fixture builds (BAD_...)."""
+Placeholders in a case: MODEL (a tiny qwen3), VL_MODEL (a tiny qwen2.5-vl), DATA (a 64-row math
+jsonl), and the names of the bad artefacts the `bad` fixture builds (BAD_...)."""
 import json
 import os
 import re
@@ -137,6 +137,15 @@ FILES = [   # model directories, datasets, plugins, system prompts
     case(["--reward_funcs", "no_such_reward"], "no_such_reward"),
     case(["--reward_funcs", "accuracyy"], "accuracyy"),
     case(["--system", "BAD_MISSING_SYSTEM.txt"], "BAD_MISSING_SYSTEM.txt"),
+    # issue 40: a bad image of a row was met only by the run's prompt building, not the dry run
+    case(["--model", "VL_MODEL", "--dataset", "BAD_IMAGE_MISSING.jsonl"],
+         "BAD_IMAGE_MISSING.jsonl row 2: image 'BAD_MISSING_IMAGE.png' does not exist"),
+    case(["--model", "VL_MODEL", "--dataset", "BAD_IMAGE_NOT_IMAGE.jsonl"],
+         "BAD_IMAGE_NOT_IMAGE.jsonl row 2: image BAD_TEXT.txt is unreadable: cannot identify"),
+    case(["--model", "VL_MODEL", "--dataset", "BAD_IMAGE_TRUNCATED.jsonl"],
+         "BAD_IMAGE_TRUNCATED.jsonl row 2: image BAD_TRUNCATED_IMAGE.png is unreadable"),
+    case(["--model", "VL_MODEL", "--dataset", "BAD_IMAGE_TYPE.jsonl"],
+         "BAD_IMAGE_TYPE.jsonl row 2: an image must be a path, bytes or a PIL image, got int"),
 ]
 
 CHECKPOINTS = [   # --load / --mcore_model / --mcore_adapter / --adapters
@@ -293,6 +302,8 @@ def bad(tiny_model_dir, tmp_path_factory):
     for name in ("BAD_MISSING_DATA.jsonl", "BAD_MISSING_PLUGIN.py", "BAD_MISSING_SYSTEM.txt",
                  "BAD_MISSING_CONFIG.yaml"):
         paths[name] = str(root / name)
+    paths["VL_MODEL"] = tiny_model_dir("qwen2_5_vl")
+    _image_datasets(root, paths)
     os.makedirs(root / "BAD_EMPTY_DIR")
     paths["BAD_EMPTY_DIR"] = str(root / "BAD_EMPTY_DIR")
     intact = paths["CKPT_AT_STEP_2"] = _dcp_checkpoint(root / "intact")
@@ -320,6 +331,26 @@ def bad(tiny_model_dir, tmp_path_factory):
     checkpoint_copy("BAD_CKPT_OTHER_LAYOUT", lambda it: (it / "swift_megatron.json").write_text(
         json.dumps({"model_type": "qwen3", "saved_with": {"tp": 2, "pp": 1, "ep": 1, "etp": 2}})))
     return paths, root
+
+
+def _image_datasets(root, paths) -> None:
+    """BAD_IMAGE_*.jsonl: a good image row, then one whose image is missing, not an image
+    (BAD_TEXT.txt), a truncated PNG or a number."""
+    from PIL import Image
+
+    good, truncated = root / "red.png", root / "BAD_TRUNCATED_IMAGE.png"
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(good)
+    truncated.write_bytes(good.read_bytes()[:40])
+    paths.update({"BAD_MISSING_IMAGE.png": str(root / "BAD_MISSING_IMAGE.png"),
+                  "BAD_TRUNCATED_IMAGE.png": str(truncated)})
+    bad = {"MISSING": paths["BAD_MISSING_IMAGE.png"], "NOT_IMAGE": paths["BAD_TEXT.txt"],
+           "TRUNCATED": str(truncated), "TYPE": 42}
+    for name, image in bad.items():
+        rows = [{"images": [value], "messages": [{"role": "user", "content": "Colour?"}],
+                 "solution": "red"} for value in (str(good), image)]
+        path = paths[f"BAD_IMAGE_{name}.jsonl"] = str(root / f"BAD_IMAGE_{name}.jsonl")
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def _data(root) -> str:

@@ -7,6 +7,7 @@ for prompt + completion."""
 import http.server
 import io
 import json
+import re
 import threading
 from functools import partial
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from swift_megatron.data.images import (ImageEncoder, expand_image_tags, load_image,
+from swift_megatron.data.images import (ImageEncoder, check_image, expand_image_tags, load_image,
                                         mrope_position_ids, process_images, resolve_max_pixels,
                                         tag_images)
 from swift_megatron.data.prompts import PromptSettings, RowError, build_prompts
@@ -43,6 +44,25 @@ def test_images_load_from_path_bytes_and_dict(tmp_path):
 def test_bad_images_are_refused(value, match):
     with pytest.raises(RowError, match=match):
         load_image(value)
+
+
+def test_images_are_checked_without_decoding(tmp_path):
+    """check_image (the dry run's) accepts what load_image reads, without fetching URLs, and
+    refuses a missing file, a non-image, a damaged PNG and other types, as load_image does."""
+    good, broken = tmp_path / "red.png", tmp_path / "broken.png"
+    good.write_bytes(_png())
+    broken.write_bytes(_png()[:40])
+    for value in (str(good), _png(), {"bytes": None, "path": str(good)}, Image.new("RGB", (4, 4)),
+                  "http://127.0.0.1:9/not-fetched.png"):
+        check_image(value)
+    for value, match in (("/nowhere/x.png", "'/nowhere/x.png' does not exist"),
+                         (str(broken), f"image {broken} is unreadable"),
+                         (b"not an image", "image of 12 bytes is unreadable"), (3, "got int"),
+                         ({"path": None}, "an image dict needs 'bytes' or 'path'")):
+        with pytest.raises(RowError, match=re.escape(match)):
+            check_image(value)
+        with pytest.raises(RowError, match=re.escape(match)):
+            load_image(value)
 
 
 def test_tags_are_added_when_missing_and_counted_otherwise():
@@ -277,3 +297,29 @@ def test_precision_check_inputs_hold_one_image_per_sequence(tiny_model_dir):
     assert not torch.equal(positions[1][inside], flat[inside])         # height/width axes
     before = starts[0] + 1                                             # text, then vision_start
     assert torch.equal(positions[:, 0, :before], flat[0, :before].expand(3, -1))
+
+
+def test_a_run_refuses_a_bad_image_before_building_the_model(vl, tmp_path, monkeypatch,
+                                                             single_process_group):
+    """issue 40: a row's missing image stops the run while the prompts are built, naming the
+    row and the file, before any model (the policy here) is built."""
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.preflight import preflight_rlhf
+    from swift_megatron.rlhf.grpo import components
+    from swift_megatron.rlhf.grpo.trainer import GRPOTrainer
+
+    (tmp_path / "red.png").write_bytes(_png())
+    rows = [{"messages": [{"role": "user", "content": "Colour?"}], "images": [str(image)],
+             "solution": "red"} for image in (tmp_path / "red.png", tmp_path / "gone.png")]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = parse_command(RlhfArguments, [
+        "--model", vl[0], "--dataset", str(tmp_path / "d.jsonl"), "--reward_funcs", "accuracy",
+        "--num_generations", "2", "--global_batch_size", "4", "--micro_batch_size", "2",
+        "--max_completion_length", "8", "--device", "cpu", "--output_dir", str(tmp_path / "out")],
+        "megatron rlhf")
+    plan, _ = preflight_rlhf(args, world_size=1)
+    monkeypatch.setattr(components, "policy", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match=re.escape(f"d.jsonl row 2: image "
+                                                  f"'{tmp_path / 'gone.png'}' does not exist")):
+        GRPOTrainer(args, plan)

@@ -322,6 +322,28 @@ def test_flags_the_chosen_mode_ignores_are_noticed():
         notices(key)
 
 
+def test_colocate_flags_are_noticed_when_the_run_finds_no_cuda(monkeypatch, swift_logs):
+    """issue 40: preflight assumes CUDA with --device auto; on a machine without it the run
+    takes the embedded engine, and --offload_model was then ignored without a word."""
+    import types
+
+    import torch
+
+    from swift_megatron.rlhf.grpo import components
+
+    monkeypatch.setattr("swift_megatron.preflight.vllm_installed", lambda: True)
+    monkeypatch.setattr("swift_megatron.rollout.factory.vllm_installed", lambda: True)
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
+    auto = rlhf("--offload_model", "true", "--global_batch_size", 8)
+    assert components.offloaders(auto, cpu, pol=None, reference=None) == []
+    assert "ignored here, they only act with the vLLM colocate engine: --offload_model" in \
+        swift_logs.text
+    swift_logs.clear()   # --device cpu: preflight's notice already said it, once is enough
+    components.offloaders(rlhf("--offload_model", "true", "--global_batch_size", 8, "--device",
+                               "cpu"), cpu, pol=None, reference=None)
+    assert "--offload_model" not in swift_logs.text
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--lr", "nan"], "expected a finite number"), (["--adam_beta1", "1.5"], r"in \[0, 1\)"),
     (["--weight_decay", "-5"], ">= 0"), (["--repetition_penalty", "-1"], "> 0"),

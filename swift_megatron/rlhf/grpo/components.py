@@ -36,7 +36,8 @@ from swift_megatron.model.vision import freeze, has_vision, takes_images, vision
 from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.parallel.state import ParallelState
-from swift_megatron.preflight import check_reward_sources, check_vision_flags
+from swift_megatron.preflight import (check_reward_sources, check_vision_flags,
+                                      note_no_colocate_engine)
 from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 from swift_megatron.rewards.reward_model import reward_model_funcs
 from swift_megatron.rlhf.grpo.collect import CollectSettings, RolloutCollector
@@ -404,8 +405,12 @@ def check_multi_turn_sources(args: RlhfArguments, server_scheduler: Optional[str
 
 def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference) -> list:
     """Colocate mode: what moves to host memory while vLLM generates (--offload_model: the
-    policy and `reference`, a list of the other models' chunks; --offload_optimizer)."""
+    policy and `reference`, a list of the other models' chunks; --offload_optimizer). Without
+    the colocated engine: none, and the colocate flags' notice when preflight expected it."""
     if engine_kind(args, state.device) != "colocate":
+        note = note_no_colocate_engine(args)
+        if note and state.rank == 0:
+            logger.warning(note)
         return []
     moved = []
     if args.rollout.offload_model:
