@@ -323,3 +323,28 @@ def test_a_run_refuses_a_bad_image_before_building_the_model(vl, tmp_path, monke
     with pytest.raises(UserError, match=re.escape(f"d.jsonl row 2: image "
                                                   f"'{tmp_path / 'gone.png'}' does not exist")):
         GRPOTrainer(args, plan)
+
+
+def test_unsupported_image_runs_stop_before_the_model(vl, tmp_path, monkeypatch,
+                                                      single_process_group):
+    """issue 40: images with a multi-turn scheduler (as with --context_parallel_size > 1) are
+    refused before the model is built (it came after the model and the rollout engine)."""
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.preflight import preflight_rlhf
+    from swift_megatron.rlhf.grpo import components
+    from swift_megatron.rlhf.grpo.trainer import GRPOTrainer
+
+    (tmp_path / "red.png").write_bytes(_png())
+    row = {"messages": [{"role": "user", "content": "Colour?"}],
+           "images": [str(tmp_path / "red.png")], "solution": "red"}
+    (tmp_path / "d.jsonl").write_text((json.dumps(row) + "\n") * 2)
+    args = parse_command(RlhfArguments, [
+        "--model", vl[0], "--dataset", str(tmp_path / "d.jsonl"), "--reward_funcs", "accuracy",
+        "--num_generations", "2", "--global_batch_size", "4", "--micro_batch_size", "2",
+        "--max_completion_length", "8", "--device", "cpu", "--output_dir", str(tmp_path / "out"),
+        "--multi_turn_scheduler", "calculator"], "megatron rlhf")
+    plan, _ = preflight_rlhf(args, world_size=1)
+    monkeypatch.setattr(components, "policy", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(UserError, match="multi-turn rollouts with images are not supported"):
+        GRPOTrainer(args, plan)
