@@ -188,12 +188,13 @@ class ServerEngine:
         return offers.pop()
 
     def open_communicators(self) -> None:
-        """Rank 0: a weight-sync communicator with every server, kept alive by a Lease."""
+        """Rank 0: a weight-sync communicator with every server, each kept alive by the Lease
+        from the moment it opens (the next server may make us wait for another trainer's)."""
+        self.lease = Lease()
         for server in self.servers:
-            self.communicators.append(self._open_communicator(server))
-        lease_s = min(info["lease_s"] for _, _, _, info in self.communicators)
-        self.lease = Lease([(server, token) for server, (_, _, token, _)
-                            in zip(self.servers, self.communicators)], lease_s)
+            comm, client_rank, token, info = self._open_communicator(server)
+            self.communicators.append((comm, client_rank, token, info))
+            self.lease.hold(server, token, info["lease_s"])
 
     def _open_communicator(self, server: "ServerConnection"):
         info = self._reserve(server)
@@ -349,16 +350,25 @@ class ServerEngine:
 
 class Lease:
     """A daemon thread that renews the communicators' leases (POST /communicator_heartbeat)
-    every quarter of the servers' --communicator_lease, until `stop`."""
+    every quarter of the shortest of the servers' --communicator_lease, until `stop`."""
 
-    def __init__(self, holders: List[Tuple[ServerConnection, str]], lease_s: float):
-        self.holders, self.period = holders, lease_s / 4
+    def __init__(self):
+        self.holders: List[Tuple[ServerConnection, str]] = []
+        self.period = float("inf")
         self.stopped = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="communicator_lease").start()
+        self.thread: Optional[threading.Thread] = None
+
+    def hold(self, server: ServerConnection, token: str, lease_s: float) -> None:
+        self.holders.append((server, token))
+        self.period = min(self.period, lease_s / 4)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True,
+                                           name="communicator_lease")
+            self.thread.start()
 
     def _run(self) -> None:
         while not self.stopped.wait(self.period):
-            for server, token in self.holders:
+            for server, token in list(self.holders):
                 try:
                     server.send_once("/communicator_heartbeat", {"token": token})
                 except (ServerError, urllib.error.URLError, ConnectionError,

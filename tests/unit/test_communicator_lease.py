@@ -126,3 +126,51 @@ def test_server_defaults_reach_each_rollout(monkeypatch):
     settings = seen["settings"]
     assert (settings.max_length, settings.template_kwargs) == (30, {"enable_thinking": True})
     assert server.MultiTurnService("x", None, None, None).use_gym_env is False
+
+
+class Conn:
+    """A stand-in ServerConnection: answers /init_communicator with `answers` in turn."""
+
+    def __init__(self, answers=()):
+        self.answers, self.sent, self.address = list(answers), [], "h:1"
+
+    def request(self, path, payload, idempotent=True):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def send_once(self, path, payload):
+        self.sent.append((path, payload))
+        return {"status": "ok"}
+
+
+def test_the_client_renews_its_leases_until_stopped():
+    from swift_megatron.rollout.client import Lease
+
+    lease, conn = Lease(), Conn()
+    lease.hold(conn, "tok", 0.2)   # every 0.05 s
+    wait_for(lambda: len(conn.sent) >= 3)
+    lease.stop()
+    time.sleep(0.1)
+    count = len(conn.sent)
+    time.sleep(0.2)
+    assert len(conn.sent) == count and conn.sent[0] == ("/communicator_heartbeat",
+                                                       {"token": "tok"})
+
+
+def test_the_client_waits_out_another_trainers_lease():
+    """409 with Retry-After: asked again after that many seconds, within
+    --vllm_server_timeout; other errors (or no time left) are a UserError naming the wait."""
+    from swift_megatron.errors import UserError
+    from swift_megatron.rollout.client import ServerEngine, ServerError
+
+    engine = ServerEngine.__new__(ServerEngine)
+    busy = ServerError("HTTP 409: a weight-sync communicator is open", 409, retry_after=0.1)
+    engine.timeout = 5.0
+    assert engine._reserve(Conn([busy, busy, {"token": "t"}])) == {"token": "t"}
+    engine.timeout = 0.15
+    with pytest.raises(UserError, match=r"is open \(waited up to --vllm_server_timeout 0.15 s\)"):
+        engine._reserve(Conn([busy, busy, busy, busy]))
+    with pytest.raises(UserError, match="HTTP 500"):
+        engine._reserve(Conn([ServerError("HTTP 500: broken", 500)]))
