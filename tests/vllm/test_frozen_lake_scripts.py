@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,8 +71,13 @@ def lake_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lake_model(vllm_hybrid_dir):
-    return vllm_hybrid_dir("qwen3_5")
+def lake_model(tmp_path_factory):
+    """The vLLM tests' tiny Qwen3.5 with room for the scripts' --vllm_max_model_len 6632."""
+    from swift_megatron.fixtures import build_tiny_model
+    from tests.vllm.conftest import VLLM_GDN_TINY
+
+    out = tmp_path_factory.mktemp("lake_model") / "qwen3_5"
+    return build_tiny_model("qwen3_5", str(out), max_position_embeddings=8192, **VLLM_GDN_TINY)
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +89,14 @@ def lake_server(lake_model, tmp_path_factory):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     address = f"127.0.0.1:{port}"
-    try:
-        ServerConnection(address, timeout=30).wait_healthy(300)
-    except UserError:
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:   # (a dead server: at once)
+        try:
+            ServerConnection(address, timeout=30).wait_healthy(5)
+            break
+        except UserError:
+            continue
+    else:
         proc.kill()
         log.seek(0)
         raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
