@@ -2,7 +2,9 @@
 fixtures build (so a new family cannot skip the gate), its presets exist, its commands pass the
 CLI's own up-front checks, and its verdict fails a case on each of the things it checks (exit
 code, rollout batches logged, non-finite loss or grad norm, sync gap, memory estimate)."""
+import json
 import math
+import os
 import sys
 
 import pytest
@@ -220,3 +222,35 @@ def test_launch_env_gives_each_case_its_gpus_and_port():
     server = next(c for c in two if c.server)   # the trainer on the first, the server the last
     env = matrix.launch_env(server, (0, 1), 0)
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and "NPROC_PER_NODE" not in env
+
+
+def test_background_runs_outlast_the_call(tmp_path):
+    """tests/gpu/background.sh: `start` returns at once with the phases running from a copy of
+    the checkout (without .vparts) in their own session, `wait` returns when they end and
+    lists the finished cases, `collect` packs the logs into $OUT."""
+    import subprocess
+    import time
+
+    script = os.path.join(os.path.dirname(__file__), "..", "gpu", "background.sh")
+    tree = tmp_path / "checkout"
+    (tree / "tests" / "gpu").mkdir(parents=True)
+    (tree / ".vparts").mkdir()
+    (tree / ".vparts" / "p00").write_text("a vLLM part")
+    case = json.dumps({"name": "matrix_case", "case": "qwen2_full", "seconds": 1.0,
+                       "failed": []})
+    (tree / "tests" / "gpu" / "device_run.sh").write_text(
+        f"sleep 2; echo '{case}' > \"$OUT/$1.log\"\n")
+    env = dict(os.environ, BG_DIR=str(tmp_path / "bg"), OUT=str(tmp_path / "out"))
+
+    def run(*argv):
+        return subprocess.run(["bash", os.path.abspath(script), *argv], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    began = time.monotonic()
+    assert "started in the background: matrix" in run("start", "matrix").stdout
+    assert time.monotonic() - began < 1.5
+    assert not (tmp_path / "bg" / "tree" / ".vparts").exists()
+    waited = run("wait", "30").stdout
+    assert waited.splitlines() == ["finished", "qwen2_full pass 1.0 s"]
+    run("collect")
+    assert (tmp_path / "out" / "background_logs.tgz").stat().st_size > 0

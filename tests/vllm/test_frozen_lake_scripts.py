@@ -136,7 +136,7 @@ def test_frozen_lake_server_pair(lake_server, lake_model, lake_data, tmp_path):
     proc = train(lake_model, lake_data, tmp_path / "run", *SERVER_MODE,
                  "--vllm_server_port", port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "--eval_steps 1000: no validation prompts" in proc.stderr
+    assert "--eval_steps 1000: no validation prompts" in proc.stdout + proc.stderr
     rows = rows_of(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     assert all("reward/gym_reward/mean" in r and r["multi_turn/num_turns_mean"] >= 1
