@@ -52,7 +52,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from grpo_step import build_model, build_task  # noqa: E402  (the benchmarks' presets)
+from grpo_step import PLUGIN, build_model, build_task  # noqa: E402  (the benchmarks' presets)
 from trl_compare import memory_check, memory_estimate  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.15
@@ -155,7 +155,8 @@ def command(case: Case, model: str, task: List[str], out: str,
     rollout = COLOCATE if not case.server else [
         "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
         "--vllm_server_port", str(server_port or 8000)]
-    return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model, *task,
+    return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
+            *with_signal(task),
             "--num_generations", "8", "--micro_batch_size", "8", "--global_batch_size",
             str(COMPLETIONS_PER_STEP * case.dp), "--steps_per_generation", str(STEPS_PER_ROLLOUT),
             "--max_completion_length", "128", "--max_length", str(family.max_length),
@@ -163,6 +164,16 @@ def command(case: Case, model: str, task: List[str], out: str,
             "--check_weight_sync", "true", "--check_weight_sync_atol", str(family.sync_atol),
             "--logging_steps", "1", "--report_to", "none", "--add_version", "false",
             "--no_save_optim", "true", "--output_dir", out, *case.flags]
+
+
+def with_signal(task: List[str]) -> List[str]:
+    """The task's flags, a text task's rewards joined by the demo's digit_ratio: a random
+    model's accuracy is 0 for every completion, so without a reward that varies within a group
+    the advantages, the loss and the gradient are all 0 and nothing trains."""
+    if "colour_parity" in task:   # (about 0.5 on random models already)
+        return task
+    return [*task, "--external_plugins", os.path.normpath(PLUGIN), "--reward_funcs", "accuracy",
+            "digit_ratio"]
 
 
 def _finite(value) -> bool:
@@ -185,6 +196,8 @@ def verdict(returncode: int, rows: List[dict], estimate: Dict[str, float],
         failed.append(f"{len(rows)} of {ROLLOUT_BATCHES} rollout batches logged")
     if rows and not (losses and all(_finite(v) for v in losses + grad_norms)):
         failed.append("a loss or grad norm is not finite (or none was logged)")
+    elif rows and not any(grad_norms):
+        failed.append("nothing trained: every grad norm is 0")
     if rows and not (gaps and max(gaps) < sync_atol):
         failed.append(f"sync gap {max(gaps) if gaps else None} not under {sync_atol}")
     if rows and not (ratio and abs(ratio - 1) <= ESTIMATE_TOLERANCE):

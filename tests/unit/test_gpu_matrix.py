@@ -63,6 +63,14 @@ def test_commands_pass_the_argument_checks(part):
         assert args.rollout.vllm_mode == ("server" if case.server else "colocate")
         if case.server:
             assert args.rollout.vllm_server_port == [8123]
+        assert args.grpo.reward_funcs == ["accuracy", "digit_ratio"]   # a reward with signal
+        assert args.grpo.external_plugins[0].endswith("demo/rewards.py")
+
+
+def test_image_tasks_keep_their_reward():
+    task = ["--dataset", "c.jsonl", "--external_plugins", "r.py", "--reward_funcs",
+            "colour_parity"]
+    assert matrix.with_signal(task) == task
 
 
 def test_the_pool_hands_out_free_gpus():
@@ -150,7 +158,9 @@ def test_verdict_passes_a_good_run():
      ESTIMATE, "sync gap None"),
     (0, _rows(), 0.05, {"train": 12.0}, "estimate / measured 1.2"),
     (0, _rows(), 0.05, {}, "estimate / measured None"),
-], ids=["exit", "batches", "nan-loss", "inf-grad", "gap", "no-check", "estimate", "no-dry-run"])
+    (0, [dict(r, grad_norm=0.0) for r in _rows()], 0.05, ESTIMATE, "nothing trained"),
+], ids=["exit", "batches", "nan-loss", "inf-grad", "gap", "no-check", "estimate", "no-dry-run",
+        "no-gradient"])
 def test_verdict_fails_each_check(returncode, rows, atol, estimate, reason):
     assert any(reason in f for f in matrix.verdict(returncode, rows, estimate, atol)["failed"])
 
