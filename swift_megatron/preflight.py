@@ -379,6 +379,7 @@ def check_reward_sources(args: RlhfArguments, servers_asked: bool = False) -> No
 
 
 def _check_rewards(args: RlhfArguments) -> List[str]:
+    import swift_megatron.compat.ms_swift  # noqa: F401  (ms-swift plugin files load)
     from swift_megatron.rewards import RewardConfig, load_plugins, resolve_reward_funcs
 
     g = args.grpo

@@ -40,7 +40,7 @@ from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_thi
 from megatron.core.models.gpt import GPTModel
 
 from swift_megatron.errors import UserError
-from swift_megatron.model.vision_cache import TowerCache, tower_outputs
+from swift_megatron.model.vision_cache import VISUAL, TowerCache, tower_outputs
 
 
 class HFClasses(NamedTuple):
@@ -70,7 +70,6 @@ DEFAULT_MROPE_SECTION = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10],
                          "qwen3_5_moe": [11, 11, 10]}
 # the micro-batch entries it takes (`image_keys`: vision_cache.py)
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "prompt_mask", "image_keys")
-VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
 
 def has_vision(hf_config: Mapping[str, Any]) -> bool:

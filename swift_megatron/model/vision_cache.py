@@ -26,6 +26,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 TowerOutputs = Tuple[torch.Tensor, Optional[List[torch.Tensor]]]   # [N, h], deepstack [N, h]s
+VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
 
 def tower_outputs(visual: torch.nn.Module, pixel_values: torch.Tensor,
@@ -102,7 +103,6 @@ def frozen_tower_cache(*models: Sequence[torch.nn.Module]) -> Iterator[None]:
     (`cacheable`) computes each image's tower outputs once; chunks with the same tower
     (`same_tower`) share them. Lists may be None (no such model)."""
     from swift_megatron.checkpoint.dist import unwrap
-    from swift_megatron.model.vision import VISUAL
 
     holders = [m for chunks in models if chunks for m in map(unwrap, chunks)
                if getattr(m, VISUAL, None) is not None and cacheable(getattr(m, VISUAL))]

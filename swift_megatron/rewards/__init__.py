@@ -14,7 +14,9 @@ from swift_megatron.rewards.registry import (REWARD_ERROR_POLICIES, RewardConfig
                                              register_reward, registered_names,
                                              resolve_reward_funcs, score_rewards)
 from swift_megatron.rewards.plugins import load_plugins, module_callables
-from swift_megatron.rewards import builtin  # noqa: F401  (registers the built-ins)
+# Registers the built-ins; registry.py relies on it: Python runs this file before any module of
+# the package can be used.
+from swift_megatron.rewards import builtin  # noqa: F401
 
 BUILTIN_REWARDS = tuple(builtin_names())
 

@@ -7,11 +7,15 @@ stay reachable through the returned module. The file's folder is appended to sys
 import helper modules that sit next to it. Any failure (missing file, syntax error, an exception
 at import) becomes a UserError naming the file.
 
-Files written for ms-swift (`from swift.rewards import ORM, orms`, gym envs, multi-turn
-schedulers) import against a stand-in `swift` package that exists only during the import, or
-against ms-swift itself when it is installed; what they put into ms-swift's registries is
-registered with ours (swift_megatron/compat/ms_swift).
+A foreign plugin API reaches the loader through one hook, `use_plugin_api(PluginApi(...))`:
+importing swift_megatron.compat.ms_swift registers ms-swift's, so that files written for ms-swift
+(`from swift.rewards import ORM, orms`, gym envs, multi-turn schedulers) import against a stand-in
+`swift` package that exists only during the import, or against ms-swift itself when it is
+installed, and what they put into ms-swift's registries is registered with ours. The rewards
+package never imports compat/ms_swift (which imports the reward registry): the callers that load
+plugins import it first.
 """
+import contextlib
 import importlib.machinery
 import importlib.util
 import inspect
@@ -20,12 +24,34 @@ import os
 import re
 import sys
 from types import ModuleType
-from typing import List, Sequence
+from typing import Callable, ContextManager, List, NamedTuple, Optional, Sequence
 
-from swift_megatron.compat.ms_swift import plugin_api
 from swift_megatron.errors import UserError
 
 _counter = itertools.count()
+
+
+class PluginApi(NamedTuple):
+    """A plugin API that is not ours, made importable for plugin files (compat/ms_swift)."""
+
+    importing: Callable[[str], ContextManager[None]]  # wraps the import of the file at a path
+    # (error, what failed) -> the error to raise instead, or None when it is not this API's
+    explain_late_import: Callable[[ImportError, str], Optional[Exception]]
+
+
+_api: Optional[PluginApi] = None  # set by use_plugin_api
+
+
+def use_plugin_api(api: PluginApi) -> None:
+    """Make `api` importable while each plugin file is imported (the last one given counts)."""
+    global _api
+    _api = api
+
+
+def explain_late_import(error: ImportError, what: str) -> Optional[Exception]:
+    """The registered API's explanation of `error`, raised by `what` (e.g. "reward 'x': creating
+    X") after the plugin file was imported; None when there is none."""
+    return _api.explain_late_import(error, what) if _api is not None else None
 
 
 def _module_name(path: str) -> str:
@@ -48,7 +74,7 @@ def load_plugin(path: str) -> ModuleType:
         sys.path.append(folder)
     sys.modules[name] = module  # dataclasses, pickling and relative lookups need it registered
     try:
-        with plugin_api(full):
+        with _api.importing(full) if _api is not None else contextlib.nullcontext():
             spec.loader.exec_module(module)
     except (Exception, SystemExit) as error:
         sys.modules.pop(name, None)

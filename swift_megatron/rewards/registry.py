@@ -23,13 +23,15 @@ import traceback
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from swift_megatron.compat.ms_swift.shim import explain_late_import
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
+from swift_megatron.rewards.plugins import explain_late_import, module_callables
 
 logger = get_logger(__name__)
 
-_BUILTINS: Dict[str, Any] = {}  # filled by swift_megatron.rewards.builtin
+# Filled by swift_megatron.rewards.builtin, which the package's __init__ imports (Python runs it
+# before this module can be used from outside the package).
+_BUILTINS: Dict[str, Any] = {}
 _REGISTERED: Dict[str, Any] = {}  # filled by @register_reward in plugin files
 
 
@@ -105,7 +107,6 @@ def add_reward(name: str, obj: Any, how: str) -> None:
     _check_name(name, how)
     if not callable(obj):
         raise UserError(f"{how}: expected a function or a class, got {type(obj).__name__}")
-    _ensure_builtins()
     if name in _BUILTINS:
         raise UserError(f"{how}: {name!r} is a built-in reward; register yours under another name")
     old = _REGISTERED.get(name)
@@ -137,13 +138,7 @@ def _source(obj) -> str:
     return getattr(inspect.getmodule(obj), "__file__", None) or getattr(obj, "__module__", "?")
 
 
-def _ensure_builtins() -> None:
-    if not _BUILTINS:
-        import swift_megatron.rewards.builtin  # noqa: F401  (registers on import)
-
-
 def builtin_names() -> List[str]:
-    _ensure_builtins()
     return sorted(_BUILTINS)
 
 
@@ -212,9 +207,6 @@ def resolve_reward_funcs(names: Sequence[str], plugin_modules: Optional[Sequence
     plugin registered with @register_reward; else a top-level callable of that name in one of
     `plugin_modules` (from load_plugins). Classes are instantiated (see instantiate_reward).
     Unknown names raise UserError listing what is available and the closest match."""
-    from swift_megatron.rewards.plugins import module_callables
-
-    _ensure_builtins()
     config = config if config is not None else RewardConfig()
     plugin_modules = list(plugin_modules or [])
     resolved = []

@@ -356,6 +356,7 @@ def check_multi_turn_names(args) -> None:
     options = args.multi_turn
     if options.multi_turn_scheduler is None:
         return
+    import swift_megatron.compat.ms_swift  # noqa: F401  (ms-swift plugin files load)
     import swift_megatron.rollout.multi_turn  # noqa: F401  (registers the built-ins)
     from swift_megatron.rewards import load_plugins
     from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS

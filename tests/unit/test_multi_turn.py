@@ -393,6 +393,7 @@ envs["ms_counter"] = Counter
 
 @pytest.fixture
 def ms_swift_plugin(tmp_path):
+    import swift_megatron.compat.ms_swift  # noqa: F401  (ms-swift plugin files load)
     from swift_megatron.rewards import load_plugins
     from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
 

@@ -1,6 +1,7 @@
 """Loading ms-swift plugin files: a stand-in `swift` package that exists only while one is imported.
 
-`plugin_api(path)` wraps the import of one --external_plugins file (rewards/plugins.py):
+`plugin_api(path)` wraps the import of one --external_plugins file (rewards/plugins.py, which
+reaches it through the hook compat/ms_swift/__init__.py registers):
 
 - Without ms-swift, it puts a small `swift.*` module tree into sys.modules (the names listed in
   `_tree`: reward and rollout base classes, registry dicts, protocol data classes, stand-ins that
@@ -25,6 +26,8 @@ from typing import Any, Dict, Iterator, Optional
 from swift_megatron.compat.ms_swift import protocol, rewards, rollout, runtime, utils
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
+from swift_megatron.rewards.registry import add_reward
+from swift_megatron.rollout.plugin_registry import GYM_ENVS, RM_PLUGINS, SCHEDULERS
 
 logger = get_logger(__name__)
 
@@ -167,10 +170,6 @@ def explain_late_import(error: ImportError, what: str) -> Optional[UserError]:
 
 def register_additions(added: Registries, source: str) -> None:
     """Register the entries a plugin added, per ms-swift registry name, with ours."""
-    # imported here: the reward registry imports this module
-    from swift_megatron.rewards.registry import add_reward
-    from swift_megatron.rollout.plugin_registry import GYM_ENVS, RM_PLUGINS, SCHEDULERS
-
     for name, obj in added.get("orms", {}).items():
         add_reward(name, obj, f"orms[{name!r}]")
     for key, registry in (("envs", GYM_ENVS), ("multi_turns", SCHEDULERS),

@@ -21,7 +21,7 @@ from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
 from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, load_weights,
                                                peft_dir_of)
 from swift_megatron.checkpoint.start import Start
-from swift_megatron.compat.ms_swift import flat_args
+from swift_megatron.compat.ms_swift import flat_args  # importing it: ms-swift plugin files load
 from swift_megatron.data import Prompt, PromptSampler, prepare_prompts
 from swift_megatron.data.images import ImageEncoder, resolve_max_pixels
 from swift_megatron.errors import UserError
