@@ -1,4 +1,6 @@
-"""Shared pytest configuration. Markers: `gpu` tests need CUDA and run on the GPU machine only.
+"""Shared pytest configuration. Markers: `gpu` tests need CUDA and run on the GPU machine only;
+`quick` marks the fast development subset (`python -m pytest tests/unit -m quick -n 2`): every
+tests/unit test but those of NOT_QUICK.
 
 Session fixtures (swift_megatron.fixtures, built offline into a tmp dir): `tiny_model_dir(family)`
 -> path of a tiny seed-0 checkpoint, `math_dataset_path` -> a 64-row math jsonl.
@@ -15,9 +17,28 @@ import pytest
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (runs on the GPU machine, skipped elsewhere)")
     config.addinivalue_line("markers", "slow: multi-process or end-to-end test (seconds to minutes)")
+    config.addinivalue_line("markers", "quick: the fast development subset (tests/unit but its "
+                                       "slowest tests, tests/conftest.py NOT_QUICK)")
 
 
+# The slowest tests/unit tests, left out of `-m quick`: a file, or `file::name` for the tests of
+# that file named `name` or using a fixture named `name`. Every package of swift_megatron keeps
+# quick tests (tests/unit/test_quick_subset.py checks it).
+NOT_QUICK = frozenset({
+    "tests/unit/test_examples.py",            # each example script's dry run, a subprocess each
+    "tests/unit/test_export_scripts.py",      # scripts/export/*.sh, converting checkpoints
+    "tests/unit/test_export_forms.py",        # every export form, converted and read back
+    "tests/unit/test_recompute.py",           # each layout and family in worker processes
+    "tests/unit/test_moe_numerics.py",        # one MoE training run in a subprocess
+    "tests/unit/test_lora.py::checks",        # every family's LoRA model in worker processes
+    "tests/unit/test_export_cli.py::test_nproc_per_node_relaunches_under_torchrun",
+    "tests/unit/test_cli.py::test_dry_run_checks_the_model",
+})
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest's own hook deselects by -m
 def pytest_collection_modifyitems(config, items):
+    _mark_quick(items)
     _longest_files_first(items)
     import torch
 
@@ -27,6 +48,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _mark_quick(items) -> None:
+    root = Path(__file__).parent.parent
+    for item in items:
+        if not item.path.is_relative_to(root):
+            continue
+        path = item.path.relative_to(root).as_posix()
+        names = (getattr(item, "originalname", item.name), *getattr(item, "fixturenames", ()))
+        if path.startswith("tests/unit/") and path not in NOT_QUICK \
+                and not any(f"{path}::{name}" in NOT_QUICK for name in names):
+            item.add_marker(pytest.mark.quick)
 
 
 def _longest_files_first(items) -> None:
