@@ -18,8 +18,8 @@
 #                   model (2 GPUs per case; two at a time on 4 GPUs)
 #   matrix_4gpu     TP=2 x DP=2 and EP=4 on Qwen3.5-MoE (4 GPUs)
 #   matrix_all      the three parts packed onto a four-GPU machine, the largest cases first.
-#                   Calls of 10 minutes: MATRIX_ARGS="--start_within 420 --resume" starts no
-#                   case after 7 minutes and skips what an earlier call on the machine ran
+#                   A part outlasts a 10-minute device call: run it with tests/gpu/background.sh
+#                   (start, then wait in the next calls, then collect)
 #
 # Phases (run in the order given; a failing phase is reported and the next one still runs):
 #   grpo_colocate   GRPO, Qwen2.5-0.5B shape, vLLM colocate with sleep level 1, weight-sync check

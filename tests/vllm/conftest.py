@@ -11,8 +11,13 @@ OMP_NUM_THREADS=1, vLLM in the process) starts its selected cases' runs side by 
 time (`side_by_side`, `selected`); each test then waits for its own run and asserts on it as
 before, so a two-core machine runs two cases in about the time of one.
 """
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -94,3 +99,39 @@ def colocate_rows(runs: dict, value) -> list:
     assert "colocate engine ready" in proc.stdout
     with open(out / "logging.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+@contextlib.contextmanager
+def rollout_server(flags, log_dir, timeout_s: float = 300.0):
+    """A `megatron rollout` subprocess with `flags` (its --model among them) on a free loopback
+    port: yields its address once /health answers (a server that exits fails at once, with the
+    end of its log), and on the way out stops it with SIGTERM, which must end it with exit 0."""
+    from swift_megatron.errors import UserError
+    from swift_megatron.rollout.client import ServerConnection
+    from tests.distributed.launch import REPO, free_port
+
+    port = free_port()
+    log = open(os.path.join(log_dir, "server.log"), "w+")
+    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--host", "127.0.0.1",
+           "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1"))
+    address, deadline = f"127.0.0.1:{port}", time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                ServerConnection(address, timeout=30).wait_healthy(5)
+                break
+            except UserError:
+                continue
+        else:
+            proc.kill()
+            log.seek(0)
+            raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
+        yield address
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()

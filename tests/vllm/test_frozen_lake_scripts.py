@@ -15,18 +15,16 @@ Every other flag is the scripts'.
   validation set is a note, not an error."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from swift_megatron.errors import UserError  # noqa: E402
 from swift_megatron.rollout.client import ServerConnection  # noqa: E402
 from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.conftest import rollout_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PLUGIN = os.path.join(os.path.dirname(__file__), "frozen_lake", "lake_plugin.py")
@@ -82,30 +80,9 @@ def lake_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lake_server(lake_model, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("lake_server") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", lake_model,
-           "--port", str(port), "--torch_dtype", "bfloat16", *SERVER_FLAGS]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:   # (a dead server: at once)
-        try:
-            ServerConnection(address, timeout=30).wait_healthy(5)
-            break
-        except UserError:
-            continue
-    else:
-        proc.kill()
-        log.seek(0)
-        raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
-    yield address
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=90) == 0
-    finally:
-        log.close()
+    with rollout_server(["--model", lake_model, "--torch_dtype", "bfloat16", *SERVER_FLAGS],
+                        tmp_path_factory.mktemp("lake_server")) as address:
+        yield address
 
 
 def train(model, data, out, *flags):

@@ -5,7 +5,6 @@ prompts with their dataset columns to /rollout and trains on the trajectories: t
 the tool's tokens masked, the server's logprobs of the model's tokens equal the trainer's."""
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -13,9 +12,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from swift_megatron.errors import UserError  # noqa: E402
 from swift_megatron.rollout.client import ServerConnection  # noqa: E402
 from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.vllm.conftest import rollout_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEMO = os.path.join(REPO, "swift_megatron", "demo")
@@ -23,28 +22,11 @@ DEMO = os.path.join(REPO, "swift_megatron", "demo")
 
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", vllm_model_dir,
-           "--torch_dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
-           "--multi_turn_scheduler", "lookup_tool", "--max_turns", "2",
-           "--external_plugins", os.path.join(DEMO, "multi_turn.py")]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    address = f"127.0.0.1:{port}"
-    try:
-        ServerConnection(address, timeout=30).wait_healthy(240)
-    except UserError:
-        proc.kill()
-        log.seek(0)
-        raise AssertionError("the rollout server did not come up:\n" + log.read()[-6000:])
-    yield address
-    proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=90) == 0
-    finally:
-        log.close()
+    flags = ["--model", vllm_model_dir, "--torch_dtype", "float32", "--vllm_enforce_eager", "true",
+             "--vllm_max_model_len", "256", "--multi_turn_scheduler", "lookup_tool",
+             "--max_turns", "2", "--external_plugins", os.path.join(DEMO, "multi_turn.py")]
+    with rollout_server(flags, tmp_path_factory.mktemp("server")) as address:
+        yield address
 
 
 def test_trainer_uses_the_servers_scheduler(server, vllm_model_dir, math_dataset_path, tmp_path):
