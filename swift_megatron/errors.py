@@ -27,3 +27,11 @@ class ServiceFailure(UserError):
     died): printed without a traceback, exit code 1."""
 
     exit_code = 1
+
+
+class NumericsError(UserError):
+    """The first-step numerics gate (`--numerics_check`): the rollout engine's logprobs of the
+    first rollout batch are too far from the trainer's. Printed without a traceback, exit code
+    1, before any update (nothing is saved or lost)."""
+
+    exit_code = 1

@@ -111,6 +111,15 @@ class RolloutArguments:
     check_weight_sync_atol: float = arg(0.05, "Largest accepted mean |engine - trainer| logprob "
                                         "of --check_weight_sync (bf16 kernels differ by ~0.01; "
                                         "a broken sync by O(1)).")
+    numerics_check: bool = arg(True, "Before the first optimizer step, compare the trainer's "
+                               "logprobs of the first rollout batch with the engine's (numbers "
+                               "the step already has) and stop past the model's tolerance: "
+                               "dense 0.05, Gated DeltaNet 0.1, MoE 0.5 mean |engine - trainer| "
+                               "per token (docs/rlhf.md#the-first-step-numerics-gate). Skipped "
+                               "when the engine returns no logprobs.")
+    numerics_check_atol: Optional[float] = arg(None, "The numerics check's tolerance instead of "
+                                               "the model's (mean |engine - trainer| logprob "
+                                               "per completion token).")
 
     offload_bridge: bool = arg(False, "ms-swift: keep the HF-format weights exported for vLLM in "
                                "host memory.",
@@ -124,6 +133,8 @@ class RolloutArguments:
             raise UserError("--vllm_mode server needs vLLM; drop --use_vllm false")
         if self.check_weight_sync_atol <= 0:
             raise UserError("--check_weight_sync_atol must be > 0")
+        if self.numerics_check_atol is not None and not self.numerics_check_atol > 0:
+            raise UserError("--numerics_check_atol must be > 0")
         if self.weight_sync_bucket_mb < 1:
             raise UserError("--weight_sync_bucket_mb must be >= 1")
         if self.vllm_server_timeout <= 0:

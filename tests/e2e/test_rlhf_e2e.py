@@ -58,6 +58,9 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["grad_norm"] > 0      # the rewards had signal: the first step updated
     assert rows[0]["kl"] == 0.0          # reference == policy before the first update
+    # the numerics gate ran on the first step only: qwen3 is dense, fp32 engine == trainer
+    assert rows[0]["numerics/tolerance"] == 0.05 and rows[0]["numerics/first_step_gap"] < 1e-5
+    assert "numerics/first_step_gap" not in rows[1]
     assert rows[1]["kl"] > 0.0
     completions = [json.loads(line) for line in open(out / "completions.jsonl")]
     assert len(completions) == 2 * 16 and {"prompt", "completion", "reward", "advantage"} <= set(completions[0])
@@ -131,6 +134,18 @@ def test_weight_sync_check_fails_loudly(base, tmp_path):
                 "--check_weight_sync_atol", "1e-30", check=False)
     assert proc.returncode != 0
     assert "weight sync check failed at step 0" in proc.stderr
+
+
+def test_numerics_gate_stops_before_the_first_update(base, tmp_path):
+    """An impossible tolerance: the first step's engine vs trainer gap stops the run before
+    its update, exit 1 without a traceback, naming the family and the gap; nothing saved."""
+    proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path,
+                "--numerics_check_atol", "1e-30", check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "numerics check (before the first optimizer step)" in proc.stderr
+    assert "(qwen3, dense model), past --numerics_check_atol 1e-30" in proc.stderr
+    assert not any(name.startswith(("iter_", "checkpoint-", "final")) for name in os.listdir(tmp_path))
 
 
 @pytest.mark.parametrize("extra,message", [

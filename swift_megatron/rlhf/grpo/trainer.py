@@ -25,7 +25,7 @@ from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint import run as run_checkpoint
 from swift_megatron.checkpoint.start import check_resume_step, plan_start
 from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
-from swift_megatron.errors import UserError, WeightSyncError
+from swift_megatron.errors import NumericsError, UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
@@ -36,6 +36,7 @@ from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
+from swift_megatron.rlhf.grpo import numerics
 from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.collect import attach_images
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
@@ -94,6 +95,7 @@ class GRPOTrainer:
         if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
             record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
+        self.numerics_pending = args.rollout.numerics_check and not self._dropout_sample(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
         self.prefetch = self._prefetch()
         if start.resume_dir:
@@ -282,6 +284,9 @@ class GRPOTrainer:
         pol = self.policy
         zero_grads(pol.chunks, pol.optimizer)
         outputs = forward_backward(pol.chunks, micro, partial(grpo_loss, self.loss_settings, constants))
+        metrics = step_metrics(outputs, self.state)
+        if self.numerics_pending:
+            metrics.update(self.numerics_gate(metrics))
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
         self.step += 1
         skipped = self.skip_guard.update(ok, grad_norm, self.step)
@@ -290,11 +295,39 @@ class GRPOTrainer:
         g = self.args.grpo
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
-        metrics = step_metrics(outputs, self.state)
         # "lr": --lr's schedule (groups with --vit_lr / --aligner_lr follow it scaled)
         metrics.update({"grad_norm": grad_norm, "lr": pol.scheduler.get_lr({}),
                         "update_skipped": float(not ok)})
         return metrics
+
+    def numerics_gate(self, metrics: Dict[str, float]) -> Dict[str, float]:
+        """--numerics_check, once per run before its first update (numerics.py): every rank
+        holds the same reduced gap, so every rank stops together."""
+        self.numerics_pending = False
+        gap = metrics.get(numerics.GAP_METRIC)
+        if gap is None:
+            if self.state.rank == 0:
+                logger.info("numerics check skipped: the rollout engine returned no logprobs")
+            return {}
+        shape, atol = self.policy.bridge.shape, self.args.rollout.numerics_check_atol
+        kind = numerics.model_kind(shape.num_experts, shape.is_hybrid)
+        failure = numerics.gate_failure(gap, shape.model_type, kind, atol)
+        if failure:
+            raise NumericsError(failure)
+        return {"numerics/first_step_gap": gap,
+                "numerics/tolerance": numerics.tolerance(kind, atol)}
+
+    def _dropout_sample(self, start) -> bool:
+        """Whether the first step's trainer logprobs are a LoRA dropout sample of a trained
+        adapter (a fresh adapter adds nothing, B = 0): then the gate has nothing exact to
+        compare, and says so."""
+        lora = self.args.lora
+        sampled = (self.args.training.train_type == "lora" and lora.lora_dropout > 0
+                   and bool(start.adapter or start.resume_dir))
+        if sampled and self.args.rollout.numerics_check and self.state.rank == 0:
+            logger.info("numerics check skipped: the loaded adapter's first step runs with "
+                        "--lora_dropout (pass --lora_dropout 0 to check it)")
+        return sampled
 
     def evaluate(self) -> Dict[str, float]:
         """Rewards of the current policy on the validation prompts (the same samples each time:
