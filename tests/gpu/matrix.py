@@ -202,8 +202,11 @@ def verdict(returncode: int, rows: List[dict], estimate: Dict[str, float],
         failed.append(f"sync gap {max(gaps) if gaps else None} not under {sync_atol}")
     if rows and not (ratio and abs(ratio - 1) <= ESTIMATE_TOLERANCE):
         failed.append(f"estimate / measured {ratio} outside 1 +- {ESTIMATE_TOLERANCE}")
+    first_gap = rows[0].get("numerics/first_step_gap") if rows else None
+    if rows and first_gap is None:
+        failed.append("the numerics gate did not run (no numerics/first_step_gap at step 1)")
     return dict(loss=losses[-1] if losses else None, grad_norm=grad_norms[-1] if rows else None,
-                sync_gap=max(gaps) if gaps else None, sync_atol=sync_atol,
+                sync_gap=max(gaps) if gaps else None, sync_atol=sync_atol, first_gap=first_gap,
                 estimate_gib=max(estimate.get("train", 0), estimate.get("logprobs", 0)) or None,
                 training_gib=memory.get("training_gib"), estimate_vs_training=ratio,
                 failed=failed)
@@ -369,14 +372,14 @@ def _fmt(value, digits=3) -> str:
 
 
 def table(results: List[dict]) -> str:
-    lines = ["| case | result | s | loss | grad norm | sync gap (tol) | estimate / measured GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | result | s | loss | grad norm | sync gap (tol) | first-step gap "
+             "| estimate / measured GiB |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         memory = (f"{_fmt(r['estimate_gib'])} / {_fmt(r['training_gib'])} = "
                   f"{_fmt(r['estimate_vs_training'])}")
         lines.append(f"| {r['case']} | {'; '.join(r['failed']) or 'pass'} | {r['seconds']:.0f} | "
                      f"{_fmt(r['loss'])} | {_fmt(r['grad_norm'])} | {_fmt(r['sync_gap'])} "
-                     f"({r['sync_atol']}) | {memory} |")
+                     f"({r['sync_atol']}) | {_fmt(r.get('first_gap'))} | {memory} |")
     return "\n".join(lines)
 
 

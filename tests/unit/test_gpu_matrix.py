@@ -135,7 +135,7 @@ def _rows(**changes):
     row = {"loss/policy": 0.01, "grad_norm": 0.5, "sync/logprob_abs_diff_mean": 0.02,
            "memory/train_peak_gib": 12.0, "memory/logprobs_peak_gib": 11.0,
            "memory/engine_asleep_gib": 2.0}
-    return [row, dict(row, **changes)]
+    return [dict(row, **{"numerics/first_step_gap": 0.01}), dict(row, **changes)]
 
 
 ESTIMATE = {"train": 10.5, "logprobs": 9.0}   # measured training: 12 - 2 = 10 GiB
@@ -146,6 +146,7 @@ def test_verdict_passes_a_good_run():
     assert result["failed"] == []
     assert result["estimate_vs_training"] == pytest.approx(1.05)
     assert result["sync_gap"] == 0.02 and result["training_gib"] == 10.0
+    assert result["first_gap"] == 0.01
 
 
 @pytest.mark.parametrize("returncode, rows, atol, estimate, reason", [
@@ -159,8 +160,10 @@ def test_verdict_passes_a_good_run():
     (0, _rows(), 0.05, {"train": 12.0}, "estimate / measured 1.2"),
     (0, _rows(), 0.05, {}, "estimate / measured None"),
     (0, [dict(r, grad_norm=0.0) for r in _rows()], 0.05, ESTIMATE, "nothing trained"),
+    (0, [{k: v for k, v in r.items() if not k.startswith("numerics/")} for r in _rows()], 0.05,
+     ESTIMATE, "the numerics gate did not run"),
 ], ids=["exit", "batches", "nan-loss", "inf-grad", "gap", "no-check", "estimate", "no-dry-run",
-        "no-gradient"])
+        "no-gradient", "no-gate"])
 def test_verdict_fails_each_check(returncode, rows, atol, estimate, reason):
     assert any(reason in f for f in matrix.verdict(returncode, rows, estimate, atol)["failed"])
 
