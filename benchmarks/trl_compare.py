@@ -14,6 +14,19 @@ hitting 256. `--eos_context grid_world` calibrates that EOS on the grid-world en
 observations instead of the math prompts (for ours with `--use_gym_env`: multi-turn episodes whose
 turns end before the length limit, so that they get a second turn).
 
+TRL runs in two settings in the same command (`--trl_settings`, both by default): `defaults`,
+GRPOConfig as TRL ships it (gradient checkpointing on), and `fastest`, the fastest setting that
+fits the GPU: `gradient_checkpointing=False` plus what `--trl_fastest` adds (a JSON object of
+GRPOConfig fields, e.g. '{"use_liger_kernel": true}' where liger-kernel is installed: say in
+the results which were tried). The ratio lines compare ours with each; the `headline` line is
+the ratio against `fastest`.
+
+Both tools' memory is read the same two ways: torch's counter in the tool's process
+(`torch_peak_gib`: ours its `perf/max_memory_allocated_gib`, TRL `torch.cuda.max_memory_allocated`)
+and the device's used memory as NVML reports it, sampled every 0.2 s by this process while the
+tool runs, less what was in use before it started (`device_peak_gib`: vLLM's own allocations
+included, whatever allocator made them).
+
 Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
 of rollout batches k-1 and k. The averages leave out the first `--warmup_batches` batches (default
 1: the first batch holds the start-up).
@@ -26,6 +39,7 @@ line with the ratios.
 
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5 --variable_length
+    python benchmarks/trl_compare.py --trl_settings fastest --trl_fastest '{"use_liger_kernel": true}'
     python benchmarks/trl_compare.py --tool ours -- --train_type lora   # extra megatron rlhf flags
     python benchmarks/trl_compare.py --nproc 2   # data parallel over 2 GPUs, twice the work
     python benchmarks/trl_compare.py --variant 8k="--max_tokens_per_micro_batch 8192" \
@@ -52,6 +66,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +77,8 @@ PROMPTS, GENERATIONS, MICRO, GLOBAL, STEPS_PER_ROLLOUT = 16, 8, 8, 64, 2
 SETTINGS = dict(beta=0.04, temperature=1.0, lr=1e-6, gpu_memory_utilization=0.3)
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 EOS_PROBABILITY = 1 / 64
+# GRPOConfig fields over TRL's defaults per setting (--trl_fastest adds to `fastest`)
+TRL_SETTINGS = {"defaults": {}, "fastest": {"gradient_checkpointing": False}}
 
 
 def emit(**fields) -> None:
@@ -174,7 +191,8 @@ def run_ours(a, model: str, dataset: str, label: str = "ours", extra: list = ())
     cmd = ours_command(a, model, dataset, out, list(extra))
     env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE=str(a.nproc))
     estimate = memory_estimate(cmd, env)
-    subprocess.run(cmd, check=True, env=env)
+    with DevicePeak() as device:
+        subprocess.run(cmd, check=True, env=env)
     with open(os.path.join(out, "logging.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     walls = batch_walls([row["time"] for row in rows])
@@ -183,8 +201,9 @@ def run_ours(a, model: str, dataset: str, label: str = "ours", extra: list = ())
              **{key: round(value, 4) for key, value in row.items()
                 if key in PHASE_KEYS or key.startswith("memory/")})
     walls, later = measured(walls, a.warmup_batches), measured(rows[1:], a.warmup_batches)
-    summary = dict(wall_s=statistics.mean(walls),
-                   peak_gib=max(r.get("perf/max_memory_allocated_gib") or 0 for r in rows),
+    peak = max(r.get("perf/max_memory_allocated_gib") or 0 for r in rows)
+    summary = dict(wall_s=statistics.mean(walls), peak_gib=peak, torch_peak_gib=peak,
+                   device_peak_gib=device.peak_gib,
                    completion_tokens=statistics.mean(r["rollout/completion_tokens"] for r in later))
     summary.update({key: statistics.mean(r[key] for r in later) for key in PHASE_KEYS
                     if all(r.get(key) is not None for r in later)})
@@ -241,7 +260,7 @@ def train_tflops(model_dir: str, tokens_per_s) -> float:
 
 # ---- TRL --------------------------------------------------------------------------------------
 
-def trl_command(a, model: str, dataset: str) -> list:
+def trl_command(a, model: str, dataset: str, setting: str = "defaults") -> list:
     """The TRL worker's command line, under torchrun with --nproc > 1. The worker takes its
     world size from torchrun's WORLD_SIZE: an option named like one of torchrun's own (`--nproc`)
     anywhere on its line is refused by torchrun as ambiguous (seen on 2 GPUs)."""
@@ -250,23 +269,76 @@ def trl_command(a, model: str, dataset: str) -> list:
     return [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
             "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
             str(a.rollout_batches), "--completion_length", str(a.completion_length),
-            "--sleep_level", str(a.sleep_level)]
+            "--sleep_level", str(a.sleep_level), "--trl_setting", setting,
+            "--trl_config", json.dumps(trl_overrides(a, setting))]
 
 
-def run_trl(a, model: str, dataset: str) -> dict:
-    log = os.path.join(a.work_dir, "trl_steps.jsonl")
+def trl_overrides(a, setting: str) -> dict:
+    """The GRPOConfig fields `setting` changes from TRL's defaults."""
+    extra = json.loads(getattr(a, "trl_fastest", None) or "{}") if setting == "fastest" else {}
+    return {**TRL_SETTINGS[setting], **extra}
+
+
+def run_trl(a, model: str, dataset: str, setting: str = "defaults") -> dict:
+    log = trl_log(a.work_dir, setting)
     if os.path.exists(log):
         os.remove(log)
-    subprocess.run(trl_command(a, model, dataset), check=True)
+    with DevicePeak() as device:
+        subprocess.run(trl_command(a, model, dataset, setting), check=True)
     with open(log) as f:
         steps = [json.loads(line) for line in f]
     ends = [s for s in steps if s["step"] % STEPS_PER_ROLLOUT == 0]
     walls = batch_walls([end["time"] for end in ends])
+    tool = f"trl_{setting}"
     for k, (end, wall) in enumerate(zip(ends[1:], walls), start=2):
-        emit(name="rollout_batch", tool="trl", batch=k, wall_s=round(wall, 3),
+        emit(name="rollout_batch", tool=tool, batch=k, wall_s=round(wall, 3),
              peak_gib=round(end["peak_gib"], 2), completion_length_mean=end["completion_length_mean"])
-    return dict(wall_s=statistics.mean(measured(walls, a.warmup_batches)),
-                peak_gib=max(s["peak_gib"] for s in ends))
+    peak = max(s["peak_gib"] for s in ends)
+    return dict(wall_s=statistics.mean(measured(walls, a.warmup_batches)), peak_gib=peak,
+                torch_peak_gib=peak, device_peak_gib=device.peak_gib,
+                config=trl_overrides(a, setting))
+
+
+def trl_log(work_dir: str, setting: str) -> str:
+    return os.path.join(work_dir, f"trl_steps_{setting}.jsonl")
+
+
+class DevicePeak:
+    """The largest device memory in use (NVML, all processes) while the block runs, less what
+    was in use when it began, in GiB (`peak_gib`; None where NVML cannot be read)."""
+
+    def __init__(self, interval_s: float = 0.2):
+        self.interval_s, self.peak_gib = interval_s, None
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self._base = device_used_gib()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        top = None
+        while not self._stop.wait(self.interval_s):
+            used = device_used_gib()
+            top = used if top is None or (used is not None and used > top) else top
+        if top is not None and self._base is not None:
+            self.peak_gib = top - self._base
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def device_used_gib():
+    """GPU 0's used memory as NVML reports it (nvidia-smi), None without a GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
+                              "nounits", "--id=0"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 and out.stdout.strip() \
+        else None
 
 
 def batch_walls(ends: list) -> list:
@@ -304,7 +376,7 @@ def trl_worker(a) -> None:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return accuracy(texts, solution=solution)
 
-    log = os.path.join(a.work_dir, "trl_steps.jsonl")
+    log = trl_log(a.work_dir, a.trl_setting)
 
     class Timer(TrainerCallback):
         length = None
@@ -333,7 +405,7 @@ def trl_worker(a) -> None:
         vllm_gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
         vllm_importance_sampling_correction=False,  # ours has no importance correction here
         max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
-        save_strategy="no", seed=42)
+        save_strategy="no", seed=42, **json.loads(a.trl_config))
     trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[accuracy_reward], args=config,
                           train_dataset=data, callbacks=[Timer()])
     trainer.train()
@@ -359,10 +431,17 @@ def main():
                         help="vLLM's sleep level for both tools (issue 10's setup: 1; TRL's own "
                              "default and ms-swift's scripts: 2)")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs, data parallel")
+    parser.add_argument("--trl_settings", nargs="+", default=list(TRL_SETTINGS),
+                        choices=list(TRL_SETTINGS), help="TRL's settings to run (both: one "
+                        "command, the same machine)")
+    parser.add_argument("--trl_fastest", default="{}",
+                        help="a JSON object of GRPOConfig fields the `fastest` setting adds")
     parser.add_argument("--work_dir", default="/tmp/trl_compare")
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
     parser.add_argument("--dataset_path", help=argparse.SUPPRESS)
+    parser.add_argument("--trl_setting", default="defaults", help=argparse.SUPPRESS)
+    parser.add_argument("--trl_config", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
                         help="run ours again with these extra flags (repeatable)")
     parser.add_argument("rlhf_args", nargs="*")
@@ -378,13 +457,31 @@ def main():
     for tool in ("trl", "ours") if a.trl_first else ("ours", "trl"):
         if a.tool in ("both", tool):
             (run_all_ours if tool == "ours" else run_trl_once)(a, model, dataset, results)
-    if "trl" in results:
-        trl = results["trl"]
-        for label, ours in results.items():
-            if label != "trl":
-                emit(name="ratio", tool=label, variable_length=a.variable_length, nproc=a.nproc,
-                     speedup_vs_trl=round(trl["wall_s"] / ours["wall_s"], 3),
-                     memory_vs_trl=round(ours["peak_gib"] / trl["peak_gib"], 3))
+    emit_ratios(a, results)
+
+
+def emit_ratios(a, results: dict) -> None:
+    """A ratio line per run of ours and TRL setting; `headline`: ours against TRL's fastest
+    setting (the slowest of those run when `fastest` was not)."""
+    trls = {label: r for label, r in results.items() if label.startswith("trl_")}
+    ours = {label: r for label, r in results.items() if not label.startswith("trl_")}
+    for label, mine in ours.items():
+        for trl_label, trl in trls.items():
+            emit(name="ratio", tool=label, baseline=trl_label, variable_length=a.variable_length,
+                 nproc=a.nproc, **ratios(mine, trl))
+    if "ours" in ours and trls:
+        best = trls.get("trl_fastest") or min(trls.values(), key=lambda r: r["wall_s"])
+        emit(name="headline", baseline="trl_fastest" if "trl_fastest" in trls else "trl",
+             **ratios(ours["ours"], best))
+
+
+def ratios(mine: dict, trl: dict) -> dict:
+    """Speed (TRL's wall over ours) and memory (ours over TRL's), by each measure both have."""
+    found = {"speedup_vs_trl": round(trl["wall_s"] / mine["wall_s"], 3),
+             "memory_vs_trl": round(mine["peak_gib"] / trl["peak_gib"], 3)}
+    if mine.get("device_peak_gib") and trl.get("device_peak_gib"):
+        found["device_memory_vs_trl"] = round(mine["device_peak_gib"] / trl["device_peak_gib"], 3)
+    return found
 
 
 def run_all_ours(a, model: str, dataset: str, results: dict) -> None:
@@ -400,9 +497,16 @@ def run_all_ours(a, model: str, dataset: str, results: dict) -> None:
 
 
 def run_trl_once(a, model: str, dataset: str, results: dict) -> None:
-    results["trl"] = run_trl(a, model, dataset)
-    emit(name="summary", tool="trl", nproc=a.nproc, warmup_batches=a.warmup_batches,
-         **rounded(results["trl"]))
+    """Each of --trl_settings, into `results` as trl_<setting>, a summary line each."""
+    for setting in a.trl_settings:
+        label = f"trl_{setting}"
+        try:
+            results[label] = run_trl(a, model, dataset, setting)
+        except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
+            emit(name="failed", tool=label, returncode=exc.returncode)
+            continue
+        emit(name="summary", tool=label, nproc=a.nproc, warmup_batches=a.warmup_batches,
+             **rounded(results[label]))
 
 
 def parse_variant(text: str) -> tuple:

@@ -19,8 +19,8 @@ def test_the_trl_worker_line_parses_under_torchrun(nproc):
     from torch.distributed.run import get_args_parser
 
     a = argparse.Namespace(nproc=nproc, work_dir="/w", rollout_batches=4, completion_length=256,
-                           sleep_level=2)
-    cmd = trl_compare.trl_command(a, "/m", "/d.jsonl")
+                           sleep_level=2, trl_fastest='{"use_liger_kernel": true}')
+    cmd = trl_compare.trl_command(a, "/m", "/d.jsonl", "fastest")
     worker = cmd[cmd.index(os.path.abspath(trl_compare.__file__)):]
     if nproc == 1:
         assert cmd[1:] == worker
@@ -31,21 +31,33 @@ def test_the_trl_worker_line_parses_under_torchrun(nproc):
     assert [parsed.training_script, *parsed.training_script_args] == worker
     assert "--trl_worker" in worker and "--nproc" not in worker
     assert worker[worker.index("--sleep_level") + 1] == "2"   # both tools at one level
+    assert worker[worker.index("--trl_setting") + 1] == "fastest"
+    assert json.loads(worker[worker.index("--trl_config") + 1]) == {
+        "gradient_checkpointing": False, "use_liger_kernel": True}
 
 
-@pytest.mark.parametrize("trl_first, order", [(False, ["ours", "wide", "trl"]),
-                                              (True, ["trl", "ours", "wide"])])
+def test_trl_settings_defaults_and_fastest():
+    a = argparse.Namespace(trl_fastest="{}")
+    assert trl_compare.trl_overrides(a, "defaults") == {}
+    assert trl_compare.trl_overrides(a, "fastest") == {"gradient_checkpointing": False}
+
+
+@pytest.mark.parametrize("trl_first, order", [
+    (False, ["ours", "wide", "trl_defaults", "trl_fastest"]),
+    (True, ["trl_defaults", "trl_fastest", "ours", "wide"])])
 def test_trl_first_swaps_the_order_and_keeps_the_ratios(monkeypatch, capsys, tmp_path,
                                                         trl_first, order):
     ran = []
 
     def ours(a, model, dataset, label, extra):
         ran.append(label)
-        return {"wall_s": 2.0 if label == "ours" else 4.0, "peak_gib": 30.0}
+        return {"wall_s": 2.0 if label == "ours" else 4.0, "peak_gib": 30.0,
+                "device_peak_gib": 45.0}
 
-    def trl(a, model, dataset):
-        ran.append("trl")
-        return {"wall_s": 8.0, "peak_gib": 40.0}
+    def trl(a, model, dataset, setting):
+        ran.append(f"trl_{setting}")
+        return {"wall_s": 8.0 if setting == "defaults" else 5.0, "peak_gib": 40.0,
+                "device_peak_gib": 60.0 if setting == "defaults" else 50.0}
 
     monkeypatch.setattr(trl_compare, "prepare", lambda a: ("/m", "/d.jsonl"))
     monkeypatch.setattr(trl_compare, "run_ours", ours)
@@ -55,25 +67,34 @@ def test_trl_first_swaps_the_order_and_keeps_the_ratios(monkeypatch, capsys, tmp
                                       *(["--trl_first"] if trl_first else [])])
     trl_compare.main()
     assert ran == order
-    lines = [line for line in capsys.readouterr().out.splitlines() if '"ratio"' in line]
-    assert [(r["tool"], r["speedup_vs_trl"], r["memory_vs_trl"]) for r in map(json.loads, lines)] \
-        == [("ours", 4.0, 0.75), ("wide", 2.0, 0.75)]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ratios = [(r["tool"], r["baseline"], r["speedup_vs_trl"], r["memory_vs_trl"],
+               r["device_memory_vs_trl"]) for r in lines if r["name"] == "ratio"]
+    assert ratios == [("ours", "trl_defaults", 4.0, 0.75, 0.75),
+                      ("ours", "trl_fastest", 2.5, 0.75, 0.9),
+                      ("wide", "trl_defaults", 2.0, 0.75, 0.75),
+                      ("wide", "trl_fastest", 1.25, 0.75, 0.9)]
+    headline, = [r for r in lines if r["name"] == "headline"]
+    assert (headline["baseline"], headline["speedup_vs_trl"]) == ("trl_fastest", 2.5)
 
 
 @pytest.mark.parametrize("warmup, mean", [(1, 7.0), (2, 5.5), (3, 6.0)])
 def test_warmup_batches_leave_the_first_batches_out(monkeypatch, capsys, tmp_path, warmup, mean):
     """Rollout batches ending at 10, 20, 25, 31 s: walls 10, 5, 6 s for batches 2-4."""
     def fake_trl(cmd, check):
-        with open(tmp_path / "trl_steps.jsonl", "w") as f:
+        with open(tmp_path / "trl_steps_defaults.jsonl", "w") as f:
             for step, end in zip(range(1, 9), [5, 10, 15, 20, 22, 25, 28, 31]):
                 f.write(json.dumps(dict(step=step, time=end, peak_gib=float(step),
                                         completion_length_mean=9.0)) + "\n")
 
     monkeypatch.setattr(trl_compare.subprocess, "run", fake_trl)
+    monkeypatch.setattr(trl_compare, "device_used_gib", lambda: None)   # no GPU here
     a = argparse.Namespace(nproc=1, work_dir=str(tmp_path), rollout_batches=4,
-                           completion_length=256, sleep_level=1, warmup_batches=warmup)
+                           completion_length=256, sleep_level=1, warmup_batches=warmup,
+                           trl_fastest="{}")
     result = trl_compare.run_trl(a, "/m", "/d.jsonl")
-    assert result == {"wall_s": mean, "peak_gib": 8.0}
+    assert result == {"wall_s": mean, "peak_gib": 8.0, "torch_peak_gib": 8.0,
+                      "device_peak_gib": None, "config": {}}
     batches = [json.loads(line)["batch"] for line in capsys.readouterr().out.splitlines()]
     assert batches == [2, 3, 4]   # every batch is still printed
 
@@ -86,3 +107,13 @@ def test_warmup_batches_must_leave_a_batch(monkeypatch, capsys, warmup):
         trl_compare.main()
     assert exc.value.code == 2
     assert "--warmup_batches" in capsys.readouterr().err
+
+
+def test_device_peak_is_the_largest_sample_over_the_start(monkeypatch):
+    """NVML samples 10 (at the start), 30, 52, 41 GiB: the block's peak is 42 GiB."""
+    samples = iter([10.0, 30.0, 52.0, 41.0])
+    monkeypatch.setattr(trl_compare, "device_used_gib", lambda: next(samples, 41.0))
+    with trl_compare.DevicePeak(interval_s=0.01) as device:
+        import time
+        time.sleep(0.2)
+    assert device.peak_gib == 42.0
