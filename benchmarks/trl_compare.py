@@ -9,8 +9,9 @@ beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode 
 --vllm_gpu_memory_utilization 0.3.
 With --variable_length the model's EOS logit is raised (its output row set along the mean final
 hidden state of its own sampled continuations of the prompts, scaled so that EOS takes about
-1/64 of the probability there) and completion lengths spread over 1..256 tokens instead of all
-hitting 256. `--eos_context grid_world` calibrates that EOS on the grid-world environment's first
+1/64 (`--eos_probability`) of the probability there) and completion lengths spread over 1..256
+tokens instead of all hitting 256; reasoning-length completions: `--completion_length 4096
+--variable_length --eos_probability 0.002` (most short, a long tail). `--eos_context grid_world` calibrates that EOS on the grid-world environment's first
 observations instead of the math prompts (for ours with `--use_gym_env`: multi-turn episodes whose
 turns end before the length limit, so that they get a second turn).
 
@@ -151,7 +152,7 @@ def prepare(a) -> tuple:
             with open(dataset) as f:
                 prompts = [json.loads(line)["messages"] for line in f][:32]
         emit(name="eos_raised", context=a.eos_context,
-             probability=round(raise_eos(model, prompts), 4))
+             probability=round(raise_eos(model, prompts, a.eos_probability), 4))
     return model, dataset
 
 
@@ -422,6 +423,10 @@ def main():
                              "fewer than --rollout_batches)")
     parser.add_argument("--completion_length", type=int, default=256)
     parser.add_argument("--variable_length", action="store_true")
+    parser.add_argument("--eos_probability", type=float, default=EOS_PROBABILITY,
+                        help="--variable_length: EOS's probability per token (lengths about "
+                             "geometric, mean 1/p: 1/512 with --completion_length 4096 gives "
+                             "reasoning-like lengths, median ~355, 1%% past ~2360)")
     parser.add_argument("--eos_context", default="dataset", choices=["dataset", "grid_world"],
                         help="--variable_length: the prompts the EOS is calibrated on")
     parser.add_argument("--tool", default="both", choices=["both", "ours", "trl"])
