@@ -102,6 +102,11 @@ class RolloutArguments:
                                              f"Default: ${API_KEY_ENV} when set.")
     vllm_server_timeout: float = arg(240.0, "Server mode: seconds to wait for the servers at "
                                      "start (health poll) and for each request.")
+    weight_sync_timeout: Optional[float] = arg(
+        None, "Seconds a weight sync may take before the run ends with an error naming the step, "
+        "the bucket and the rollout server (a dead or frozen peer would hang it); 0: no limit. "
+        "Default 600, plus --vllm_server_timeout in server mode (a sync may wait that long for "
+        "another trainer's communicator).")
     weight_sync_bucket_mb: int = arg(512, "Weight sync: bucket size in MiB (tensors are loaded, "
                                      "or broadcast to servers, one bucket at a time).")
     check_weight_sync: bool = arg(False, "After each weight sync, sample a few completions of "
@@ -139,6 +144,7 @@ class RolloutArguments:
             raise UserError("--weight_sync_bucket_mb must be >= 1")
         if self.vllm_server_timeout <= 0:
             raise UserError("--vllm_server_timeout must be > 0")
+        self._resolve_sync_timeout()
         self.vllm_server_api_key = api_key("--vllm_server_api_key", self.vllm_server_api_key)
         if self.vllm_mode == "server" and not self.vllm_server_host:
             self.vllm_server_host = ["127.0.0.1"]
@@ -148,6 +154,19 @@ class RolloutArguments:
                             f"({len(hosts)} hosts, {len(ports)} ports)")
         if any(not 0 < p < 65536 for p in ports):
             raise UserError(f"--vllm_server_port: ports must be in 1..65535, got {ports}")
+
+    def _resolve_sync_timeout(self) -> None:
+        """--weight_sync_timeout's default, and a limit shorter than a sync may wait refused."""
+        server = self.vllm_mode == "server"
+        if self.weight_sync_timeout is None:
+            self.weight_sync_timeout = 600.0 + (self.vllm_server_timeout if server else 0.0)
+        if self.weight_sync_timeout < 0:
+            raise UserError("--weight_sync_timeout must be >= 0 (0: no limit)")
+        if server and 0 < self.weight_sync_timeout <= self.vllm_server_timeout:
+            raise UserError(f"--weight_sync_timeout {self.weight_sync_timeout:g} must exceed "
+                            f"--vllm_server_timeout {self.vllm_server_timeout:g} in server mode "
+                            "(a sync may wait that long for another trainer's communicator), "
+                            "or be 0 (no limit)")
 
     def _hosts_from_base_urls(self) -> None:
         if self.vllm_server_host:

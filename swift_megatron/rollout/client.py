@@ -156,6 +156,7 @@ class ServerEngine:
         self.timeout = timeout
         self.weight_version = 0
         self.weights_discarded = False
+        self.sync_position = "the weight sync to the rollout servers"
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if distributed else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -197,6 +198,7 @@ class ServerEngine:
             self.lease.hold(server, token, info["lease_s"])
 
     def _open_communicator(self, server: "ServerConnection"):
+        self.sync_position = f"opening the weight-sync communicator with {server.address}"
         info = self._reserve(server)
         if info["backend"] == "nccl" and self.device.type != "cuda":
             raise UserError(f"rollout server {server.address} runs on CUDA (NCCL weight sync) but "
@@ -304,23 +306,29 @@ class ServerEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         if self.rank != 0:
+            self.sync_position = f"rank {self.rank} exporting its share (rank 0 sends to the " \
+                                 "rollout servers)"
             for _ in named_tensors:  # the export stream is collective: drain it
                 pass
         else:
             if not self.communicators:
                 self.open_communicators()
-            for bucket, last in iter_buckets(named_tensors, self.bucket_bytes):
-                self._push_bucket(bucket, last)
+            for index, (bucket, last) in enumerate(iter_buckets(named_tensors, self.bucket_bytes)):
+                self._push_bucket(bucket, last, index)
         self.weight_version += 1
 
-    def _push_bucket(self, bucket, last: bool) -> None:
+    def _push_bucket(self, bucket, last: bool, index: int = 0) -> None:
         device = self.communicators[0][0].device
         specs, flat = pack(bucket, device)
         meta = {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
                 "shapes": [list(s.shape) for s in specs], "last": last}
+        what = f"bucket {index} ({len(specs)} tensors, {specs[0].name} .. {specs[-1].name})"
         for server, (_, _, token, _) in zip(self.servers, self.communicators):
+            self.sync_position = f"announcing {what} to rollout server {server.address}"
             server.request("/update_weights", dict(meta, token=token), idempotent=False)
-        for comm, client_rank, _, _ in self.communicators:
+        for server, (comm, client_rank, _, _) in zip(self.servers, self.communicators):
+            self.sync_position = f"broadcasting {what} to rollout server {server.address}'s " \
+                                 "replicas"
             comm.broadcast(flat, client_rank)
 
     # ---- the rest of the protocol ----------------------------------------------------------

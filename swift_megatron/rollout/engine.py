@@ -50,6 +50,7 @@ class RolloutEngine(Protocol):
     weight_version: int
     weights_discarded: bool   # True while the engine holds no weights (a sleep of the colocate
                               # engine that discarded them since the last update_weights)
+    sync_position: str        # where a running update_weights is (the sync watchdog's message)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seeds: Optional[Sequence[int]] = None,

@@ -77,6 +77,7 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.weight_version = 0
         self.weights_discarded = False
+        self.sync_position = "loading the weights into the embedded transformers engine"
         self.image_token_id = getattr(config, "image_token_id", None)
         self._params = dict(self.model.named_parameters())
 

@@ -123,6 +123,7 @@ class ColocateEngine:
         self.settings = settings
         self.eos = list(eos_token_ids)
         self.weight_version = 0
+        self.sync_position = "loading the weights into the colocated vLLM engine"
         if settings.tensor_parallel_size > 1 and not dist.is_initialized():
             raise UserError("--vllm_tensor_parallel_size > 1 in colocate mode needs the training "
                             "processes (launch with NPROC_PER_NODE)")

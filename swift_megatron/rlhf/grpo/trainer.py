@@ -45,6 +45,7 @@ from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.profile import maybe_profile, measure_phase
@@ -81,6 +82,7 @@ class GRPOTrainer:
         self.engine = build.engine(args, self.state, self.policy, self.tokenizer,
                                    self.train_prompts + self.val_prompts)
         self.sync_filter, self.synced = build.sync_filter(args, self.policy), False
+        self.sync_watchdog = Watchdog(args.rollout.weight_sync_timeout)
         frozen = (self.reference.frozen or []) + (self.teacher.chunks if self.teacher else [])
         self.offloaders = build.offloaders(args, self.state, self.policy, frozen)
         self.reward_funcs = build.rewards(args, self.state.device)
@@ -375,7 +377,9 @@ class GRPOTrainer:
         tensors = self.policy.bridge.export(self.policy.chunks)
         if self.synced and self.sync_filter is not None:   # every rank runs the whole export
             tensors = ((name, t) for name, t in tensors if self.sync_filter(name))
-        self.engine.update_weights(tensors)
+        with self.sync_watchdog.watch(
+                lambda: f"the weight sync after step {self.step}: {self.engine.sync_position}"):
+            self.engine.update_weights(tensors)
         self.synced = True
 
     @torch.no_grad()
