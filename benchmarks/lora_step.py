@@ -2,7 +2,7 @@
 megatron DDP, optimizer and forward_backward (the GRPO trainer's step path), next-token
 cross-entropy on random tokens through the trainer's output head (model/head.py: chunked
 logprobs; megatron's logits path made LoRA's frozen output layer run one product per position,
-96 ms of GPU time a step on an H200, twelfth session). One JSON line per mode and one with the
+96 ms of GPU time a step on an H200, 2026-11-27). One JSON line per mode and one with the
 ratio LoRA / full (issue: a LoRA step should be no slower than a full one). The layers'
 elementwise nodes run as the trainer runs them: compiled on CUDA (model/compiled.py;
 SWIFT_MEGATRON_COMPILE_LAYERS=0 / 1 sets both modes). `--profile DIR`

@@ -18,7 +18,7 @@ What differs, and how it is handled here:
   lists, the sampled token first at each position) instead of a dict and a `Logprob` object per
   token: 32k tokens per rollout batch made 64k Python objects; vLLM's per-token logprob
   bookkeeping, those objects included, took about 9% of the rollout phase's host samples on an
-  H200 (docs/gpu.md, fourteenth session).
+  H200 (measured 2026-11-27).
 - Reaching the model: `worker.model_runner.get_model()` (both releases; unwraps CUDA graphs).
 - Loading weights: for a dense model on CUDA, `model.load_weights(bucket)` writes into the
   live parameters (the kernels use them as loaded). Where vLLM transforms weights after

@@ -40,7 +40,7 @@
 #   profile         ours alone on the trl_compare setup, the 3rd rollout batch under the torch
 #                   profiler ($OUT/profile/profile_rank0.txt, training/profile.py)
 #   profile_varlen  the same with spread lengths and $BOTH: the 3rd batch, the slow one of both
-#                   trl_varlen_both runs in the eighteenth session
+#                   trl_varlen_both runs
 # Two GPUs (nvidia-h200-x2):
 #   trl_compare_2gpu  trl_compare data-parallel over 2 GPUs, twice the work (weak scaling)
 #   lora_scaling      ours with --train_type lora on the trl_compare setup, 1 GPU then 2 GPUs
@@ -146,7 +146,7 @@ BOTH="--offload_ref_model true --recompute_granularity full --recompute_method b
 --recompute_num_layers 21"   # 2x TRL's speed at no more than its memory (head_block, trl_both)
 PYSPY=$(command -v py-spy || echo "$PWD/.pyspy/py-spy")   # host_profile*
 STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
-# for a few batches, whichever tool it is (twelfth session): average batches 3-6 (trl_both*)
+# for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1)
     local work=/tmp/grpo_server port=8011 model pid status=0 extra

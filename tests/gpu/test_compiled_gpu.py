@@ -7,7 +7,7 @@ compiled kernels really ran.
     python -m pytest tests/gpu/test_compiled_gpu.py -q -s
 
 The CPU counterpart is tests/unit/test_compiled.py (Inductor's CPU backend). Passed on an H200
-(docs/gpu.md, sixteenth session).
+(2026-11-27).
 """
 import pytest
 import torch

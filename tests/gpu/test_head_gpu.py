@@ -5,7 +5,7 @@ log-softmax, autograd's gradients. 4096 tokens, hidden 1536, a 151,936-row vocab
 
     python -m pytest tests/gpu/test_head_gpu.py -q -s
 
-Passed on an H200 (2026-11-27, docs/gpu.md twelfth session); the CPU counterparts are
+Passed on an H200 (2026-11-27); the CPU counterparts are
 tests/distributed/test_logprobs_tp.py (float64, TP=1/2, SP, compiled).
 """
 import pytest

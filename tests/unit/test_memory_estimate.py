@@ -57,7 +57,7 @@ def test_lora_dropout_keeps_masks_and_a_dropped_attention_output():
 
 
 def test_tp2_estimate_matches_the_gpu_measurement():
-    """Training memory measured on an H200 (docs/gpu.md, 2026-11-26 fourth session: GRPO at
+    """Training memory measured on an H200 (2026-11-26: GRPO at
     TP=2 without sequence parallelism on 2 GPUs, Qwen2.5-1.5B shape, 8k-token micro-batches,
     the peak of the logprob and train phases less the sleeping engine): full 27.46 GiB (with its
     reference copy), LoRA with dropout 0.05 16.67 GiB. The output layer then still kept the
@@ -83,8 +83,8 @@ def test_tp2_estimate_matches_the_gpu_measurement():
           reference_copy=False, reference_offloaded=True), "train", 31.33),
 ], ids=["8k", "recompute", "recompute-offload-ref", "its-logprob-phase", "block-21"])
 def test_one_gpu_estimate_matches_the_gpu_measurement(flags, phase, measured):
-    """Per-phase memory of the trl_compare runs on one H200 with the chunked head (docs/gpu.md,
-    2026-11-27 tenth session; Qwen2.5-1.5B shape, 8k-token micro-batches, full parameters, the
+    """Per-phase memory of the trl_compare runs on one H200 with the chunked head (2026-11-27;
+    Qwen2.5-1.5B shape, 8k-token micro-batches, full parameters, the
     phase's peak less the sleeping engine's 41.7 GiB): within 5%."""
     from swift_megatron.fixtures.shapes import REAL_SHAPES
 
