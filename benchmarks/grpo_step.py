@@ -36,6 +36,7 @@ PRESETS = {
     "qwen2.5-0.5b": REAL_SHAPES["qwen2.5-0.5b"],
     "qwen2.5-1.5b": REAL_SHAPES["qwen2.5-1.5b"],
     "qwen3-1.7b": REAL_SHAPES["qwen3-1.7b"],
+    "qwen3-8b": REAL_SHAPES["qwen3-8b"],
     # built as Qwen3_5ForConditionalGeneration (text stack of this shape, a tiny vision tower)
     "qwen3.5-9b-4l": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5"),
     # Qwen3.5-35B-A3B's layer shape with 8 layers (64 experts, 8 active, a shared expert)

@@ -41,6 +41,7 @@ line with the ratios.
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5 --variable_length
     python benchmarks/trl_compare.py --trl_settings fastest --trl_fastest '{"use_liger_kernel": true}'
+    python benchmarks/trl_compare.py --preset qwen3-8b --lora 16   # both tools LoRA (all linears)
     python benchmarks/trl_compare.py --tool ours -- --train_type lora   # extra megatron rlhf flags
     python benchmarks/trl_compare.py --nproc 2   # data parallel over 2 GPUs, twice the work
     python benchmarks/trl_compare.py --variant 8k="--max_tokens_per_micro_batch 8192" \
@@ -80,6 +81,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 EOS_PROBABILITY = 1 / 64
 # GRPOConfig fields over TRL's defaults per setting (--trl_fastest adds to `fastest`)
 TRL_SETTINGS = {"defaults": {}, "fastest": {"gradient_checkpointing": False}}
+LORA_DROPOUT = 0.05
 
 
 def emit(**fields) -> None:
@@ -171,7 +173,14 @@ def ours_command(a, model: str, dataset: str, out: str, extra: list) -> list:
             str(SETTINGS["gpu_memory_utilization"]), "--recompute_granularity", "none",
             "--logging_steps", "1", "--report_to", "none", "--output_dir", out,
             "--add_version", "false", "--save_safetensors", "false", "--no_save_optim", "true",
-            *a.rlhf_args, *extra]
+            *lora_flags(getattr(a, "lora", 0)), *a.rlhf_args, *extra]
+
+
+def lora_flags(rank: int) -> list:
+    """--lora RANK for ours: ms-swift's all-linear targets, alpha 2 x rank, dropout 0.05 (its
+    default; TRL gets the same adapter through peft)."""
+    return [] if not rank else ["--train_type", "lora", "--lora_rank", str(rank), "--lora_alpha",
+                                str(2 * rank), "--lora_dropout", str(LORA_DROPOUT)]
 
 
 def memory_estimate(cmd: list, env: dict) -> dict:
@@ -270,7 +279,8 @@ def trl_command(a, model: str, dataset: str, setting: str = "defaults") -> list:
     return [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
             "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
             str(a.rollout_batches), "--completion_length", str(a.completion_length),
-            "--sleep_level", str(a.sleep_level), "--trl_setting", setting,
+            "--sleep_level", str(a.sleep_level), "--lora", str(getattr(a, "lora", 0)),
+            "--trl_setting", setting,
             "--trl_config", json.dumps(trl_overrides(a, setting))]
 
 
@@ -408,8 +418,18 @@ def trl_worker(a) -> None:
         max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
         save_strategy="no", seed=42, **json.loads(a.trl_config))
     trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[accuracy_reward], args=config,
-                          train_dataset=data, callbacks=[Timer()])
+                          train_dataset=data, callbacks=[Timer()], peft_config=peft_config(a.lora))
     trainer.train()
+
+
+def peft_config(rank: int):
+    """TRL's adapter for --lora RANK: the one lora_flags gives ours."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=LORA_DROPOUT,
+                      target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 # ---- the comparison ---------------------------------------------------------------------------
@@ -436,6 +456,9 @@ def main():
                         help="vLLM's sleep level for both tools (issue 10's setup: 1; TRL's own "
                              "default and ms-swift's scripts: 2)")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs, data parallel")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="both tools train a LoRA adapter of this rank on every linear "
+                             "layer (0: full parameters)")
     parser.add_argument("--trl_settings", nargs="+", default=list(TRL_SETTINGS),
                         choices=list(TRL_SETTINGS), help="TRL's settings to run (both: one "
                         "command, the same machine)")

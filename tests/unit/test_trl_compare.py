@@ -117,3 +117,15 @@ def test_device_peak_is_the_largest_sample_over_the_start(monkeypatch):
         import time
         time.sleep(0.2)
     assert device.peak_gib == 42.0
+
+
+def test_lora_gives_both_tools_the_same_adapter():
+    """--lora 16: ours with ms-swift's LoRA flags, TRL's worker with the rank to build peft's."""
+    a = argparse.Namespace(nproc=1, work_dir="/w", rollout_batches=4, completion_length=256,
+                           sleep_level=1, lora=16, trl_fastest="{}", rlhf_args=["--seed", "1"])
+    ours = trl_compare.ours_command(a, "/m", "/d.jsonl", "/o", [])
+    assert ours[-10:] == ["--train_type", "lora", "--lora_rank", "16", "--lora_alpha", "32",
+                          "--lora_dropout", "0.05", "--seed", "1"]
+    worker = trl_compare.trl_command(a, "/m", "/d.jsonl", "defaults")
+    assert worker[worker.index("--lora") + 1] == "16"
+    assert trl_compare.peft_config(0) is None
