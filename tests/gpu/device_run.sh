@@ -107,6 +107,10 @@
 #                     batches, batches 3-6 averaged (fits one call on a machine where vLLM and
 #                     TRL's wheels are already installed); trl_both_first: TRL first;
 #                     trl_both_long: 8 rollout batches (is the last batch the slow one?)
+#   trl_reasoning     trl_both's flags on reasoning-length completions: up to 4096 tokens, about
+#                     geometric lengths of mean 512 (most short, a long tail); TRL in both settings
+#   trl_lora8b        the Qwen3-8B shape (all 36 layers), both tools LoRA rank 16 on every linear
+#                     layer, ours at the 8k budget; TRL in both settings
 #   compiled_layers   ours with $BOTH, 6 rollout batches, the layers' elementwise math eager
 #                     (SWIFT_MEGATRON_COMPILE_LAYERS=0), then compiled (the default on CUDA)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
@@ -253,6 +257,11 @@ phase() {
         seeds) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-1.5b \
                    --work_dir /tmp/rollout_seeds --prompts 128 --prompt_len 64 --max_tokens 256 \
                    --gpu_memory_utilization 0.3 --repeats 5 --generate_only ;;
+        trl_reasoning) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
+                           --work_dir /tmp/trl_reasoning --completion_length 4096 --variable_length \
+                           --eos_probability 0.002 -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        trl_lora8b) python3 benchmarks/trl_compare.py --preset qwen3-8b --lora 16 $STEADY \
+                        --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \
