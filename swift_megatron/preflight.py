@@ -309,9 +309,16 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
         vision_trainable=t.train_type == "full" and not (args.model.freeze_vit
                                                           and args.model.freeze_aligner),
+        image_patches=max(1, tokens // longest) * _image_patches(args, hf_config),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))
+
+
+def _image_patches(args: RlhfArguments, hf_config: dict) -> int:
+    from swift_megatron.planning.command import image_patches
+
+    return image_patches(args, hf_config)
 
 
 def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:

@@ -6,7 +6,7 @@ user set fixes its choice to the given value. Pure: no torch, no files.
 """
 import dataclasses
 from types import SimpleNamespace
-from typing import Iterator, List, Mapping, Optional, Tuple
+from typing import FrozenSet, Iterator, List, Mapping, Optional, Tuple
 
 from swift_megatron.arguments.batch_plan import BatchInputs, is_valid
 from swift_megatron.errors import UserError
@@ -62,6 +62,7 @@ class Space:
     budgets: Optional[Tuple[Optional[int], ...]]   # None: powers of two x the sequence length
     gpus_per_node: int
     sequence_tokens: int                           # prompt + completion of one sequence
+    fixed: FrozenSet[str] = frozenset()            # the choices the user's flags fixed
 
 
 def divisors(n: int) -> Tuple[int, ...]:

@@ -41,7 +41,7 @@ def gpus_per_node(env: Mapping[str, str] = os.environ) -> int:
     return nproc_per_node(env)
 
 
-def _image_patches(args: RlhfArguments, hf: Mapping) -> int:
+def image_patches(args: RlhfArguments, hf: Mapping) -> int:
     """Vision patches of one sequence: one image at --max_pixels (or MAX_PIXELS); 0 for a
     text model or when neither is given."""
     vision = hf.get("vision_config")
@@ -72,13 +72,17 @@ def make_work(args: RlhfArguments, hf: Mapping, world: int, colocate: bool) -> W
                 logprob_passes=_logprob_passes(args, steps), world=world,
                 gpus_per_node=min(gpus_per_node(), world), colocate=colocate,
                 lora=args.training.uses_lora, micro_batch_size=args.batch.micro_batch_size,
-                image_patches=_image_patches(args, hf))
+                image_patches=image_patches(args, hf))
 
 
 def _choices(args: RlhfArguments, given, options: Tuple, value) -> Tuple:
     """(value,) when the user set one of the flags `given`, else `options`."""
     names = (given,) if isinstance(given, str) else given
     return (value,) if any(n in args.explicit for n in names) else options
+
+
+_FIXED = (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+          ("cp", "context_parallel_size"), ("ep", "expert_model_parallel_size"))
 
 
 def make_space(args: RlhfArguments, hf: Mapping, work: Work, frozen_reference: bool,
@@ -110,7 +114,8 @@ def make_space(args: RlhfArguments, hf: Mapping, work: Work, frozen_reference: b
                                    args.rollout.offload_optimizer) if work.colocate else (False,),
         optimizer_cpu_offload=_choices(args, "optimizer_cpu_offload", cpu_options,
                                        t.optimizer_cpu_offload),
-        budgets=budgets, gpus_per_node=work.gpus_per_node, sequence_tokens=work.sequence_tokens)
+        budgets=budgets, gpus_per_node=work.gpus_per_node, sequence_tokens=work.sequence_tokens,
+        fixed=frozenset(name for name, flag in _FIXED if flag in args.explicit))
 
 
 def make_rules(args: RlhfArguments, hf: Mapping) -> SimpleNamespace:
@@ -164,7 +169,7 @@ def plan_flags(layout: Layout, setting: Setting) -> List[str]:
     granularity = "full" if layout.full_recompute else \
         "selective" if base.recompute_modules else "none"
     flags += ["--recompute_granularity", granularity]
-    if len(setting.space.offload_ref_model) > 1 or layout.offload_ref_model:
+    if base.reference_copy or base.reference_offloaded:      # a frozen reference exists
         flags += ["--offload_ref_model", word(layout.offload_ref_model)]
     if setting.work.colocate:
         flags += ["--offload_optimizer", word(layout.offload_optimizer)]

@@ -10,7 +10,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from swift_megatron.arguments.batch_plan import BatchInputs
 from swift_megatron.errors import UserError
 from swift_megatron.model.memory import GIB, RunShape, estimate, rank_parameters
-from swift_megatron.planning.candidates import Layout, Space, layouts, structures
+from swift_megatron.planning.candidates import Layout, Space, divisors, layouts, structures
 from swift_megatron.planning.cost import Work, step_seconds
 
 MARGIN = 0.10                    # of the GPU's memory, left free by the chosen plan
@@ -144,26 +144,23 @@ def fits(setting: Setting) -> bool:
 
 
 def _more_gpus(setting: Setting) -> Optional[str]:
-    """The smallest multiple of the GPU count (up to 8x) with a layout that fits."""
+    """The smallest multiple of the GPU count (up to 8x, nodes of 8 or more) that fits."""
     for factor in (2, 4, 8):
         world = setting.work.world * factor
-        nodes = max(1, world // setting.work.gpus_per_node)
+        per_node = min(world, max(setting.work.gpus_per_node, 8))
         grown = dataclasses.replace(
             setting, inputs=dataclasses.replace(setting.inputs, world_size=world),
-            work=dataclasses.replace(setting.work, world=world),
-            space=_grown_space(setting.space, world))
+            work=dataclasses.replace(setting.work, world=world, gpus_per_node=per_node),
+            space=_grown_space(setting.space, world, per_node))
         if fits(grown):
-            return f"{world} GPUs ({nodes} node(s) of {setting.work.gpus_per_node})"
+            return f"{world} GPUs ({per_node} per node)"
     return None
 
 
-def _grown_space(space: Space, world: int) -> Space:
-    """The structural choices of `world` GPUs, keeping those the user fixed (one value)."""
-    from swift_megatron.planning.candidates import divisors
-
-    free = {name: divisors(world) for name in ("tp", "pp", "cp")
-            if len(getattr(space, name)) > 1}
-    return dataclasses.replace(space, **free)
+def _grown_space(space: Space, world: int, per_node: int) -> Space:
+    """The structural choices of `world` GPUs, keeping those the user fixed."""
+    free = {name: divisors(world) for name in ("tp", "pp", "cp") if name not in space.fixed}
+    return dataclasses.replace(space, gpus_per_node=per_node, **free)
 
 
 def _shorter_completions(setting: Setting) -> Optional[str]:
@@ -198,7 +195,10 @@ def _relaxations(setting: Setting) -> List[str]:
         if fits(lora):
             found.append("--train_type lora")
     found.append(_shorter_completions(setting))
-    if setting.base.vllm_fraction > 0.1:
+    if setting.base.vllm_fraction >= 1 - MARGIN:
+        found.append(f"--vllm_gpu_memory_utilization below {1 - MARGIN:g} (vLLM's share alone "
+                     f"leaves nothing inside the margin)")
+    elif setting.base.vllm_fraction > 0.1:
         lower = round(setting.base.vllm_fraction / 2, 2)
         if fits(dataclasses.replace(setting, base=dataclasses.replace(
                 setting.base, vllm_fraction=lower))):
