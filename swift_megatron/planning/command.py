@@ -180,10 +180,15 @@ def plan_flags(layout: Layout, setting: Setting) -> List[str]:
     return flags
 
 
+def _s(seconds: float) -> str:
+    """Seconds to 3 significant digits (a tiny model's steps take microseconds)."""
+    return f"{seconds:.3g}"
+
+
 def _times(scored: Scored) -> str:
-    return ", ".join(f"{name} {scored.times[name]:.2f}" for name in TIME_PARTS
+    return ", ".join(f"{name} {_s(scored.times[name])}" for name in TIME_PARTS
                      if scored.times[name] or name in ("rollout", "logprobs", "train")) + \
-        f", total {scored.times['total']:.2f}"
+        f", total {_s(scored.times['total'])}"
 
 
 def why_lost(chosen: Scored, other: Scored) -> str:
@@ -192,8 +197,8 @@ def why_lost(chosen: Scored, other: Scored) -> str:
     if gap <= 1e-9:
         return "as fast; the chosen layout is simpler (fewer model-parallel GPUs, no offload)"
     part = max(TIME_PARTS, key=lambda n: other.times[n] - chosen.times[n])
-    return (f"{gap:.2f} s slower: {_PART_NAMES[part]} {other.times[part]:.2f} s against "
-            f"{chosen.times[part]:.2f} s")
+    return (f"{_s(gap)} s slower: {_PART_NAMES[part]} {_s(other.times[part])} s against "
+            f"{_s(chosen.times[part])} s")
 
 
 def plan_lines(plan: Plan, setting: Setting) -> List[str]:
@@ -211,7 +216,7 @@ def plan_lines(plan: Plan, setting: Setting) -> List[str]:
                                                          "peak")),
              f"  step time (estimate, s per rollout batch): {_times(chosen)}"]
     for other in plan.runners_up:
-        lines.append(f"next: {other.layout.describe()}: {other.times['total']:.2f} s, peak "
+        lines.append(f"next: {other.layout.describe()}: {_s(other.times['total'])} s, peak "
                      f"{other.memory['peak']:.1f} GiB; {why_lost(chosen, other)}")
     if plan.rejected:
         lines.append(f"{plan.rejected} other candidates exceed {plan.usable_gib:.1f} GiB")
