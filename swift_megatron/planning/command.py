@@ -11,7 +11,7 @@ from swift_megatron.arguments.batch_plan import generation_size
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.errors import UserError
 from swift_megatron.model.memory import GIB
-from swift_megatron.model.text_config import HYBRID_TYPES, text_config
+from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import num_experts
 from swift_megatron.planning.candidates import Layout, Space, divisors
 from swift_megatron.planning.cost import Work

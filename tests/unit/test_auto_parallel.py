@@ -9,8 +9,7 @@ import shutil
 
 import pytest
 
-from swift_megatron.arguments.batch_plan import make_batch_plan
-from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
+from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
 from swift_megatron.cli.main import run
 from swift_megatron.errors import UserError
