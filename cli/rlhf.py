@@ -1,6 +1,6 @@
-"""`megatron rlhf --rlhf_type grpo ...`: parse and check the flags, print the plan and what was
-checked (--dry_run), relaunch under torchrun when NPROC_PER_NODE or NNODES is set, then run the
-trainer."""
+"""`megatron rlhf --rlhf_type grpo ...`: parse and check the flags (--auto_parallel: choose the
+layout and append its flags), print the plan and what was checked (--dry_run), relaunch under
+torchrun when NPROC_PER_NODE or NNODES is set, then run the trainer."""
 import signal
 
 from swift_megatron.arguments.commands import RlhfArguments
@@ -23,6 +23,11 @@ def main(argv) -> int:
                         "`megatron demo` runs a whole job on a tiny embedded model first")
     check_rlhf_type(raw_value(argv, "rlhf_type"))
     args = parse_command(RlhfArguments, argv, prog="megatron rlhf", description=DESCRIPTION)
+    if args.planning.auto_parallel:
+        from swift_megatron.planning.command import auto_parallel, printing_rank
+
+        argv, args = auto_parallel(args, argv, planned_world_size(), printing_rank())
+        argv = [*argv, "--auto_parallel", "false"]   # torchrun's workers: the plan as flags
     plan, hf_config = preflight_rlhf(args, planned_world_size())
     if args.training.dry_run:
         warn_notices(args, no_effect=True)

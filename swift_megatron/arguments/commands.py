@@ -15,6 +15,7 @@ from swift_megatron.arguments.kernels import KernelArguments
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.model import ModelArguments
 from swift_megatron.arguments.parallel import ParallelArguments
+from swift_megatron.arguments.planning import PlanningArguments
 from swift_megatron.arguments.rollout import (RolloutArguments, ServeArguments,
                                               ServeMultiTurnArguments, VllmEngineArguments)
 from swift_megatron.arguments.training import BatchArguments, TrainingArguments, check_lr_bounds
@@ -35,6 +36,7 @@ class RlhfArguments:
     vllm: VllmEngineArguments
     lora: LoraArguments
     kernels: KernelArguments
+    planning: PlanningArguments
     # the flag names the user set (command line or config file); filled in by parse_command
     explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
 

@@ -43,3 +43,23 @@ def resolve_model_dir(model: str, use_hf: bool = False, revision: Optional[str] 
     if dist.is_initialized() and not local_first:
         dist.barrier()
     return path
+
+
+def hub_config(model: str, use_hf: bool = False, revision: Optional[str] = None) -> dict:
+    """config.json of a hub id, downloaded alone (planning needs no weights)."""
+    import json
+
+    check_model_name(model)
+    try:
+        if use_hf:
+            from huggingface_hub import hf_hub_download
+            path = hf_hub_download(model, "config.json", revision=revision)
+        else:
+            from modelscope.hub.file_download import model_file_download
+            path = model_file_download(model, "config.json", revision=revision)
+    except Exception as exc:  # network errors, unknown ids, auth: all user-facing here
+        hub = "Hugging Face" if use_hf else "ModelScope"
+        raise UserError(f"--model {model}: could not download its config.json from {hub} "
+                        f"({exc}); pass a local directory holding config.json") from None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -31,6 +31,8 @@ Per rank, in bytes:
   masks of the adapted inputs (1 byte per element: q/k/v, o, gate/up, down; ms-swift's all-linear
   targets) and the dropped copy of the attention output the o_proj adapter keeps (measured: 29.0
   GiB of training memory against 24.7 estimated without them, Qwen2.5-1.5B shape, 8k tokens);
+  a trained vision tower adds its blocks' saved activations for the micro-batch's image patches
+  (`vision_activation_bytes`; the image tokens themselves are sequence tokens);
 - head: the output layer's logprobs keep no [tokens, vocab] logits (model/logprobs.py): a chunk's
   working set, plus the float32 gradient of the micro-batch's hidden states and a block's bf16
   product added into it (6 bytes x hidden per token of this CP rank);
@@ -79,6 +81,7 @@ class RunShape:
     offload_optimizer: bool = False
     teacher_parameters: int = 0          # --teacher_model's parameters on this rank (0: none)
     vision_trainable: bool = False       # full training with --freeze_vit / --freeze_aligner false
+    image_patches: int = 0               # vision patches of one micro-batch (VL; 0: not counted)
 
 
 def _attention_parameters(hf: Mapping) -> int:
@@ -200,6 +203,17 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
                                          + checkpoints * checkpoint_input))
 
 
+def vision_activation_bytes(hf: Mapping, run: RunShape) -> int:
+    """A trained vision tower's saved activations: per patch and block the text layer's
+    formula with full-width keys and values, 2 x 9 width + 6 x ffn bytes; a frozen tower
+    (no parameter and no input needing a gradient) keeps none."""
+    vision = hf.get("vision_config")
+    if not (run.vision_trainable and run.image_patches and isinstance(vision, Mapping)):
+        return 0
+    per_block = 2 * 9 * vision["hidden_size"] + 6 * vision["intermediate_size"]
+    return run.image_patches * vision["depth"] * per_block
+
+
 def _kept_layers(layers: int, run: RunShape) -> Tuple[int, int]:
     """(layers whose activations live at once in the backward, checkpointed layer inputs)."""
     if not run.full_recompute:
@@ -215,6 +229,7 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     `device_bytes` is given, `device`."""
     width = _DTYPE_BYTES[run.dtype]
     params, vision = rank_parameters(hf, run), vision_parameters(hf)
+    tower_activations = vision_activation_bytes(hf, run)
     hf = text_config(hf)
     trainable = _trainable(hf, run, params, vision)
     optimizer = 0 if run.optimizer_cpu_offload else 12 * trainable / (
@@ -222,7 +237,7 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     parts = dict(weights=params * width, gradients=4 * trainable, optimizer=optimizer,
                  reference=params * width if run.reference_copy else 0,
                  teacher=run.teacher_parameters * width,
-                 activations=activation_bytes(hf, run),
+                 activations=activation_bytes(hf, run) + tower_activations,
                  head=6 * run.micro_batch_tokens / run.cp * hf["hidden_size"] + _HEAD_CHUNK_BYTES)
     train = sum(parts.values())
     resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (

@@ -62,3 +62,12 @@ def check_layout(hf_config: Mapping, tp: int, pp: int, ep: int = 1, etp: int = 1
     if moe_ffn and moe_ffn % etp:
         raise UserError(f"expert_tensor_parallel_size={etp} does not divide "
                         f"moe_intermediate_size={moe_ffn}: use one of {_divisors(moe_ffn)}")
+
+
+def check_expert_groups(world_size: int, pp: int, ep: int, etp: int) -> None:
+    """megatron-core forms the expert groups over the ranks of a pipeline stage: the world size
+    must be a multiple of ETP x EP x PP (its expert data-parallel size is the quotient)."""
+    if ep > 1 and world_size % (etp * ep * pp):
+        raise UserError(f"world_size={world_size} is not divisible by expert_tensor_parallel_size "
+                        f"x expert_model_parallel_size x pipeline_model_parallel_size = {etp} x "
+                        f"{ep} x {pp}: megatron-core splits each stage's ranks into expert groups")

@@ -1,0 +1,1 @@
+"""Automatic planning (--auto_parallel): candidates.py, cost.py, plan.py, command.py."""
