@@ -9,7 +9,7 @@ the datasets' rows, the plugin files and reward names. Both raise UserError nami
 """
 import importlib.util
 import os
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 from swift_megatron.arguments import ms_swift
 from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
@@ -43,7 +43,7 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
     return read_config(model)
 
 
-def _model_files(args: RlhfArguments) -> Optional[str]:
+def model_files(args: RlhfArguments) -> Optional[str]:
     """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
     --mcore_adapter), whose paths are checked here, before any process starts."""
     from swift_megatron.checkpoint.start import check_resume_layout, check_resume_step, plan_start
@@ -189,14 +189,14 @@ def note_no_colocate_engine(args: RlhfArguments) -> Optional[str]:
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
     """The batch plan and (when readable) the model's HF config; raises UserError on any rule."""
     check_launch_env()
-    model_files = _model_files(args)
-    hf_config = read_local_hf_config(model_files)
+    files = model_files(args)
+    hf_config = read_local_hf_config(files)
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
     _note_ignored_flags(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
-        check_model_family(hf_config, args.model.model_type, model_files)
+        check_model_family(hf_config, args.model.model_type, files)
         family = args.model.model_type or text_config(hf_config)["model_type"]
         check_hybrid_support(args, family)
         check_vision_flags(args, hf_config)
@@ -309,16 +309,22 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         offload_model=args.rollout.offload_model, offload_optimizer=args.rollout.offload_optimizer,
         vision_trainable=t.train_type == "full" and not (args.model.freeze_vit
                                                           and args.model.freeze_aligner),
-        image_patches=max(1, tokens // longest) * _image_patches(args, hf_config),
+        image_patches=max(1, tokens // longest) * image_patches(args, hf_config),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))
 
 
-def _image_patches(args: RlhfArguments, hf_config: dict) -> int:
-    from swift_megatron.planning.command import image_patches
+def image_patches(args: RlhfArguments, hf_config: Mapping) -> int:
+    """Vision patches of one sequence: one image at --max_pixels (or MAX_PIXELS); 0 for a text
+    model or when neither is given."""
+    vision = hf_config.get("vision_config")
+    if not isinstance(vision, Mapping):
+        return 0
+    from swift_megatron.data.images import resolve_max_pixels
 
-    return image_patches(args, hf_config)
+    pixels = resolve_max_pixels(args.data.max_pixels)
+    return pixels // vision["patch_size"] ** 2 if pixels else 0
 
 
 def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPlan) -> List[str]:
@@ -350,7 +356,7 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPl
 
 def _planning_without_weights(args: RlhfArguments) -> bool:
     """--auto_parallel plans from config.json alone: weights not downloaded yet are no error."""
-    from swift_megatron.planning.command import weights_present
+    from swift_megatron.model.files import weights_present
 
     return args.planning.auto_parallel and not weights_present(args.model.model)
 

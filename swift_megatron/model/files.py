@@ -18,6 +18,12 @@ SINGLE = "model.safetensors"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
 
 
+def weights_present(model: str) -> bool:
+    """Whether a local model directory holds safetensors weights (planning needs none)."""
+    return bool(model) and any(os.path.isfile(os.path.join(model, name))
+                               for name in (INDEX, SINGLE))
+
+
 def read_config(model_dir: str) -> dict:
     """config.json of a model directory; UserError naming the file when absent or broken."""
     path = os.path.join(model_dir, "config.json")

@@ -5,7 +5,7 @@ pasting the line would get.
 """
 import os
 from types import SimpleNamespace
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Sequence, Tuple
 
 from swift_megatron.arguments.batch_plan import generation_size
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
@@ -15,7 +15,7 @@ from swift_megatron.model.text_config import text_config
 from swift_megatron.parallel.layout import num_experts
 from swift_megatron.planning.candidates import Layout, Space, divisors
 from swift_megatron.planning.cost import Work
-from swift_megatron.planning.plan import (MARGIN, TIME_PARTS, _PART_NAMES, Plan, Scored, Setting,
+from swift_megatron.planning.plan import (MARGIN, TIME_PARTS, PART_NAMES, Plan, Scored, Setting,
                                           choose)
 
 
@@ -41,18 +41,6 @@ def gpus_per_node(env: Mapping[str, str] = os.environ) -> int:
     return nproc_per_node(env)
 
 
-def image_patches(args: RlhfArguments, hf: Mapping) -> int:
-    """Vision patches of one sequence: one image at --max_pixels (or MAX_PIXELS); 0 for a
-    text model or when neither is given."""
-    vision = hf.get("vision_config")
-    if not isinstance(vision, Mapping):
-        return 0
-    from swift_megatron.data.images import resolve_max_pixels
-
-    pixels = resolve_max_pixels(args.data.max_pixels)
-    return pixels // vision["patch_size"] ** 2 if pixels else 0
-
-
 def _logprob_passes(args: RlhfArguments, steps: int) -> float:
     """Forward passes over a rollout batch before training: the reference (beta != 0), the
     teacher, and the old policy for the steps after the first (data/passes.py)."""
@@ -62,7 +50,7 @@ def _logprob_passes(args: RlhfArguments, steps: int) -> float:
 
 
 def make_work(args: RlhfArguments, hf: Mapping, world: int, colocate: bool) -> Work:
-    from swift_megatron.preflight import sequence_length
+    from swift_megatron.preflight import image_patches, sequence_length
 
     inputs = batch_inputs(args, world)
     sequences = generation_size(inputs)
@@ -197,7 +185,7 @@ def why_lost(chosen: Scored, other: Scored) -> str:
     if gap <= 1e-9:
         return "as fast; the chosen layout is simpler (fewer model-parallel GPUs, no offload)"
     part = max(TIME_PARTS, key=lambda n: other.times[n] - chosen.times[n])
-    return (f"{_s(gap)} s slower: {_PART_NAMES[part]} {_s(other.times[part])} s against "
+    return (f"{_s(gap)} s slower: {PART_NAMES[part]} {_s(other.times[part])} s against "
             f"{_s(chosen.times[part])} s")
 
 
@@ -229,9 +217,9 @@ def plan_lines(plan: Plan, setting: Setting) -> List[str]:
 def model_config(args: RlhfArguments) -> dict:
     """config.json of --model (a directory, or only that file of a hub id: no weights)."""
     from swift_megatron.model.hub import hub_config
-    from swift_megatron.preflight import _model_files, read_local_hf_config
+    from swift_megatron.preflight import model_files, read_local_hf_config
 
-    files = _model_files(args)
+    files = model_files(args)
     if files is None:
         raise UserError("--auto_parallel needs the model's config.json: pass --model")
     return read_local_hf_config(files) or hub_config(files, args.model.use_hf,
@@ -253,11 +241,3 @@ def auto_parallel(args: RlhfArguments, argv: Sequence[str], world: int,
 
 def printing_rank(env: Mapping[str, str] = os.environ) -> bool:
     return env.get("RANK", "0") == "0"
-
-
-def weights_present(model: Optional[str]) -> bool:
-    """Whether a local model directory holds safetensors weights (planning needs none)."""
-    from swift_megatron.model.files import INDEX, SINGLE
-
-    return bool(model) and any(os.path.isfile(os.path.join(model, name))
-                               for name in (INDEX, SINGLE))

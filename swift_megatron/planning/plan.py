@@ -16,7 +16,7 @@ from swift_megatron.planning.cost import Work, step_seconds
 MARGIN = 0.10                    # of the GPU's memory, left free by the chosen plan
 TIME_PARTS = ("rollout", "logprobs", "train", "tp", "cp", "ep", "pp", "bubble", "dp",
               "micro_batches", "offload", "sync")
-_PART_NAMES = dict(tp="TP communication", cp="CP exchange", ep="EP all-to-all",
+PART_NAMES = dict(tp="TP communication", cp="CP exchange", ep="EP all-to-all",
                    pp="pipeline transfers", bubble="pipeline bubble", dp="DP gradient reduction",
                    micro_batches="per-micro-batch cost", offload="offload copies",
                    sync="weight sync", train="training compute", logprobs="logprob passes",
