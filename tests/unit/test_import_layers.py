@@ -4,8 +4,7 @@ Every `import` and `from ... import` of a swift_megatron module counts, at modul
 a function (an import moved into a function still closes the circle). `from pkg import name`
 counts as an import of `pkg.name` when that is a module, else of `pkg`; the package `__init__`s
 Python runs on the way to a module are not counted. `cli/` is read as `swift_megatron.cli`, the
-name it is installed under. The one cycle left is listed in ALLOWED; a new one fails the test,
-and so does ALLOWED's once it is gone (delete it from ALLOWED then).
+name it is installed under. There is no cycle left: a new one fails the test.
 """
 import ast
 from pathlib import Path
@@ -15,12 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"swift_megatron": "swift_megatron", "cli": "swift_megatron.cli"}  # folder -> name
-
-ALLOWED = [
-    # issue 44: export package
-    {"swift_megatron.export", "swift_megatron.checkpoint.sources",
-     "swift_megatron.checkpoint.ms_swift_lora", "swift_megatron.lora", "swift_megatron.lora.merge"},
-]
 
 Graph = Dict[str, Set[str]]
 
@@ -122,11 +115,8 @@ def test_imports_inside_functions_and_from_package_imports_count(tmp_path):
         "swift_megatron.rewards.registry", "swift_megatron.rewards", "swift_megatron.errors"}
 
 
-def test_no_import_cycles_but_the_allowed_one():
+def test_no_import_cycles():
     graph = import_graph(module_files())
     assert "swift_megatron.cli.main" in graph and "swift_megatron.rewards.registry" in graph
     found = cycles(graph)
-    new = [c for c in found if c not in ALLOWED]
-    assert not new, "import cycle(s):\n" + "\n\n".join(describe(c, graph) for c in new)
-    gone = [c for c in ALLOWED if c not in found]
-    assert not gone, f"no longer a cycle, delete it from ALLOWED: {gone}"
+    assert not found, "import cycle(s):\n" + "\n\n".join(describe(c, graph) for c in found)

@@ -88,7 +88,7 @@ def _grads(model, batch, recompute: bool):
 
 
 def test_deepstack_under_full_recompute_gives_the_same_gradients(cpu_state, tmp_path):
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
     from swift_megatron.model.config import load_hf_config
     from tests.distributed.workers.vision_checks import inputs
 
