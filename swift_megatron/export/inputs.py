@@ -157,7 +157,7 @@ def _check_world(args: "ExportCommandArguments", world_size: int) -> None:
 
 def _check_model(args: "ExportCommandArguments", inputs: "ExportInputs") -> None:
     from swift_megatron.model.config import DTYPES
-    from swift_megatron.parallel.layout import check_layout
+    from swift_megatron.model.layout import check_layout
 
     if inputs.dtype is not None and inputs.dtype not in DTYPES:
         raise UserError(f"weights dtype {inputs.dtype!r} is not supported; pass --torch_dtype "
