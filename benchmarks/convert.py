@@ -97,7 +97,8 @@ def safetensors_copy(src: str, dst: str) -> None:
 
 
 def convert_both_ways(hf_dir: str, work: str, dtype_name: str, state) -> dict:
-    from swift_megatron.export import load_mcore_model, save_model_dir
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
+    from swift_megatron.export import save_model_dir
     from swift_megatron.model.config import DTYPES, load_hf_config
 
     times, dtype, device = {}, DTYPES[dtype_name], state.device.type

@@ -185,7 +185,8 @@ def hf_runs(model_dir: str, tokens: torch.Tensor, topk: int):
 def mcore_runs(model_dir: str, tokens: torch.Tensor, device: str, export_to: str = "") -> dict:
     """The three Megatron runs; `export_to`: where the bf16 model's export (what a GRPO weight
     sync sends) is saved as safetensors."""
-    from swift_megatron.export import load_mcore_model, mcore_logits
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
+    from swift_megatron.export import mcore_logits
     from swift_megatron.model.config import load_hf_config
     from swift_megatron.model.text_config import text_config
     from swift_megatron.parallel.state import ParallelState

@@ -7,7 +7,6 @@ it also applies the adjustments ms-swift makes silently, as notices. `dry_run_ch
 only `--dry_run true` pays for: the full model-config check (imports torch), the weight files,
 the datasets' rows, the plugin files and reward names. Both raise UserError naming the culprit.
 """
-import importlib.util
 import os
 from typing import List, Mapping, Optional, Tuple
 
@@ -19,13 +18,10 @@ from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
 from swift_megatron.logging.metrics import check_report_to
+from swift_megatron.model.layout import check_expert_groups, check_layout, num_experts
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
-from swift_megatron.parallel.layout import check_expert_groups, check_layout, num_experts
 from swift_megatron.paths import check_output_path
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+from swift_megatron.platform import vllm_cpu_installed, vllm_installed
 
 
 def uses_vllm(args: RlhfArguments) -> bool:
@@ -121,17 +117,6 @@ def check_moe_sequence_parallel(experts: Optional[int], tp: int, sequence_parall
         raise UserError("a MoE model with --tensor_model_parallel_size > 1 needs "
                         "--sequence_parallel true (megatron-core refuses to train MoE with "
                         "TP but without sequence parallelism)")
-
-
-def vllm_cpu_installed() -> bool:
-    """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:

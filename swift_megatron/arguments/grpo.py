@@ -6,12 +6,12 @@ from typing import List, Optional
 
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
-from swift_megatron.rewards.registry import REWARD_ERROR_POLICIES
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "real", "fipo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
 # --scale_rewards and --kl_in_reward default by --advantage_estimator, as ms-swift documents
 DEFAULT_SCALE_REWARDS = {"grpo": "group", "rloo": "none", "reinforce_plus_plus": "batch"}
+REWARD_ERROR_POLICIES = ("raise", "skip")   # --reward_error_policy (rewards/registry.py applies it)
 
 
 def check_rlhf_type(value: Optional[str]) -> None:

@@ -21,8 +21,8 @@ from swift_megatron.bridge.hf_checkpoint import write_hf_checkpoint
 from swift_megatron.bridge.load import load_hf_weights
 from swift_megatron.bridge.mapping import Dims
 from swift_megatron.bridge.position import RankPosition
-from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.model.config import ModelShape
+from swift_megatron.model.wrappers import unwrap
 
 
 def dims_of(config, shape: Optional[ModelShape] = None) -> Dims:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from swift_megatron.checkpoint.forks import writer_children_die_with_us
 from swift_megatron.errors import UserError
+from swift_megatron.model.wrappers import unwrap
 from swift_megatron.paths import staging_dir, sweep_stale
 
 
@@ -42,13 +43,6 @@ def _in_process_results_queue() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16 wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:

@@ -221,7 +221,7 @@ def load_sharded_model(model: torch.nn.Module, iter_dir: str) -> None:
     checkpoint lacks. Collective."""
     from megatron.core import dist_checkpointing
 
-    from swift_megatron.checkpoint.dist import unwrap
+    from swift_megatron.model.wrappers import unwrap
 
     model = unwrap(model)
     available = stored_keys(iter_dir)

@@ -6,19 +6,18 @@
     save_adapter(model, out_dir, base_model_name_or_path, config)   # PEFT format, collective
     load_adapter(model, adapter_dir)     # PEFT format (adds adapters if needed), collective
     bridge.export(model)                 # merged HF weights (W + scale * B A), base untouched
-    merge_adapter_into_hf(base_hf_dir, adapter_dir, out_dir, state)
     merge_and_unload(model)              # adapters folded into the weights and removed
 
 layers.py: the LoRA linears and the model-level API; targets.py: LoraConfig and which mcore
-linears hold which HF projections; peft_io.py: the PEFT file format; merge.py: merging.
+linears hold which HF projections; peft_io.py: the PEFT file format. A PEFT adapter merged into
+its HF base as an HF checkpoint: export/merge.py (`merge_adapter_into_hf`).
 """
 from swift_megatron.lora.layers import (adapter_parameters, apply_lora, disabled, lora_modules,
                                         merge_and_unload)
-from swift_megatron.lora.merge import merge_adapter_into_hf
 from swift_megatron.lora.peft_io import (adapter_state_dict, load_adapter, read_adapter,
                                          read_adapter_config, save_adapter)
 from swift_megatron.lora.targets import HF_PROJECTIONS, LoraConfig
 
 __all__ = ["HF_PROJECTIONS", "LoraConfig", "adapter_parameters", "adapter_state_dict",
-           "apply_lora", "disabled", "load_adapter", "lora_modules", "merge_adapter_into_hf",
-           "merge_and_unload", "read_adapter", "read_adapter_config", "save_adapter"]
+           "apply_lora", "disabled", "load_adapter", "lora_modules", "merge_and_unload",
+           "read_adapter", "read_adapter_config", "save_adapter"]

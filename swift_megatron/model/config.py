@@ -41,9 +41,9 @@ from megatron.core.transformer import TransformerConfig
 
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.errors import UserError
+from swift_megatron.model.layout import num_experts
 from swift_megatron.model.text_config import HYBRID_TYPES, MOE_TYPES, text_config
 from swift_megatron.model.vision import DEFAULT_MROPE_SECTION, VISION_TYPES
-from swift_megatron.parallel.layout import num_experts
 
 SUPPORTED = SUPPORTED_MODEL_TYPES
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl") + HYBRID_TYPES   # per-head q/k RMSNorm

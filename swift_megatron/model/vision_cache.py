@@ -25,6 +25,8 @@ from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from swift_megatron.model.wrappers import unwrap
+
 TowerOutputs = Tuple[torch.Tensor, Optional[List[torch.Tensor]]]   # [N, h], deepstack [N, h]s
 VISUAL = "visual"  # the vision tower's attribute (and parameter prefix) in the Megatron model
 
@@ -102,8 +104,6 @@ def frozen_tower_cache(*models: Sequence[torch.nn.Module]) -> Iterator[None]:
     """Inside the block, every given model chunk (DDP-wrapped or not) holding a cacheable tower
     (`cacheable`) computes each image's tower outputs once; chunks with the same tower
     (`same_tower`) share them. Lists may be None (no such model)."""
-    from swift_megatron.checkpoint.dist import unwrap
-
     holders = [m for chunks in models if chunks for m in map(unwrap, chunks)
                if getattr(m, VISUAL, None) is not None and cacheable(getattr(m, VISUAL))]
     caches: List[Tuple[torch.nn.Module, TowerCache]] = []

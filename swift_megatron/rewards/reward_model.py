@@ -105,6 +105,8 @@ class PluginReward:
 
 
 def _plugin_class(name: str):
+    # upward: reward-model plugins are registered beside rollout's gym envs and schedulers
+    # (one registry module that plugin files and compat/ms_swift fill; torch-free, no cycle)
     from swift_megatron.rollout.plugin_registry import RM_PLUGINS
 
     return RM_PLUGINS.lookup(name)

@@ -15,7 +15,7 @@ import torch
 
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.errors import UserError
-from swift_megatron.preflight import vllm_installed
+from swift_megatron.platform import vllm_installed
 from swift_megatron.rollout.engine import RolloutEngine
 
 

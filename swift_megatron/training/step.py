@@ -22,9 +22,9 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.model.head import FinalHidden, hidden_states_out
 from swift_megatron.model.vision import IMAGE_KEYS
+from swift_megatron.model.wrappers import unwrap
 from swift_megatron.parallel.context import CPShare
 
 LossFn = Callable[[dict, FinalHidden], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]

@@ -273,7 +273,7 @@ def test_precision_check_inputs_hold_one_image_per_sequence(tiny_model_dir):
     image per row (different pixels, different places), and the 3-D positions transformers
     gives them (they differ from 1-D positions inside the image only)."""
     from swift_megatron.export import random_tokens
-    from swift_megatron.precision_images import image_inputs
+    from swift_megatron.export.precision_images import image_inputs
 
     model_dir = tiny_model_dir("qwen2_5_vl")
     config = json.load(open(f"{model_dir}/config.json"))

@@ -11,8 +11,8 @@ import torch
 from swift_megatron.checkpoint.ms_swift_lora import refuse_hybrid
 from swift_megatron.errors import UserError
 from swift_megatron.model.config import model_shape, transformer_config
+from swift_megatron.model.layout import check_layout, num_experts
 from swift_megatron.model.text_config import text_config
-from swift_megatron.parallel.layout import check_layout, num_experts
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,

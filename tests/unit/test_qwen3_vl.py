@@ -46,7 +46,7 @@ def test_deepstack_layers_off_the_first_stage_are_refused():
 
     from swift_megatron.errors import UserError
     from swift_megatron.model.vision import VisionGPTModel
-    from swift_megatron.parallel.layout import check_layout
+    from swift_megatron.model.layout import check_layout
 
     hf = tiny_hf_config("qwen3_vl", vision_config=dict(depth=3, deepstack_visual_indexes=[0, 1, 2]))
     check_layout(hf.to_dict(), tp=1, pp=1)
@@ -88,7 +88,7 @@ def _grads(model, batch, recompute: bool):
 
 
 def test_deepstack_under_full_recompute_gives_the_same_gradients(cpu_state, tmp_path):
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
     from swift_megatron.model.config import load_hf_config
     from tests.distributed.workers.vision_checks import inputs
 

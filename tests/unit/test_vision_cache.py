@@ -33,7 +33,7 @@ def cpu_state():
 
 
 def _load(hf_dir, state, freeze_vit: bool):
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
     from swift_megatron.model.config import load_hf_config
 
     hf_config = load_hf_config(hf_dir)

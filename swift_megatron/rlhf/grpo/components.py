@@ -32,9 +32,9 @@ from swift_megatron.model.build import build_chunks
 from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
-from swift_megatron.model.vision import freeze, has_vision, takes_images, vision_part
+from swift_megatron.model.layout import check_layout, num_experts
 from swift_megatron.model.text_config import text_config
-from swift_megatron.parallel.layout import check_layout, num_experts
+from swift_megatron.model.vision import freeze, has_vision, takes_images, vision_part
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.preflight import (check_reward_sources, check_vision_flags,
                                       note_no_colocate_engine)

@@ -19,9 +19,10 @@ from typing import ContextManager, List, Optional
 
 import torch
 
-from swift_megatron.checkpoint.dist import load_model, save_model, unwrap
+from swift_megatron.checkpoint.dist import load_model, save_model
 from swift_megatron.errors import UserError
 from swift_megatron.lora import disabled
+from swift_megatron.model.wrappers import unwrap
 from swift_megatron.training.offload import model_offloader, resident
 from swift_megatron.training.step import forward_backward
 

@@ -27,11 +27,11 @@ from swift_megatron.checkpoint.start import check_resume_step, plan_start
 from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
 from swift_megatron.errors import NumericsError, UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
-from swift_megatron.checkpoint.dist import unwrap
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import save_adapter
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.model.vision_cache import frozen_tower_cache
+from swift_megatron.model.wrappers import unwrap
 from swift_megatron.parallel.context import padding_multiples
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run

@@ -34,8 +34,8 @@ import torch.distributed as dist
 # mean |diff| 4.4e-3 for the Qwen3.5-MoE shape, 1.4e-4 dense). Read when Triton compiles.
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-from swift_megatron.export import (compare_logits, hf_logits, load_mcore_model, mcore_logits,
-                                   random_tokens)
+from swift_megatron.checkpoint.loaded_model import load_mcore_model
+from swift_megatron.export import compare_logits, hf_logits, mcore_logits, random_tokens
 from swift_megatron.fixtures import build_tiny_model
 from swift_megatron.fixtures.shapes import REAL_SHAPES
 from swift_megatron.model.config import load_hf_config

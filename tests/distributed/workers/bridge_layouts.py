@@ -51,8 +51,8 @@ def compare_export(loaded, hf_dir: str) -> dict:
 def run_job(job: dict, out_dir: str) -> dict:
     import torch
 
-    from swift_megatron.export import (load_mcore_model, mcore_logits, measure_precision,
-                                       random_tokens, save_model_dir)
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
+    from swift_megatron.export import mcore_logits, measure_precision, random_tokens, save_model_dir
     from swift_megatron.model.config import load_hf_config, model_shape
     from swift_megatron.parallel.state import ParallelState
 

@@ -30,7 +30,8 @@ def logits_max_diff(chunks, shape, hf_dir: str, state) -> float:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from swift_megatron.export import _gathered_logits, random_tokens
+    from swift_megatron.export import random_tokens
+    from swift_megatron.export.logits import _gathered_logits
     from swift_megatron.training.step import forward_backward
 
     tokens = random_tokens(shape.vocab_size, shape.max_position_embeddings, "cpu")

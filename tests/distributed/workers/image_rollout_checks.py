@@ -24,7 +24,7 @@ def trainer_logprobs(loaded, state, micro: dict, vocab: int):
     """[B, S] logprobs of micro["targets"] from the Megatron model (last stage; None elsewhere)."""
     import torch
 
-    from swift_megatron.export import _gathered_logits
+    from swift_megatron.export.logits import _gathered_logits
     from swift_megatron.rlhf.grpo.batch import unpack
     from swift_megatron.training.step import forward_backward
 
@@ -52,7 +52,7 @@ def check_model(hf_dir: str, dataset: str, state) -> tuple:
 
     from swift_megatron.data.images import ImageEncoder
     from swift_megatron.data.prompts import PromptSettings, build_prompts
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
     from swift_megatron.model.config import load_hf_config, model_shape
     from swift_megatron.rlhf.grpo.batch import Sample, collate
     from swift_megatron.rlhf.grpo.collect import attach_images

@@ -39,7 +39,7 @@ def mcore(hf_dir, state, lora=None, b_seed=SEED):
     import torch
 
     from lora_common import randomize_b
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
     from swift_megatron.lora import apply_lora
     from swift_megatron.model.config import load_hf_config
 
@@ -282,7 +282,7 @@ def check_merge(loaded, hf_dir, adapter_dir):
 
 def check_merge_to_hf(hf_dir, adapter_dir, state, tokens, out_dir):
     from lora_common import max_abs
-    from swift_megatron.lora import merge_adapter_into_hf
+    from swift_megatron.export import merge_adapter_into_hf
 
     merge_adapter_into_hf(hf_dir, adapter_dir, out_dir, state)
     merged = hf_logits(hf_model(out_dir), tokens)

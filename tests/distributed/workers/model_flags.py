@@ -27,7 +27,8 @@ import torch
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
 from swift_megatron.checkpoint.start import Start
-from swift_megatron.export import LoadedModel, mcore_logits
+from swift_megatron.checkpoint.loaded_model import LoadedModel
+from swift_megatron.export import mcore_logits
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.rlhf.grpo import components

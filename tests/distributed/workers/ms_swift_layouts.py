@@ -44,7 +44,8 @@ def write_job(job: dict, state) -> dict:
 def load_job(job: dict, state) -> dict:
     import torch
 
-    from swift_megatron.export import load_mcore_model, measure_precision
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
+    from swift_megatron.export import measure_precision
     from swift_megatron.model.config import load_hf_config
 
     hf_config = load_hf_config(job["hf_dir"])
@@ -61,7 +62,7 @@ def lora_load_job(job: dict, state) -> dict:
 
     from swift_megatron.bridge import Bridge
     from swift_megatron.checkpoint.ms_swift import load_ms_swift_model
-    from swift_megatron.export import LoadedModel
+    from swift_megatron.checkpoint.loaded_model import LoadedModel
     from swift_megatron.lora import LoraConfig, apply_lora
     from swift_megatron.model.build import build_model
     from swift_megatron.model.config import load_hf_config

@@ -49,7 +49,7 @@ def megatron_logits(loaded, state, ids, positions, pixels, grid, **entries):
     import torch
     import torch.distributed as dist
 
-    from swift_megatron.export import _gathered_logits
+    from swift_megatron.export.logits import _gathered_logits
     from swift_megatron.training.step import forward_backward
 
     vocab = loaded.shape.vocab_size
@@ -163,7 +163,7 @@ def check_family(hf_dir: str, alias_dir, state, sp: bool) -> tuple:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.checkpoint.loaded_model import load_mcore_model
     from swift_megatron.model.config import load_hf_config, model_shape
     from tests.distributed.workers.bridge_layouts import compare_export
 

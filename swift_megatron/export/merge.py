@@ -1,19 +1,18 @@
-"""Merging LoRA adapters into the base weights: for HF output always through the bridge's single
-export path; for a merged Megatron model, `merge_and_unload` (lora/layers.py) folds the adapters
-into the weights in place.
+"""Merging a PEFT adapter into its HF base model as an HF checkpoint, through the bridge's single
+export path (`megatron export --model HF_DIR --adapters PEFT_DIR --merge_lora true --output_dir
+OUT` does the same through convert.py).
 
-- A LoRA model in memory: `Bridge.export(model)` yields merged HF weights, W + scale * B A,
-  computed out of place per tensor on each rank's shard before the TP gather (the `bridge_export`
-  hook, lora/layers.py); the base weights are never modified and no lora_* tensor is yielded.
-  Weight sync to rollout engines and `Bridge.save_hf` therefore see the merged model.
-- `merge_adapter_into_hf`: a PEFT adapter directory + its HF base model -> a merged HF checkpoint
-  (`megatron export --model HF_DIR --adapters PEFT_DIR --merge_lora true --output_dir OUT`).
+A LoRA model in memory merges on export: `Bridge.export(model)` yields merged HF weights,
+W + scale * B A, computed out of place per tensor on each rank's shard before the TP gather (the
+`bridge_export` hook, lora/layers.py); the base weights are never modified and no lora_* tensor
+is yielded. Weight sync to rollout engines and `Bridge.save_hf` therefore see the merged model.
+For a merged Megatron model, `merge_and_unload` (lora/layers.py) folds the adapters into the
+weights in place.
 """
 from typing import TYPE_CHECKING, Optional
 
-from swift_megatron.bridge.hf_checkpoint import check_output_dir
+from swift_megatron.checkpoint.loaded_model import load_mcore_model
 from swift_megatron.errors import UserError
-from swift_megatron.lora.peft_io import load_adapter, read_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +26,8 @@ def merge_adapter_into_hf(base_hf_dir: str, adapter_dir: str, out_dir: str,
     """Build the model of the current layout, load the base weights through the bridge and the
     adapter on top, and write the merged model as an HF checkpoint in `dtype` (default: the base
     checkpoint's dtype; the merge itself is computed in float32). Collective."""
-    from swift_megatron.export import load_mcore_model
+    from swift_megatron.bridge.hf_checkpoint import check_output_dir
+    from swift_megatron.lora.peft_io import load_adapter, read_adapter
     from swift_megatron.model.config import DTYPES, load_hf_config, model_shape
 
     check_output_dir(out_dir, exist_ok)
