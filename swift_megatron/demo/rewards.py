@@ -22,6 +22,13 @@ def contains_answer(completions, solution, **kwargs):
     return [1.0 if str(answer) in text else 0.0 for text, answer in zip(completions, solution)]
 
 
+@register_reward("first_token_even")
+def first_token_even(completions, completion_ids, **kwargs):
+    """1 when the completion's first token id is even: signal within every group of a random
+    model, whatever its tokenizer decodes (the GPU gate's text tasks)."""
+    return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
+
+
 @register_reward("colour_parity")
 def colour_parity(completions, solution, completion_ids, **kwargs):
     return [float(bool(ids) and ids[0] % 2 == (0 if colour == "red" else 1))

@@ -167,13 +167,16 @@ def command(case: Case, model: str, task: List[str], out: str,
 
 
 def with_signal(task: List[str]) -> List[str]:
-    """The task's flags, a text task's rewards joined by the demo's digit_ratio: a random
+    """The task's flags, a text task's rewards joined by the demo's first_token_even: a random
     model's accuracy is 0 for every completion, so without a reward that varies within a group
-    the advantages, the loss and the gradient are all 0 and nothing trains."""
+    the advantages, the loss and the gradient are all 0 and nothing trains. (digit_ratio was
+    not enough: the fixture tokenizer decodes the ids past its 504 tokens to nothing, so the
+    248k-vocabulary Qwen3.5 models' completions held no digits and Qwen3.5 LoRA trained
+    nothing on the GPU.)"""
     if "colour_parity" in task:   # (about 0.5 on random models already)
         return task
     return [*task, "--external_plugins", os.path.normpath(PLUGIN), "--reward_funcs", "accuracy",
-            "digit_ratio"]
+            "first_token_even"]
 
 
 def _finite(value) -> bool:

@@ -63,7 +63,7 @@ def test_commands_pass_the_argument_checks(part):
         assert args.rollout.vllm_mode == ("server" if case.server else "colocate")
         if case.server:
             assert args.rollout.vllm_server_port == [8123]
-        assert args.grpo.reward_funcs == ["accuracy", "digit_ratio"]   # a reward with signal
+        assert args.grpo.reward_funcs == ["accuracy", "first_token_even"]   # a reward with signal
         assert args.grpo.external_plugins[0].endswith("demo/rewards.py")
 
 
