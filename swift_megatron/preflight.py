@@ -83,6 +83,12 @@ def check_hybrid_support(args: RlhfArguments, family: str) -> None:
     (megatron-core 0.16.1): refuse those before anything is built."""
     if family not in HYBRID_TYPES:
         return
+    if args.model.device != "cpu":
+        from swift_megatron.platform.kernels import gdn_kernel_problem
+
+        problem = gdn_kernel_problem()
+        if problem:
+            raise UserError(f"{family}: {problem}")
     p = args.parallel
     if args.kernels.padding_free and p.sequence_parallel and p.tensor_model_parallel_size > 1:
         raise UserError(f"{family}: Gated DeltaNet layers take packed sequences only without "
