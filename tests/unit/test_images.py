@@ -299,8 +299,20 @@ def test_precision_check_inputs_hold_one_image_per_sequence(tiny_model_dir):
     assert torch.equal(positions[:, 0, :before], flat[0, :before].expand(3, -1))
 
 
+@pytest.fixture
+def trainer_world(single_process_group):
+    """The one-process world for a GRPOTrainer that stops in its constructor, after it set up
+    megatron's model-parallel groups: released afterwards, or a later test of this process
+    finds them initialized (the world itself is single_process_group's)."""
+    yield single_process_group
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
 def test_a_run_refuses_a_bad_image_before_building_the_model(vl, tmp_path, monkeypatch,
-                                                             single_process_group):
+                                                             trainer_world):
     """issue 40: a row's missing image stops the run while the prompts are built, naming the
     row and the file, before any model (the policy here) is built."""
     from swift_megatron.arguments.commands import RlhfArguments
@@ -326,7 +338,7 @@ def test_a_run_refuses_a_bad_image_before_building_the_model(vl, tmp_path, monke
 
 
 def test_unsupported_image_runs_stop_before_the_model(vl, tmp_path, monkeypatch,
-                                                      single_process_group):
+                                                      trainer_world):
     """issue 40: images with a multi-turn scheduler (as with --context_parallel_size > 1) are
     refused before the model is built (it came after the model and the rollout engine)."""
     from swift_megatron.arguments.commands import RlhfArguments
