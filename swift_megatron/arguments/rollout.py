@@ -121,7 +121,8 @@ class RolloutArguments:
                                "the step already has) and stop past the model's tolerance: "
                                "dense 0.05, Gated DeltaNet 0.1, MoE 0.5 mean |engine - trainer| "
                                "per token (docs/rlhf.md#the-first-step-numerics-gate). Skipped "
-                               "when the engine returns no logprobs.")
+                               "when the engine returns no logprobs or samples with --top_p, "
+                               "--top_k or --repetition_penalty.")
     numerics_check_atol: Optional[float] = arg(None, "The numerics check's tolerance instead of "
                                                "the model's (mean |engine - trainer| logprob "
                                                "per completion token).")

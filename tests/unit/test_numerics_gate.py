@@ -19,6 +19,16 @@ def test_model_kind(experts, hybrid, kind):
     assert numerics.model_kind(experts, hybrid) == kind
 
 
+@pytest.mark.parametrize("top_p, top_k, penalty, named", [
+    (1.0, -1, 1.0, None), (1.0, 0, 1.0, None), (0.9, -1, 1.0, "--top_p"), (1.0, 50, 1.0, "--top_k"),
+    (1.0, -1, 1.1, "--repetition_penalty"), (0.95, 20, 1.0, "--top_p and --top_k")])
+def test_sampling_filters_skip_the_gate(top_p, top_k, penalty, named):
+    reason = numerics.sampling_skip(top_p, top_k, penalty)
+    assert (reason is None) == (named is None)
+    if named:
+        assert reason.startswith(f"numerics check skipped: with {named} the engine's logprobs")
+
+
 def test_tolerances_and_override():
     assert [numerics.tolerance(k, None) for k in ("dense", "hybrid", "moe")] == [0.05, 0.1, 0.5]
     assert numerics.tolerance("moe", 0.01) == 0.01

@@ -18,6 +18,19 @@ TOLERANCES = {"dense": 0.05, "hybrid": 0.1, "moe": 0.5}
 GAP_METRIC = "rollout/logprob_abs_diff_mean"   # objective.py's engine vs trainer gap
 
 
+def sampling_skip(top_p: float, top_k: int, repetition_penalty: float) -> Optional[str]:
+    """Why the engine's logprobs are not the trainer's distribution whatever the numerics, or
+    None: vLLM reports the logprobs of the distribution it sampled from, which top-k / top-p
+    filtering renormalises and a repetition penalty reshapes (the trainer applies the
+    temperature only)."""
+    changed = [flag for flag, on in (("--top_p", top_p < 1), ("--top_k", top_k > 0),
+                                     ("--repetition_penalty", repetition_penalty != 1)) if on]
+    if not changed:
+        return None
+    return (f"numerics check skipped: with {' and '.join(changed)} the engine's logprobs are of "
+            "the distribution it sampled from, not the trainer's")
+
+
 def model_kind(num_experts: Optional[int], hybrid: bool) -> str:
     """The tolerance row of a model: "moe" (any experts), "hybrid" (Gated DeltaNet), "dense"."""
     if num_experts:

@@ -97,7 +97,7 @@ class GRPOTrainer:
         if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
             record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
-        self.numerics_pending = args.rollout.numerics_check and not self._dropout_sample(start)
+        self.numerics_pending = self._numerics_gate_applies(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
         self.prefetch = self._prefetch()
         if start.resume_dir:
@@ -319,6 +319,16 @@ class GRPOTrainer:
         return {"numerics/first_step_gap": gap,
                 "numerics/tolerance": numerics.tolerance(kind, atol)}
 
+    def _numerics_gate_applies(self, start) -> bool:
+        """--numerics_check, unless its two sides are not the same distribution (logged)."""
+        if not self.args.rollout.numerics_check:
+            return False
+        g = self.args.grpo
+        reason = numerics.sampling_skip(g.top_p, g.top_k, g.repetition_penalty)
+        if reason and self.state.rank == 0:
+            logger.info(reason)
+        return reason is None and not self._dropout_sample(start)
+
     def _dropout_sample(self, start) -> bool:
         """Whether the first step's trainer logprobs are a LoRA dropout sample of a trained
         adapter (a fresh adapter adds nothing, B = 0): then the gate has nothing exact to
@@ -326,7 +336,7 @@ class GRPOTrainer:
         lora = self.args.lora
         sampled = (self.args.training.train_type == "lora" and lora.lora_dropout > 0
                    and bool(start.adapter or start.resume_dir))
-        if sampled and self.args.rollout.numerics_check and self.state.rank == 0:
+        if sampled and self.state.rank == 0:
             logger.info("numerics check skipped: the loaded adapter's first step runs with "
                         "--lora_dropout (pass --lora_dropout 0 to check it)")
         return sampled
