@@ -77,18 +77,24 @@ def check_model_family(hf_config: dict, model_type: Optional[str], source: str) 
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
+def check_gdn_kernels(args: RlhfArguments, family: str) -> None:
+    """Gated DeltaNet models on a GPU whose fla kernels would refuse the backward
+    (platform/kernels.py): refused before anything is built, naming the fix."""
+    if family not in HYBRID_TYPES or args.model.device == "cpu":
+        return
+    from swift_megatron.platform.kernels import gdn_kernel_problem
+
+    problem = gdn_kernel_problem()
+    if problem:
+        raise UserError(f"{family}: {problem}")
+
+
 def check_hybrid_support(args: RlhfArguments, family: str) -> None:
     """Gated DeltaNet layers (qwen3_5*) run packed sequences one at a time, which needs whole
     sequences on each rank (not with sequence parallelism), and have no context parallelism
     (megatron-core 0.16.1): refuse those before anything is built."""
     if family not in HYBRID_TYPES:
         return
-    if args.model.device != "cpu":
-        from swift_megatron.platform.kernels import gdn_kernel_problem
-
-        problem = gdn_kernel_problem()
-        if problem:
-            raise UserError(f"{family}: {problem}")
     p = args.parallel
     if args.kernels.padding_free and p.sequence_parallel and p.tensor_model_parallel_size > 1:
         raise UserError(f"{family}: Gated DeltaNet layers take packed sequences only without "
@@ -190,6 +196,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_model_family(hf_config, args.model.model_type, files)
         family = args.model.model_type or text_config(hf_config)["model_type"]
         check_hybrid_support(args, family)
+        check_gdn_kernels(args, family)
         check_vision_flags(args, hf_config)
         check_cpu_vllm_support(args, hf_config, colocate)
         p = args.parallel
