@@ -590,8 +590,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
 
-    GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest, \
-        RolloutRequest, TokenRequest = _models()
+    models = _models()
+    GenerateRequest, RolloutRequest = models[0], models[4]
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
         if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     auth = [Depends(_bearer_check(api_key))] if api_key else []
@@ -622,6 +622,21 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     def rollout(request: RolloutRequest):
         return _rollout(state, request)
 
+    _add_weight_sync_routes(app, state, models)
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache():
+        _replica_call(state, "call", "reset_prefix_cache")
+        return {"status": "ok"}
+
+    return app
+
+
+def _add_weight_sync_routes(app, state: ServerState, models: tuple) -> None:
+    """The weight-sync communicator's endpoints: reserve, join, renew its lease, load a
+    bucket, close; `models`: _models()'s request classes."""
+    _, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest, _, TokenRequest = models
+
     @app.post("/init_communicator")
     def init_communicator(request: InitCommunicatorRequest):
         return _init_communicator(state, request)
@@ -639,16 +654,9 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     def update_weights(request: UpdateWeightsRequest):
         return _update_weights(state, request)
 
-    @app.post("/reset_prefix_cache")
-    def reset_prefix_cache():
-        _replica_call(state, "call", "reset_prefix_cache")
-        return {"status": "ok"}
-
     @app.post("/close_communicator")
     def close_communicator(request: CloseRequest):
         return _close_communicator(state, request)
-
-    return app
 
 
 # ---- the command -----------------------------------------------------------------------------
