@@ -12,6 +12,7 @@ import sys
 import threading
 
 from swift_megatron.errors import UserError
+from swift_megatron.launch import stop_with_launcher
 
 COMMANDS = {
     "rlhf": ("swift_megatron.cli.rlhf", "GRPO training of an HF causal LM on Megatron-core"),
@@ -43,6 +44,7 @@ def main(argv=None) -> None:
     """Run a command. `argv` None: this process's own command line (the `megatron` executable,
     `python -m swift_megatron.cli.main`), which ends with exit_without_teardown; given `argv`
     (in-process callers), SystemExit as usual."""
+    stop_with_launcher()
     try:
         code = run(sys.argv[1:] if argv is None else list(argv))
     except UserError as exc:

@@ -12,6 +12,7 @@ from typing import List, Mapping, Optional, Sequence
 from swift_megatron.errors import UserError
 
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PID = "SWIFT_MEGATRON_LAUNCHER_PID"   # set by relaunch for the workers of its torchrun
 NPROC_WORDS = ("gpu", "auto")
 
 
@@ -98,12 +99,38 @@ def relaunch(cmd: List[str]) -> int:
     training in the background."""
     print("launching: " + " ".join(cmd), flush=True)
     parent = os.getpid()
-    return subprocess.run(cmd, preexec_fn=lambda: _terminate_with(parent)).returncode
+    env = dict(os.environ, **{LAUNCHER_PID: str(parent)})
+    return subprocess.run(cmd, env=env, preexec_fn=lambda: _terminate_with(parent)).returncode
+
+
+def stop_with_launcher(env: Mapping[str, str] = os.environ) -> None:
+    """In a worker that torchrun started: SIGTERM when torchrun dies. torchrun stops its workers
+    when it is stopped, but not when it dies before it can (kill -9, or a stop that reaches it
+    while it is still starting them: measured, one worker trained on alone). Under `relaunch`,
+    a worker whose launching command is already gone stops at once."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return
+    _terminate_with(os.getppid())
+    launcher = env.get(LAUNCHER_PID, "")
+    if launcher.isdigit() and not _alive(int(launcher)):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _terminate_with(parent: int) -> None:
-    """In a child between fork and exec: ask Linux to send it SIGTERM when `parent` dies (a
-    no-op elsewhere); when the parent is already gone, terminate now."""
+    """In a child (between fork and exec, or a worker as it starts): ask Linux to send it SIGTERM
+    when `parent` dies (a no-op elsewhere); when the parent is already gone, terminate now."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -277,6 +277,65 @@ def test_no_relaunch_without_nproc_or_inside_launcher():
     assert planned_world_size({"LOCAL_RANK": "0", "WORLD_SIZE": "6"}) == 6
 
 
+WORKER = ("import sys, time; from swift_megatron.launch import stop_with_launcher; "
+          "stop_with_launcher(); print('up', flush=True); time.sleep(60)")
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+@pytest.mark.parametrize("run_id,stops", [("rid", True), (None, False)])
+def test_a_torchrun_worker_of_a_dead_launcher_stops(run_id, stops):
+    """A worker started after its launching command died (the launcher killed while torchrun
+    was starting its workers) stops at once, by SIGTERM; outside torchrun nothing happens."""
+    env = dict(os.environ, SWIFT_MEGATRON_LAUNCHER_PID=str(_dead_pid()))
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    if run_id:
+        env["TORCHELASTIC_RUN_ID"] = run_id
+    proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        code = proc.wait(timeout=20) if stops else None
+        up = proc.stdout.readline() if not stops else ""
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == (-15 if stops else None) and up == ("" if stops else "up\n")
+
+
+def test_a_torchrun_worker_stops_when_its_parent_is_killed():
+    """torchrun killed with -9 cannot stop its workers: each gets SIGTERM from Linux instead."""
+    parent = ("import os, subprocess, sys, time; "
+              f"w = subprocess.Popen([sys.executable, '-c', {WORKER!r}], "
+              "env=dict(os.environ, TORCHELASTIC_RUN_ID='rid')); "
+              "print(w.pid, flush=True); time.sleep(60)")
+    env = {k: v for k, v in os.environ.items() if k != "SWIFT_MEGATRON_LAUNCHER_PID"}
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    worker = int(proc.stdout.readline())
+    time.sleep(3)   # the worker set its death signal
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = _running(worker)
+    if alive:
+        os.kill(worker, 9)
+    assert not alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("env,match", [({"NPROC_PER_NODE": "x"}, "must be an integer"),
                                        ({"NPROC_PER_NODE": "2", "NNODES": "2", "NODE_RANK": "2"},
                                         "NODE_RANK=2 must be smaller")])
