@@ -38,6 +38,7 @@ Exits 1 when a case failed. tests/gpu/device_run.sh's `matrix*` phases run it.
 import argparse
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import math
 import multiprocessing
@@ -386,6 +387,7 @@ def table(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
+CARRIED = os.path.join(REPO, ".matrix", "results.jsonl")   # git-ignored: an earlier lease's
 BUILT = ".matrix_built"   # written into a checkpoint's directory once it is complete
 
 
@@ -435,12 +437,41 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in found.splitlines())
 
 
-def recorded(path: str) -> Dict[str, dict]:
-    """{case: result} of an earlier call's results file (`--resume`), the last one per case."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return {r["case"]: r for r in map(json.loads, filter(str.strip, f))}
+CODE = ("pyproject.toml", "swift_megatron", "cli", "benchmarks", "tests/gpu", "requirements")
+
+
+def code_version(root: str = REPO) -> str:
+    """A fingerprint of the code a case runs (the package, the benchmarks' presets, this gate,
+    the requirements): results of different calls or machines combine only where it matches."""
+    paths = []
+    for top in CODE:
+        if os.path.isfile(os.path.join(root, top)):
+            paths.append(os.path.join(root, top))
+        for folder, _, names in os.walk(os.path.join(root, top)):
+            paths += [os.path.join(folder, n) for n in names
+                      if n.endswith((".py", ".sh", ".txt", ".toml", ".json"))]
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
+def recorded(paths: Sequence[str], code: str) -> Dict[str, dict]:
+    """{case: result} of earlier calls' results files (`--resume`), the last one per case,
+    of the code `code` only (the others are named and left out)."""
+    found, stale = {}, set()
+    for path in filter(os.path.isfile, paths):
+        with open(path) as f:
+            for r in map(json.loads, filter(str.strip, f)):
+                if r.get("code") == code:
+                    found[r["case"]] = r
+                else:
+                    stale.add(r["case"])
+    if stale - set(found):
+        print(f"not resumed (run on other code than {code}): {' '.join(sorted(stale - set(found)))}")
+    return found
 
 
 def main():
@@ -453,8 +484,13 @@ def main():
                         help="checkpoints, runs and every call's results.jsonl")
     parser.add_argument("--case_timeout", type=int, default=480)
     parser.add_argument("--resume", action="store_true",
-                        help="skip the cases with a result in --work_dir's results.jsonl (an "
-                             "earlier call on this machine); the table shows them too")
+                        help="skip the cases with a result of the same code (code_version) in "
+                             "--work_dir's results.jsonl (an earlier call on this machine) or "
+                             "in --carried; the table shows them too")
+    parser.add_argument("--carried", nargs="*", default=[CARRIED],
+                        help="results.jsonl files of earlier machines for --resume (another "
+                             "lease: the $OUT/matrix/results.jsonl it returned, put there and "
+                             "carried with the checkout)")
     parser.add_argument("--start_within", type=float, default=None,
                         help="start no case after this many seconds (a device call's limit; "
                              "the rest waits for a --resume call)")
@@ -468,7 +504,9 @@ def main():
         return
     os.makedirs(a.work_dir, exist_ok=True)
     history = os.path.join(a.work_dir, "results.jsonl")
-    earlier = recorded(history) if a.resume else {}
+    code = code_version()
+    print(f"code {code}", flush=True)
+    earlier = recorded([*a.carried, history], code) if a.resume else {}
     todo = [c for c in cases if c.name not in earlier]
     pool = GpuPool(gpu_count())
     pool.check(cases)
@@ -478,7 +516,8 @@ def main():
     log_lock = threading.Lock()
 
     def run(case, gpus, slot):
-        result = run_case(case, inputs[case.family], planned[case.name], a, gpus, slot)
+        result = dict(run_case(case, inputs[case.family], planned[case.name], a, gpus, slot),
+                      code=code)
         with log_lock:
             print(json.dumps(dict(name="matrix_case", **result)), flush=True)
             with open(history, "a") as f:
@@ -491,7 +530,7 @@ def main():
     results = [found[c.name] for c in cases if c.name in found]
     with open(os.path.join(a.out, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)
-    print(table(results))
+    print(f"code {code}\n" + table(results))
     missing = [c.name for c in cases if c.name not in found]
     if missing:
         print(f"not run yet (start budget): {' '.join(missing)}; run again with --resume")

@@ -192,7 +192,7 @@ def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
     monkeypatch.setattr(matrix, "run_case", fake_case)
     base = ["matrix.py", "--cases", "qwen2", "llama3", "--work_dir", str(tmp_path / "w"),
-            "--out", str(tmp_path / "o")]
+            "--out", str(tmp_path / "o"), "--carried", str(tmp_path / "carried.jsonl")]
 
     def call(*extra):
         monkeypatch.setattr(sys, "argv", [*base, *extra])
@@ -213,6 +213,48 @@ def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsy
         ["| llama3_full", "| qwen2_full", "| llama3_lora", "| qwen2_lora"]
     with open(tmp_path / "o" / "results.jsonl") as f:
         assert len(f.readlines()) == 4
+
+
+def test_resume_takes_carried_results_of_the_same_code_only(monkeypatch, tmp_path, capsys):
+    """Another lease's results (carried with the checkout) count only when they ran the same
+    code: the combined table is one code's."""
+    ran = []
+
+    def fake_case(case, inputs, estimate, a, gpus, slot):
+        ran.append(case.name)
+        return dict(case=case.name, gpus="0", seconds=1.0,
+                    **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
+
+    monkeypatch.setattr(matrix, "gpu_count", lambda: 1)
+    monkeypatch.setattr(matrix, "prepare", lambda cases, *_: {c.family: ("m", []) for c in cases})
+    monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
+    monkeypatch.setattr(matrix, "run_case", fake_case)
+    earlier = dict(gpus="0", seconds=1.0, **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
+    carried = tmp_path / "carried.jsonl"
+    carried.write_text("".join(json.dumps(dict(earlier, case=name, code=code)) + "\n" for name, code
+                               in [("llama3_full", matrix.code_version()), ("qwen2_full", "0ld")]))
+    monkeypatch.setattr(sys, "argv", ["matrix.py", "--cases", "qwen2_full", "llama3_full",
+                                      "--work_dir", str(tmp_path / "w"), "--out",
+                                      str(tmp_path / "o"), "--resume", "--carried", str(carried)])
+    with pytest.raises(SystemExit) as stop:
+        matrix.main()
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and ran == ["qwen2_full"]
+    assert f"not resumed (run on other code than {matrix.code_version()}): qwen2_full" in out
+    with open(tmp_path / "o" / "results.jsonl") as f:
+        assert {r["code"] for r in map(json.loads, f)} == {matrix.code_version()}
+
+
+def test_code_version_follows_the_code_only(tmp_path):
+    (tmp_path / "swift_megatron").mkdir()
+    source = tmp_path / "swift_megatron" / "a.py"
+    source.write_text("x = 1\n")
+    first = matrix.code_version(str(tmp_path))
+    (tmp_path / "swift_megatron" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "README.md").write_text("docs")
+    assert matrix.code_version(str(tmp_path)) == first
+    source.write_text("x = 2\n")
+    assert matrix.code_version(str(tmp_path)) != first
 
 
 def _first_only(run_all):
