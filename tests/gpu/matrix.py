@@ -437,12 +437,15 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in found.splitlines())
 
 
-CODE = ("pyproject.toml", "swift_megatron", "cli", "benchmarks", "tests/gpu", "requirements")
+# what a case runs: the package, its requirements, the benchmarks' presets and memory check,
+# this file (other benchmarks and docs may change between leases)
+CODE = ("pyproject.toml", "requirements", "swift_megatron", "cli", "benchmarks/grpo_step.py",
+        "benchmarks/trl_compare.py", "tests/gpu/matrix.py")
 
 
 def code_version(root: str = REPO) -> str:
-    """A fingerprint of the code a case runs (the package, the benchmarks' presets, this gate,
-    the requirements): results of different calls or machines combine only where it matches."""
+    """A fingerprint of the code a case runs (CODE): results of different calls or machines
+    combine only where it matches."""
     paths = []
     for top in CODE:
         if os.path.isfile(os.path.join(root, top)):
