@@ -161,6 +161,7 @@ def prepare(a) -> tuple:
 # ---- ours -------------------------------------------------------------------------------------
 
 def ours_command(a, model: str, dataset: str, out: str, extra: list) -> list:
+    """Ours on the workload; `a.free_layout` (auto_grid.py): no layout flag of its own."""
     return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
             "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations",
             str(GENERATIONS), "--micro_batch_size", str(MICRO), "--global_batch_size",
@@ -170,7 +171,8 @@ def ours_command(a, model: str, dataset: str, out: str, extra: list) -> list:
             "--lr_decay_style", "constant", "--train_iters",
             str(a.rollout_batches * STEPS_PER_ROLLOUT), "--use_vllm", "true", "--vllm_mode",
             "colocate", "--sleep_level", str(a.sleep_level), "--vllm_gpu_memory_utilization",
-            str(SETTINGS["gpu_memory_utilization"]), "--recompute_granularity", "none",
+            str(SETTINGS["gpu_memory_utilization"]),
+            *([] if getattr(a, "free_layout", False) else ["--recompute_granularity", "none"]),
             "--logging_steps", "1", "--report_to", "none", "--output_dir", out,
             "--add_version", "false", "--save_safetensors", "false", "--no_save_optim", "true",
             *lora_flags(getattr(a, "lora", 0)), *a.rlhf_args, *extra]

@@ -125,6 +125,10 @@
 #   trl_seeds         trl_both with ours twice: one seed per call (the default), then
 #                     --vllm_request_seeds true; TRL once
 #   compiled_gpu      tests/gpu/test_compiled_gpu.py (compiled nodes against eager and float64)
+#   auto_grid         benchmarks/auto_grid.py: --auto_parallel's choice against a hand-tried grid
+#                     (recompute x micro-batch budget) on the 1.5B shape, one GPU, one run each;
+#                     auto_grid_qwen3_5: the Qwen3.5 9B-layer shape; auto_grid_8b: Qwen3-8B with
+#                     LoRA rank 16; auto_grid_2gpu: DP, TP, TP+SP, PP on 2 GPUs, 1.5B then 8B full
 #   host_profile      benchmarks/host_profile.py: py-spy over ours with $BOTH (6 rollout
 #                     batches), a table of where the host's time goes per phase in
 #                     $OUT/host_profile/; host_profile_lora: the same for LoRA without dropout.
@@ -366,6 +370,14 @@ phase() {
         lora_8k_defaults) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --micro_batches 2 \
                               --micro_batch 32 ;;
         compiled_gpu) python3 -m pytest tests/gpu/test_compiled_gpu.py -q -s ;;
+        auto_grid) python3 benchmarks/auto_grid.py --preset qwen2.5-1.5b --work_dir /tmp/auto_grid ;;
+        auto_grid_qwen3_5) python3 benchmarks/auto_grid.py --preset qwen3.5-9b-4l \
+                               --work_dir /tmp/auto_grid_qwen3_5 ;;
+        auto_grid_8b) python3 benchmarks/auto_grid.py --preset qwen3-8b --lora 16 \
+                          --work_dir /tmp/auto_grid_8b ;;
+        auto_grid_2gpu) for preset in qwen2.5-1.5b qwen3-8b; do python3 benchmarks/auto_grid.py \
+                            --preset $preset --nproc 2 --work_dir /tmp/auto_grid_2gpu_$preset \
+                            || return 1; done ;;
         host_profile) python3 benchmarks/host_profile.py --out $OUT/host_profile --py_spy "$PYSPY" \
                           -- --preset qwen2.5-1.5b $STEADY --work_dir /tmp/host_profile \
                           -- --max_tokens_per_micro_batch 8192 $BOTH ;;
