@@ -125,6 +125,8 @@
 #   trl_seeds         trl_both with ours twice: one seed per call (the default), then
 #                     --vllm_request_seeds true; TRL once
 #   compiled_gpu      tests/gpu/test_compiled_gpu.py (compiled nodes against eager and float64)
+#   gdn_gpu           tests/gpu/test_gdn_gpu.py (fla's gated delta rule, first and second calls,
+#                     against megatron-core's float32 torch rule)
 #   auto_grid         benchmarks/auto_grid.py: --auto_parallel's choice against a hand-tried grid
 #                     (recompute x micro-batch budget) on the 1.5B shape, one GPU, one run each;
 #                     auto_grid_qwen3_5: the Qwen3.5 9B-layer shape; auto_grid_8b: Qwen3-8B with
@@ -370,6 +372,7 @@ phase() {
         lora_8k_defaults) python3 benchmarks/lora_step.py --preset qwen2.5-1.5b --micro_batches 2 \
                               --micro_batch 32 ;;
         compiled_gpu) python3 -m pytest tests/gpu/test_compiled_gpu.py -q -s ;;
+        gdn_gpu) python3 -m pytest tests/gpu/test_gdn_gpu.py -q -s ;;
         auto_grid) python3 benchmarks/auto_grid.py --preset qwen2.5-1.5b --work_dir /tmp/auto_grid ;;
         auto_grid_qwen3_5) python3 benchmarks/auto_grid.py --preset qwen3.5-9b-4l \
                                --work_dir /tmp/auto_grid_qwen3_5 ;;

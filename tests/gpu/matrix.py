@@ -439,7 +439,7 @@ def gpu_count() -> int:
 
 # what a case runs: the package, its requirements, the benchmarks' presets and memory check,
 # this file (other benchmarks and docs may change between leases)
-CODE = ("pyproject.toml", "requirements", "swift_megatron", "cli", "benchmarks/grpo_step.py",
+CODE = ("setup.py", "requirements", "swift_megatron", "cli", "benchmarks/grpo_step.py",
         "benchmarks/trl_compare.py", "tests/gpu/matrix.py")
 
 
