@@ -176,14 +176,13 @@ def test_table_has_a_row_per_case():
     assert lines[3].startswith("| qwen2_lora | exit 1; 0 of 2 rollout batches logged |")
 
 
-def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsys):
-    """A call that ran out of start budget leaves cases for the next (`--resume`, same
-    --work_dir), whose table shows the earlier call's cases too; the exit code says whether
-    every case ran and passed."""
-    ran = []
+@pytest.fixture
+def ran(monkeypatch):
+    """The names of the cases main() ran, each passing at once, on one GPU."""
+    names = []
 
     def fake_case(case, inputs, estimate, a, gpus, slot):
-        ran.append(case.name)
+        names.append(case.name)
         return dict(case=case.name, gpus="0", seconds=1.0,
                     **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
 
@@ -191,6 +190,13 @@ def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(matrix, "prepare", lambda cases, *_: {c.family: ("m", []) for c in cases})
     monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
     monkeypatch.setattr(matrix, "run_case", fake_case)
+    return names
+
+
+def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsys, ran):
+    """A call that ran out of start budget leaves cases for the next (`--resume`, same
+    --work_dir), whose table shows the earlier call's cases too; the exit code says whether
+    every case ran and passed."""
     base = ["matrix.py", "--cases", "qwen2", "llama3", "--work_dir", str(tmp_path / "w"),
             "--out", str(tmp_path / "o"), "--carried", str(tmp_path / "carried.jsonl")]
 
@@ -215,20 +221,10 @@ def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsy
         assert len(f.readlines()) == 4
 
 
-def test_resume_takes_carried_results_of_the_same_code_only(monkeypatch, tmp_path, capsys):
+def test_resume_takes_carried_results_of_the_same_code_only(monkeypatch, tmp_path, capsys,
+                                                             ran):
     """Another lease's results (carried with the checkout) count only when they ran the same
     code: the combined table is one code's."""
-    ran = []
-
-    def fake_case(case, inputs, estimate, a, gpus, slot):
-        ran.append(case.name)
-        return dict(case=case.name, gpus="0", seconds=1.0,
-                    **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
-
-    monkeypatch.setattr(matrix, "gpu_count", lambda: 1)
-    monkeypatch.setattr(matrix, "prepare", lambda cases, *_: {c.family: ("m", []) for c in cases})
-    monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
-    monkeypatch.setattr(matrix, "run_case", fake_case)
     earlier = dict(gpus="0", seconds=1.0, **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
     carried = tmp_path / "carried.jsonl"
     carried.write_text("".join(json.dumps(dict(earlier, case=name, code=code)) + "\n" for name, code
