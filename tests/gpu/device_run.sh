@@ -125,6 +125,9 @@
 #   trl_seeds         trl_both with ours twice: one seed per call (the default), then
 #                     --vllm_request_seeds true; TRL once
 #   compiled_gpu      tests/gpu/test_compiled_gpu.py (compiled nodes against eager and float64)
+#   layer_time        benchmarks/layer_time.py: a Qwen3.5 9B-layer stack's Gated DeltaNet and
+#                     attention layers per token (forward + backward, 4k tokens) and the two
+#                     kernels alone (fla's rule, SDPA)
 #   gdn_gpu           tests/gpu/test_gdn_gpu.py (fla's gated delta rule, first and second calls,
 #                     against megatron-core's float32 torch rule)
 #   auto_grid         benchmarks/auto_grid.py: --auto_parallel's choice against a hand-tried grid
@@ -373,6 +376,8 @@ phase() {
                               --micro_batch 32 ;;
         compiled_gpu) python3 -m pytest tests/gpu/test_compiled_gpu.py -q -s ;;
         gdn_gpu) python3 -m pytest tests/gpu/test_gdn_gpu.py -q -s ;;
+        layer_time) for seq in 1024 4096; do python3 benchmarks/layer_time.py \
+                        --preset qwen3.5-9b-4l --seq $seq || return 1; done ;;
         auto_grid) python3 benchmarks/auto_grid.py --preset qwen2.5-1.5b --work_dir /tmp/auto_grid ;;
         auto_grid_qwen3_5) python3 benchmarks/auto_grid.py --preset qwen3.5-9b-4l \
                                --work_dir /tmp/auto_grid_qwen3_5 ;;
