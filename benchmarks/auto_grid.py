@@ -75,9 +75,9 @@ def table(runs: List[str], results: Dict[str, dict]) -> str:
             lines.append(f"| {label} | failed (out of memory or an error: its log) | | | | |")
             continue
         versus = f"{r['wall_s'] / results[best]['wall_s']:.2f}x" if best else "-"
+        estimate = max(r.get("estimate/train_gib", 0), r.get("estimate/logprobs_gib", 0))
         lines.append(f"| {label} | {r['wall_s']:.2f} | {versus} | {r.get('training_gib', 0):.1f} "
-                     f"| {max(r.get('estimate/train_gib', 0), r.get('estimate/logprobs_gib', 0)):.1f}"
-                     f" | {r.get('estimate_vs_training') or 0:.3f} |")
+                     f"| {estimate:.1f} | {r.get('estimate_vs_training') or 0:.3f} |")
     return "\n".join(lines)
 
 

@@ -472,8 +472,9 @@ def recorded(paths: Sequence[str], code: str) -> Dict[str, dict]:
                     found[r["case"]] = r
                 else:
                     stale.add(r["case"])
-    if stale - set(found):
-        print(f"not resumed (run on other code than {code}): {' '.join(sorted(stale - set(found)))}")
+    stale -= set(found)
+    if stale:
+        print(f"not resumed (run on other code than {code}): {' '.join(sorted(stale))}")
     return found
 
 
