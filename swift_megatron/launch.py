@@ -1,8 +1,8 @@
 """Multi-process launching, as ms-swift does it: when NPROC_PER_NODE or NNODES is set (with
-optional NODE_RANK, MASTER_ADDR, MASTER_PORT), a command re-executes itself under
-`python -m torch.distributed.run` with those values; otherwise it runs as one process.
-NPROC_PER_NODE may be a number, `gpu` (one process per visible GPU) or `auto` (per GPU, else
-per CPU core), as torchrun takes it.
+optional NODE_RANK, MASTER_ADDR, MASTER_PORT), a command re-executes itself under torchrun
+(`python -m swift_megatron.launch`: torch.distributed.run, ending as one process would) with
+those values; otherwise it runs as one process. NPROC_PER_NODE may be a number, `gpu` (one
+process per visible GPU) or `auto` (per GPU, else per CPU core), as torchrun takes it.
 """
 import os
 import subprocess
@@ -84,7 +84,7 @@ def torchrun_argv(command: str, argv: Sequence[str],
         return None
     check_launch_env(env)
     nproc = (env.get("NPROC_PER_NODE") or "1").strip()
-    launcher = [sys.executable, "-m", "torch.distributed.run",
+    launcher = [sys.executable, "-m", "swift_megatron.launch",
                 f"--nproc_per_node={nproc.lower() if nproc.lower() in NPROC_WORDS else int(nproc)}",
                 f"--nnodes={_int_env(env, 'NNODES', 1)}",
                 f"--node_rank={_int_env(env, 'NODE_RANK', 0)}",
@@ -140,3 +140,39 @@ def _terminate_with(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def launcher_exit_code(exit_codes: Sequence[int]) -> int:
+    """The exit code of a launch whose failed workers exited with `exit_codes`: 2 when each was
+    a user error (exit 2), else the first other positive code, else 1 (ended by a signal)."""
+    if exit_codes and all(code == 2 for code in exit_codes):
+        return 2
+    return next((code for code in exit_codes if code > 0 and code != 2), 1)
+
+
+def run_torchrun(argv: Sequence[str]) -> int:
+    """torch.distributed.run on `argv` (what `relaunch` runs), ending as one process would: a
+    user error in the workers (exit 2; each printed its `error:` line) exits 2 without
+    torchrun's traceback and failure table; another failure prints one line per failed rank;
+    a stop (SIGTERM, SIGINT) exits 128 + the signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError as failed:
+        ranks = sorted(failed.failures.items())
+        code = launcher_exit_code([failure.exitcode for _, failure in ranks])
+        if code != 2:
+            for rank, failure in ranks:
+                print(f"error: rank {rank} (pid {failure.pid}) exited with {failure.exitcode}",
+                      file=sys.stderr, flush=True)
+        return code
+    except SignalException as stopped:
+        return 128 + int(stopped.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_torchrun(sys.argv[1:]))

@@ -232,7 +232,7 @@ def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
         while True:   # until both workers run (torchrun's children)
             children = psutil.Process(proc.pid).children(recursive=True)
             workers = [p for p in children if "swift_megatron.cli.main" in _cmdline(p)
-                       and "torch.distributed.run" not in _cmdline(p)]   # exec'd, not forking
+                       and "swift_megatron.launch" not in _cmdline(p)]   # exec'd, not forking
             if len(workers) >= 2:
                 break
             assert proc.poll() is None and time.monotonic() < deadline, "no workers started"

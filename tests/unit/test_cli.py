@@ -263,7 +263,7 @@ def test_torchrun_argv():
     env = {"NPROC_PER_NODE": "4", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
            "MASTER_PORT": "29555"}
     cmd = torchrun_argv("rlhf", ["--model", "m"], env)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "swift_megatron.launch"]   # torchrun, ending as one process
     assert cmd[3:8] == ["--nproc_per_node=4", "--nnodes=2", "--node_rank=1",
                         "--master_addr=10.0.0.1", "--master_port=29555"]
     assert cmd[8:] == ["-m", "swift_megatron.cli.main", "rlhf", "--model", "m"]
@@ -279,6 +279,39 @@ def test_no_relaunch_without_nproc_or_inside_launcher():
 
 WORKER = ("import sys, time; from swift_megatron.launch import stop_with_launcher; "
           "stop_with_launcher(); print('up', flush=True); time.sleep(60)")
+
+
+@pytest.mark.parametrize("codes,code", [([2], 2), ([2, 2], 2), ([2, 1], 1), ([-9, 3], 3),
+                                        ([-15], 1), ([], 1)])
+def test_launcher_exit_code(codes, code):
+    from swift_megatron.launch import launcher_exit_code
+
+    assert launcher_exit_code(codes) == code
+
+
+@pytest.mark.parametrize("worker_exit,code", [(2, 2), (3, 3)])
+def test_a_failed_launch_ends_as_one_process_would(tmp_path, worker_exit, code):
+    """A user error in the workers (exit 2, its `error:` line printed) ends the launch with 2 and
+    no torchrun traceback or failure table; another failure names each failed rank."""
+    script = tmp_path / "worker.py"
+    script.write_text(f"import sys\nprint('error: bad input', file=sys.stderr)\n"
+                      f"sys.exit({worker_exit})\n")
+    done = subprocess.run([sys.executable, "-m", "swift_megatron.launch", "--nproc_per_node=2",
+                           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code
+    assert done.stderr.count("error: bad input") == 2
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    named = [line for line in done.stderr.splitlines() if line.startswith("error: rank ")]
+    assert len(named) == (0 if code == 2 else 2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _dead_pid() -> int:
