@@ -50,6 +50,9 @@ def main(argv=None) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = exc.exit_code
+    except KeyboardInterrupt:   # Ctrl-C, or torchrun passing it on: the way out already ran
+        print("interrupted", file=sys.stderr)
+        code = 130
     if argv is None:
         exit_without_teardown(code)
     sys.exit(code)

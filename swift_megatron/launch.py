@@ -96,11 +96,17 @@ def torchrun_argv(command: str, argv: Sequence[str],
 def relaunch(cmd: List[str]) -> int:
     """Run the launcher in the foreground and return its exit code. The launcher gets SIGTERM
     when this process dies, even by `kill -9`, and then stops its workers: nothing goes on
-    training in the background."""
+    training in the background. Ctrl-C reaches the launcher too (one process group): this
+    process waits for it to stop its workers instead of killing it."""
     print("launching: " + " ".join(cmd), flush=True)
     parent = os.getpid()
     env = dict(os.environ, **{LAUNCHER_PID: str(parent)})
-    return subprocess.run(cmd, env=env, preexec_fn=lambda: _terminate_with(parent)).returncode
+    with subprocess.Popen(cmd, env=env, preexec_fn=lambda: _terminate_with(parent)) as launcher:
+        while True:
+            try:
+                return launcher.wait()
+            except KeyboardInterrupt:
+                continue
 
 
 def stop_with_launcher(env: Mapping[str, str] = os.environ) -> None:

@@ -213,10 +213,9 @@ def test_kill_9_leaves_no_processes_behind(base, tmp_path):
     assert not left, left
 
 
-def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
-    """With NPROC_PER_NODE the command relaunches itself under torchrun: killing the command
-    (`kill -9`) stops torchrun and its training processes too, instead of leaving them
-    training in the background."""
+def _launch_two_workers(base, tmp_path, **popen):
+    """`megatron rlhf` under NPROC_PER_NODE=2, once both workers run: (the command, every
+    process below it)."""
     import time
 
     import psutil
@@ -225,26 +224,56 @@ def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
                MASTER_PORT=str(free_port()))
     proc = subprocess.Popen([sys.executable, "-m", "swift_megatron.cli.main", "rlhf",
                              *map(str, base), "--micro_batch_size", "2", "--train_iters", "50",
-                             "--output_dir", str(tmp_path / "run")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while True:   # until both workers run (torchrun's children)
-            children = psutil.Process(proc.pid).children(recursive=True)
-            workers = [p for p in children if "swift_megatron.cli.main" in _cmdline(p)
-                       and "swift_megatron.launch" not in _cmdline(p)]   # exec'd, not forking
-            if len(workers) >= 2:
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, "no workers started"
-            time.sleep(0.5)
-    finally:
-        proc.kill()
-        proc.wait()
+                             "--output_dir", str(tmp_path / "run")], env=env, cwd=REPO, **popen)
+    deadline = time.monotonic() + 120
+    while True:   # until both workers run (torchrun's children)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        workers = [p for p in children if "swift_megatron.cli.main" in _cmdline(p)
+                   and "swift_megatron.launch" not in _cmdline(p)]   # exec'd, not forking
+        if len(workers) >= 2:
+            return proc, children
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("no workers started")
+        time.sleep(0.5)
+
+
+def _survivors(children) -> list:
+    import psutil
+
     _, alive = psutil.wait_procs(children, timeout=30)
     left = [f"{p.pid} {_status(p)} {' '.join(_cmdline(p))[:120]}" for p in alive]
     for survivor in alive:
         survivor.kill()
+    return left
+
+
+def test_kill_9_of_a_torchrun_launch_stops_its_workers(base, tmp_path):
+    """With NPROC_PER_NODE the command relaunches itself under torchrun: killing the command
+    (`kill -9`) stops torchrun and its training processes too, instead of leaving them
+    training in the background."""
+    proc, children = _launch_two_workers(base, tmp_path, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
+    proc.kill()
+    proc.wait()
+    left = _survivors(children)
     assert not left, left
+
+
+def test_ctrl_c_of_a_torchrun_launch_ends_it_cleanly(base, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) stops torchrun and its workers, each
+    worker says `interrupted`, and the command exits 130 without a traceback."""
+    import signal
+
+    proc, children = _launch_two_workers(base, tmp_path, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    left = _survivors(children)
+    assert proc.returncode == 130 and not left, (left, out[-3000:])
+    assert out.count("interrupted") == 2 and "Traceback" not in out, out[-3000:]
+
 
 def _cmdline(process) -> list:
     import psutil
