@@ -3,7 +3,8 @@
 #
 #   bash tests/gpu/background.sh start matrix_all   # first call: returns at once
 #   bash tests/gpu/background.sh wait 560           # next calls: wait up to 560 s, show progress
-#   bash tests/gpu/background.sh collect            # last call: the matrix table, logs into $OUT
+#   bash tests/gpu/background.sh collect            # last call: the matrix table, logs and
+#                                                   # results.jsonl into $OUT
 #
 # Every device call copies the working tree afresh and drops what is not in it (the
 # swift_megatron/cli link device_run.sh makes, so cases started after the next call's copy
@@ -48,6 +49,8 @@ sys.path.insert(0, sys.argv[1])
 import matrix
 print(matrix.table([json.loads(line) for line in open("/tmp/gpu_matrix/results.jsonl")]))' \
             "$BG/tree/tests/gpu"
-        mkdir -p "$OUT" && tar czf "$OUT/background_logs.tgz" -C "$BG" out run.log ;;
+        mkdir -p "$OUT" && tar czf "$OUT/background_logs.tgz" -C "$BG" out run.log
+        # every result of this machine, for the next lease's .matrix/ (matrix.py --resume)
+        [ -f /tmp/gpu_matrix/results.jsonl ] && cp /tmp/gpu_matrix/results.jsonl "$OUT/" ;;
     *) echo "usage: background.sh start PHASE... | wait [SECONDS] | collect"; exit 2 ;;
 esac
