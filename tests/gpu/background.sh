@@ -51,6 +51,7 @@ print(matrix.table([json.loads(line) for line in open("/tmp/gpu_matrix/results.j
             "$BG/tree/tests/gpu"
         mkdir -p "$OUT" && tar czf "$OUT/background_logs.tgz" -C "$BG" out run.log
         # every result of this machine, for the next lease's .matrix/ (matrix.py --resume)
-        if [ -f /tmp/gpu_matrix/results.jsonl ]; then cp /tmp/gpu_matrix/results.jsonl "$OUT/"; fi ;;
+        results=/tmp/gpu_matrix/results.jsonl
+        if [ -f "$results" ]; then cp "$results" "$OUT/"; fi ;;
     *) echo "usage: background.sh start PHASE... | wait [SECONDS] | collect"; exit 2 ;;
 esac
