@@ -265,9 +265,12 @@ def test_ctrl_c_of_a_torchrun_launch_ends_it_cleanly(base, tmp_path):
     worker says `interrupted`, and the command exits 130 without a traceback."""
     import signal
 
+    import time
+
     proc, children = _launch_two_workers(base, tmp_path, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True,
                                          start_new_session=True)
+    time.sleep(2)   # past the workers' interpreter start-up, into the command
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     left = _survivors(children)

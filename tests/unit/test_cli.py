@@ -348,8 +348,9 @@ def test_a_torchrun_worker_stops_when_its_parent_is_killed():
     env = {k: v for k, v in os.environ.items() if k != "SWIFT_MEGATRON_LAUNCHER_PID"}
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
                             env=env)
-    worker = int(proc.stdout.readline())
-    time.sleep(3)   # the worker set its death signal
+    lines = sorted(proc.stdout.readline().strip() for _ in range(2))   # either order
+    assert lines[1] == "up"   # the worker set its death signal
+    worker = int(lines[0])
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 20
