@@ -149,11 +149,15 @@ def _terminate_with(parent: int) -> None:
 
 
 def launcher_exit_code(exit_codes: Sequence[int]) -> int:
-    """The exit code of a launch whose failed workers exited with `exit_codes`: 2 when each was
-    a user error (exit 2), else the first other positive code, else 1 (ended by a signal)."""
-    if exit_codes and all(code == 2 for code in exit_codes):
-        return 2
-    return next((code for code in exit_codes if code > 0 and code != 2), 1)
+    """The exit code of a launch whose failed workers exited with `exit_codes`. A worker that
+    failed by itself exits 1-127; torchrun stops the others, which then show a signal (a
+    negative code, or 128 + the signal where they handle it). 2 when each worker that failed by
+    itself had a user error (exit 2), else the first other such code, else the first signal
+    as 128 + its number."""
+    own = [code for code in exit_codes if 0 < code < 128]
+    if own:
+        return next((code for code in own if code != 2), 2)
+    return next((code if code > 0 else 128 - code for code in exit_codes), 1)
 
 
 def run_torchrun(argv: Sequence[str]) -> int:

@@ -281,8 +281,9 @@ WORKER = ("import sys, time; from swift_megatron.launch import stop_with_launche
           "stop_with_launcher(); print('up', flush=True); time.sleep(60)")
 
 
-@pytest.mark.parametrize("codes,code", [([2], 2), ([2, 2], 2), ([2, 1], 1), ([-9, 3], 3),
-                                        ([-15], 1), ([], 1)])
+@pytest.mark.parametrize("codes,code", [([2], 2), ([2, 2], 2), ([2, -15], 2), ([143, 2], 2),
+                                        ([2, 1], 1), ([-15, 3], 3), ([-9], 137), ([143], 143),
+                                        ([], 1)])
 def test_launcher_exit_code(codes, code):
     from swift_megatron.launch import launcher_exit_code
 
@@ -291,16 +292,18 @@ def test_launcher_exit_code(codes, code):
 
 @pytest.mark.parametrize("worker_exit,code", [(2, 2), (3, 3)])
 def test_a_failed_launch_ends_as_one_process_would(tmp_path, worker_exit, code):
-    """A user error in the workers (exit 2, its `error:` line printed) ends the launch with 2 and
-    no torchrun traceback or failure table; another failure names each failed rank."""
+    """Rank 0 fails while rank 1 trains on (torchrun then stops it): a user error (exit 2, its
+    `error:` line printed) ends the launch with 2 and no torchrun traceback or failure table;
+    another failure names each failed rank."""
     script = tmp_path / "worker.py"
-    script.write_text(f"import sys\nprint('error: bad input', file=sys.stderr)\n"
-                      f"sys.exit({worker_exit})\n")
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] != '0':\n    time.sleep(60)\n"
+                      f"print('error: bad input', file=sys.stderr)\nsys.exit({worker_exit})\n")
     done = subprocess.run([sys.executable, "-m", "swift_megatron.launch", "--nproc_per_node=2",
                            "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
                            str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == code
-    assert done.stderr.count("error: bad input") == 2
+    assert done.returncode == code, done.stderr[-2000:]
+    assert done.stderr.count("error: bad input") == 1
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
     named = [line for line in done.stderr.splitlines() if line.startswith("error: rank ")]
     assert len(named) == (0 if code == 2 else 2)
