@@ -264,7 +264,6 @@ def test_ctrl_c_of_a_torchrun_launch_ends_it_cleanly(base, tmp_path):
     """Ctrl-C (SIGINT to the terminal's process group) stops torchrun and its workers, each
     worker says `interrupted`, and the command exits 130 without a traceback."""
     import signal
-
     import time
 
     proc, children = _launch_two_workers(base, tmp_path, stdout=subprocess.PIPE,

@@ -13,6 +13,7 @@ from swift_megatron.arguments.parser import command_groups, group_specs, parse_c
 from swift_megatron.cli.main import run
 from swift_megatron.errors import UserError
 from swift_megatron.launch import planned_world_size, torchrun_argv
+from tests.distributed.launch import free_port
 
 
 def rlhf(*argv):
@@ -300,21 +301,13 @@ def test_a_failed_launch_ends_as_one_process_would(tmp_path, worker_exit, code):
                       "if os.environ['RANK'] != '0':\n    time.sleep(60)\n"
                       f"print('error: bad input', file=sys.stderr)\nsys.exit({worker_exit})\n")
     done = subprocess.run([sys.executable, "-m", "swift_megatron.launch", "--nproc_per_node=2",
-                           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                            str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
     assert done.stderr.count("error: bad input") == 1
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
     named = [line for line in done.stderr.splitlines() if line.startswith("error: rank ")]
     assert len(named) == (0 if code == 2 else 2)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dead_pid() -> int:
