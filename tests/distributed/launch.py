@@ -59,21 +59,24 @@ def run_workers_together(jobs, timeout: int = 300):
     return results
 
 
-def run_cli_together(commands, timeout: int = 600):
+def run_cli_together(commands, timeout: int = 600, warm_start: bool = True):
     """`python -m swift_megatron.cli.main ARGV` for each (argv, env overrides) in `commands`, all
     started at once, each with its own MASTER_PORT; their CompletedProcess in that order. A
-    one-process command without vLLM runs in a child forked from a process that has imported the
-    command's modules once (warm.py): the same code path, minus 6-10 s of imports per command."""
+    command without vLLM runs as children forked from a process that has imported the command's
+    modules once (warm.py; NPROC_PER_NODE=N: N ranks, without torchrun): the same code path,
+    minus 8.5 s of imports per process. `warm_start=False`: plain subprocesses (what checks
+    the relaunch under torchrun)."""
     return run_together([([sys.executable, "-m", "swift_megatron.cli.main", *map(str, argv)],
                           dict(env, SWIFT_MEGATRON_NO_BAR="1", MASTER_PORT=str(free_port())))
-                         for argv, env in commands], timeout, cwd=REPO)
+                         for argv, env in commands], timeout, cwd=REPO, warm_start=warm_start)
 
 
-def run_together(commands, timeout: int, cwd=None):
+def run_together(commands, timeout: int, cwd=None, warm_start: bool = True):
     """Each (cmd, env overrides) in `commands` started at once (in `cwd`, OMP_NUM_THREADS=1 unless
     overridden); their CompletedProcess (text stdout and stderr) in that order. After a timeout
-    the ones still running are killed and subprocess.TimeoutExpired is raised. `megatron`
-    commands that warm.forkable accepts run as forked children of the warm process."""
+    the ones still running are killed and subprocess.TimeoutExpired is raised. Commands that
+    warm.forkable accepts (`megatron` commands, torchrun worker scripts) run as forked children
+    of the warm process, unless `warm_start` is False."""
     started = []
     for cmd, extra in commands:
         env = dict(os.environ, OMP_NUM_THREADS="1",   # keeps a PYTHONPATH the packages need
@@ -81,8 +84,8 @@ def run_together(commands, timeout: int, cwd=None):
                                                             os.environ.get("PYTHONPATH")])))
         env.update(extra)
         logs = [tempfile.NamedTemporaryFile("w+") for _ in range(2)]   # stdout, stderr
-        if warm.forkable(cmd, env):
-            proc = warm.start(cmd[3:], env, cwd or os.getcwd(), logs[0].name, logs[1].name)
+        if warm_start and warm.forkable(cmd, env):
+            proc = warm.start(cmd, env, cwd or os.getcwd(), logs[0].name, logs[1].name)
         else:
             proc = subprocess.Popen(cmd, stdout=logs[0], stderr=logs[1], text=True, env=env,
                                     cwd=cwd)

@@ -20,8 +20,8 @@ from tests.helpers import safetensors_of
 FAMILY = "qwen3_moe"
 
 
-def export(*argv, env=None, timeout=300):
-    return run_cli_together([(["export", *argv], env or {})], timeout)[0]
+def export(*argv, env=None, timeout=300, warm_start=True):
+    return run_cli_together([(["export", *argv], env or {})], timeout, warm_start)[0]
 
 
 def export_in_process(capsys, *argv):
@@ -163,7 +163,7 @@ def test_nproc_per_node_relaunches_under_torchrun(tiny_model_dir, tmp_path):
     out = tmp_path / "tp2"
     proc = export("--model", tiny_model_dir("qwen3"), "--to_mcore", "true", "--output_dir", out,
                   "--tensor_model_parallel_size", "2", "--test_convert_precision", "true",
-                  env={"NPROC_PER_NODE": "2"})   # run_cli_together sets MASTER_PORT
+                  env={"NPROC_PER_NODE": "2"}, warm_start=False)   # MASTER_PORT: run_cli_together
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "launching:" in proc.stdout and "-> PASS" in proc.stdout
     meta = json.loads((out / "swift_megatron.json").read_text())
