@@ -6,7 +6,11 @@ Per rank, in bytes:
   Gated DeltaNet and full-attention layers each counted as they are; the vision tower and
   its mergers, replicated over TP, on the first stage) x dtype bytes;
 - gradients: megatron's DDP keeps float32 main gradients of the trainable parameters (4 bytes
-  each; LoRA: the adapters only; a frozen vision tower, ms-swift's default, has none);
+  each; LoRA: the adapters only, every expert's in MoE layers; a frozen vision tower, ms-swift's
+  default, has none);
+- embedding_grad (full training, train phase): the dense bf16 gradient of the word embedding
+  that autograd makes before DDP adds it into its main gradient (2 bytes x vocab x hidden / TP;
+  with the output layer's block, what put the measured Qwen3.5-9B shape 5% above the estimate);
 - optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
   divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
 - reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
@@ -15,7 +19,10 @@ Per rank, in bytes:
   teacher: --teacher_model's weights (unless offloaded);
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
-  saved inputs and outputs; flash attention keeps no S x S scores); TP splits q, k, v, the
+  saved inputs and outputs; flash attention keeps no S x S scores; an MoE layer instead of the
+  MLP's 6 x ffn: per routed copy of the token (top-k) its permuted input and 6 x the expert's
+  ffn, plus the router's input and a shared expert's 6 x its ffn; measured on an H200 at Qwen3.5-MoE
+  widths, 1,280 tokens: 120.3 KB per token and layer with qwen3 attention); TP splits q, k, v, the
   attention output and the ffn-wide tensors (2 x (2 hidden + 2 kv) + 6 x ffn), sequence
   parallelism the rest too (measured at TP=2 without it, Qwen2.5-1.5B shape, 8k tokens: 27.5
   GiB of training memory, LoRA 16.7, against 33.7 and 24.4 when all of it was counted whole);
@@ -34,8 +41,11 @@ Per rank, in bytes:
   a trained vision tower adds its blocks' saved activations for the micro-batch's image patches
   (`vision_activation_bytes`; the image tokens themselves are sequence tokens);
 - head: the output layer's logprobs keep no [tokens, vocab] logits (model/logprobs.py): a chunk's
-  working set, plus the float32 gradient of the micro-batch's hidden states and a block's bf16
-  product added into it (6 bytes x hidden per token of this CP rank);
+  working set on a GPU (its bf16 logits and their gradient; measured on an H200: 0.384 GiB at
+  1,280 tokens with a frozen output layer, for vocabularies of 128k to 248k), the float32
+  gradient of the micro-batch's hidden states and a block's bf16 product added into it (6 bytes
+  x hidden per token of this CP rank), and, when the output layer trains, a block of its weight
+  gradient (CHUNK_BYTES / 4 / tokens vocabulary rows x hidden x 2 bytes);
 - vLLM (colocate): --vllm_gpu_memory_utilization of the device while it generates, about
   nothing while asleep (sleep level >= 1).
 The peak is the largest of the train phase (everything but vLLM), the logprob phase (the
@@ -50,7 +60,8 @@ from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_HEAD_CHUNK_BYTES = 3 * (256 << 20)  # model/logprobs.py CHUNK_BYTES, a few live copies
+_CHUNK_BYTES = 256 << 20                 # model/logprobs.py CHUNK_BYTES (float32 logits)
+_HEAD_WORKING_BYTES = 3 * _CHUNK_BYTES // 2   # a chunk's bf16 logits, their gradient, buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +186,14 @@ def _trainable(hf: Mapping, run: RunShape, params: int, vision: int) -> int:
         return params - (0 if run.vision_trainable else vision)
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = (hf.get("num_key_value_heads") or heads) * (hf.get("head_dim") or hidden // heads)
-    ffn = hf.get("intermediate_size") or hf["moe_intermediate_size"]
-    per_layer = run.lora_rank * (10 * hidden + 3 * ffn + 2 * kv)
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if experts:   # every expert's linears adapted, and a shared expert's
+        mlp = experts // run.ep * (3 * hidden + 3 * hf["moe_intermediate_size"])
+        if hf.get("shared_expert_intermediate_size"):
+            mlp += 3 * hidden + 3 * hf["shared_expert_intermediate_size"]
+    else:
+        mlp = 3 * hidden + 3 * hf["intermediate_size"]
+    per_layer = run.lora_rank * (6 * hidden + 2 * kv + mlp)
     return per_layer * (hf["num_hidden_layers"] // run.pp) // run.tp
 
 
@@ -186,7 +203,8 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
     moe_ffn = hf.get("moe_intermediate_size", 0) * hf.get("num_experts_per_tok", 0)
     ffn = moe_ffn or hf["intermediate_size"]
     norms = 0 if "layernorm" in run.recompute_modules else 2 * hidden
-    mlp = 0 if ("moe" if moe_ffn else "mlp") in run.recompute_modules else 3 * ffn
+    mlp = 0 if ("moe" if moe_ffn else "mlp") in run.recompute_modules else \
+        _moe_values(hf) if moe_ffn else 3 * ffn
     # hidden-wide tensors (the residual stream into both norms, the attention block's output, the
     # norm outputs) are whole on every TP rank unless sequence parallel splits them; q, the core
     # attention output, k, v and the MLP's ffn-wide tensors are split by TP
@@ -201,6 +219,23 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
     checkpoint_input = 2 * hidden / (run.tp if run.sequence_parallel else 1) / run.cp
     return int(run.micro_batch_tokens * (layers * (per_token_layer / run.cp + gathered_kv)
                                          + checkpoints * checkpoint_input))
+
+
+def _moe_values(hf: Mapping) -> int:
+    """bf16 values an MoE layer keeps per token (module docstring)."""
+    hidden, top_k = hf["hidden_size"], hf["num_experts_per_tok"]
+    shared = hf.get("shared_expert_intermediate_size") or 0
+    return top_k * (hidden + 6 * hf["moe_intermediate_size"]) + hidden + 3 * shared
+
+
+def _head_bytes(hf: Mapping, run: RunShape) -> float:
+    """The output layer's logprob working set (module docstring)."""
+    hidden, tokens = hf["hidden_size"], max(run.micro_batch_tokens // run.cp, 1)
+    block = 0
+    if not run.lora:   # the output layer trains: a block of its weight gradient
+        rows = min(_CHUNK_BYTES / 4 / tokens, hf["vocab_size"] / run.tp)
+        block = 2 * rows * hidden
+    return 6 * tokens * hidden + _HEAD_WORKING_BYTES + block
 
 
 def vision_activation_bytes(hf: Mapping, run: RunShape) -> int:
@@ -238,14 +273,15 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
                  reference=params * width if run.reference_copy else 0,
                  teacher=run.teacher_parameters * width,
                  activations=activation_bytes(hf, run) + tower_activations,
-                 head=6 * run.micro_batch_tokens / run.cp * hf["hidden_size"] + _HEAD_CHUNK_BYTES)
+                 head=_head_bytes(hf, run),
+                 embedding_grad=0 if run.lora else 2 * hf["vocab_size"] * hf["hidden_size"] / run.tp)
     train = sum(parts.values())
     resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
         not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \
         parts["teacher"]
     one_layer = activation_bytes(hf, dataclasses.replace(run, full_recompute=False)) / (
         hf["num_hidden_layers"] // run.pp)
-    logprobs = train - parts["activations"] + one_layer + \
+    logprobs = train - parts["activations"] - parts["embedding_grad"] + one_layer + \
         params * width * (run.reference_offloaded and not run.reference_copy)
     vllm = run.vllm_fraction * (device_bytes or 0)
     result = {name: value / GIB for name, value in parts.items()}
