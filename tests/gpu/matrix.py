@@ -210,6 +210,7 @@ def verdict(returncode: int, rows: List[dict], estimate: Dict[str, float],
     if rows and first_gap is None:
         failed.append("the numerics gate did not run (no numerics/first_step_gap at step 1)")
     return dict(loss=losses[-1] if losses else None, grad_norm=grad_norms[-1] if rows else None,
+                grad_norm_max=max(filter(_finite, grad_norms), default=None),
                 sync_gap=max(gaps) if gaps else None, sync_atol=sync_atol, first_gap=first_gap,
                 estimate_gib=max(estimate.get("train", 0), estimate.get("logprobs", 0)) or None,
                 training_gib=memory.get("training_gib"), estimate_vs_training=ratio,
