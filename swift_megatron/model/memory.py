@@ -10,7 +10,8 @@ Per rank, in bytes:
   default, has none);
 - embedding_grad (full training, train phase): the dense bf16 gradient of the word embedding
   that autograd makes before DDP adds it into its main gradient (2 bytes x vocab x hidden / TP;
-  with the output layer's block, what put the measured Qwen3.5-9B shape 5% above the estimate);
+  inferred, with the output layer's block, from the 5% by which the Qwen3.5-9B shape's measured
+  training memory exceeded the estimate without them; not measured alone);
 - optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
   divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
 - reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
@@ -19,10 +20,11 @@ Per rank, in bytes:
   teacher: --teacher_model's weights (unless offloaded);
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
-  saved inputs and outputs; flash attention keeps no S x S scores; an MoE layer instead of the
-  MLP's 6 x ffn: per routed copy of the token (top-k) its permuted input and 6 x the expert's
-  ffn, plus the router's input and a shared expert's 6 x its ffn; measured on an H200 at Qwen3.5-MoE
-  widths, 1,280 tokens: 120.3 KB per token and layer with qwen3 attention); TP splits q, k, v, the
+  saved inputs and outputs; flash attention keeps no S x S scores; an MoE layer, instead of the
+  MLP's 6 x ffn: per routed copy of the token (top-k) 2 x (hidden + 6 x the expert's ffn) (its
+  permuted input, the expert's gate/up outputs and activations), 2 x hidden for the router's
+  input and 6 x a shared expert's ffn; measured on an H200 at Qwen3.5-MoE widths, 1,280 tokens:
+  120.3 KB per token and layer with qwen3 attention); TP splits q, k, v, the
   attention output and the ffn-wide tensors (2 x (2 hidden + 2 kv) + 6 x ffn), sequence
   parallelism the rest too (measured at TP=2 without it, Qwen2.5-1.5B shape, 8k tokens: 27.5
   GiB of training memory, LoRA 16.7, against 33.7 and 24.4 when all of it was counted whole);
