@@ -20,7 +20,8 @@ Per rank, in bytes:
   teacher: --teacher_model's weights (unless offloaded);
 - activations of one micro-batch kept for the backward: per token and layer about
   2 x (7 hidden + 2 kv) + 6 x ffn bytes in bf16 (the norms', attention's and the SwiGLU MLP's
-  saved inputs and outputs; flash attention keeps no S x S scores; an MoE layer, instead of the
+  saved inputs and outputs; flash attention keeps no S x S scores; a Gated DeltaNet layer its
+  own tensors instead of attention's, `_mixer_values`; an MoE layer, instead of the
   MLP's 6 x ffn: per routed copy of the token (top-k) 2 x (hidden + 6 x the expert's ffn) (its
   permuted input, the expert's gate/up outputs and activations), 2 x hidden for the router's
   input and 6 x a shared expert's ffn; measured on an H200 at Qwen3.5-MoE widths, 1,280 tokens:
@@ -210,7 +211,7 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
     # hidden-wide tensors (the residual stream into both norms, the attention block's output, the
     # norm outputs) are whole on every TP rank unless sequence parallel splits them; q, the core
     # attention output, k, v and the MLP's ffn-wide tensors are split by TP
-    replicated, split = 2 * (3 * hidden + norms), 2 * (2 * hidden + 2 * kv + mlp)
+    replicated, split = 2 * (3 * hidden + norms), 2 * (_mixer_values(hf, kv) + mlp)
     if run.lora and run.lora_dropout:
         attention_out = heads * (hf.get("head_dim") or hidden // heads)
         replicated += 2 * hidden                      # masks of the q/k/v and gate/up inputs
@@ -221,6 +222,25 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
     checkpoint_input = 2 * hidden / (run.tp if run.sequence_parallel else 1) / run.cp
     return int(run.micro_batch_tokens * (layers * (per_token_layer / run.cp + gathered_kv)
                                          + checkpoints * checkpoint_input))
+
+
+def _mixer_values(hf: Mapping, kv: int) -> float:
+    """bf16 values a layer's token mixer keeps per token: attention's q, output, k and v
+    (2 hidden + 2 kv); for a hybrid model the mean over its layers, a Gated DeltaNet layer
+    keeping its convolution's input and output (2 x (2 keys + values)), the L2-normed keys and
+    queries (2 keys), fla's saved q and k (repeated to the value heads), v and A (64 per value
+    head), and the gated norm's and output projection's tensors (about 5 x values): 103 KB per
+    token at Qwen3.5-9B widths, counted on the CPU with fla's saved tensors standing in for its
+    kernel."""
+    attention = 2 * hf["hidden_size"] + 2 * kv
+    kinds = hf.get("layer_types") if hf.get("model_type") in HYBRID_TYPES else None
+    if not kinds:
+        return attention
+    v_heads, key_dim = hf["linear_num_value_heads"], hf["linear_key_head_dim"]
+    keys = hf["linear_num_key_heads"] * key_dim
+    values = v_heads * hf["linear_value_head_dim"]
+    linear = 2 * (2 * keys + values) + 2 * keys + 2 * v_heads * key_dim + 5 * values + 64 * v_heads
+    return sum(attention if k == "full_attention" else linear for k in kinds) / len(kinds)
 
 
 def _moe_values(hf: Mapping) -> int:

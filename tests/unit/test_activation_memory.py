@@ -208,3 +208,65 @@ def test_lean_norms_and_swiglu_equal_the_plain_ops(model):
         after = _saved_per_token(module, [x], tokens)
         print(f"\n{name}: {before:.0f} -> {after:.0f} B/token saved")
         assert after < before
+
+
+class _FlaSaves(torch.autograd.Function):
+    """fla's chunk_gated_delta_rule as the memory sees it (the CPU runs megatron's torch rule,
+    which keeps its own intermediates): the output, and q, k, v, g, beta and A ([.., heads, 64],
+    bf16) kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta):
+        from megatron.core.ssm import gated_delta_net
+
+        with torch.no_grad():
+            out, _ = gated_delta_net.torch_chunk_gated_delta_rule(
+                q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False)
+        ctx.save_for_backward(q, k, v, g, beta, q.new_empty(*q.shape[:3], 64))
+        return out.to(q.dtype)
+
+
+class _FlaL2Norm(torch.autograd.Function):
+    """fla's l2norm as the memory sees it: the bf16 output kept (the CPU path keeps float32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        from swift_megatron.model.gdn import l2norm_torch
+
+        y = l2norm_torch(x)
+        ctx.save_for_backward(y)
+        return y
+
+
+def test_a_gated_deltanet_layer_keeps_what_the_estimate_counts(model, monkeypatch):
+    """What a Gated DeltaNet layer's mixer keeps per token (its modules but in_proj, whose input
+    is the norm output counted among the layer's hidden-wide tensors), with fla's kernels' saved
+    tensors standing in for the CPU paths, against model/memory.py's `_mixer_values` (Qwen3.5-9B
+    widths: 103 KB counted, 102 KB estimated; here narrower heads)."""
+    from megatron.core.ssm import gated_delta_net
+
+    from swift_megatron.model.build import build_model
+    from swift_megatron.model.memory import _mixer_values
+
+    hf = dict(model_type="qwen3_5", vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
+              num_hidden_layers=1, layer_types=["linear_attention"], num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+              linear_conv_kernel_dim=4, rms_norm_eps=1e-6, rope_theta=1e7,
+              partial_rotary_factor=0.25, max_position_embeddings=256,
+              tie_word_embeddings=False)
+    gdn, _, _ = build_model(hf, torch.bfloat16, torch.device("cpu"))   # routes the layer's kernels
+    monkeypatch.setattr(gated_delta_net, "chunk_gated_delta_rule",
+                        lambda q, k, v, g=None, beta=None, **_: (_FlaSaves.apply(q, k, v, g, beta),
+                                                                 None))
+    monkeypatch.setattr(gated_delta_net, "l2norm", _FlaL2Norm.apply)
+    tokens = sum(LENGTHS)
+    hidden = torch.randn(tokens, 1, 512, dtype=torch.bfloat16, requires_grad=True)
+    counter = SavedTensors(gdn)
+    counter.run(lambda: gdn.decoder.layers[0](hidden, attention_mask=None,
+                                               packed_seq_params=_packed()))
+    mixer = sum(nbytes for nbytes, where, *_ in counter.saved.values()
+                if ".self_attention" in where and not where.endswith("in_proj")) / tokens
+    print(f"\nGated DeltaNet mixer: {mixer:.0f} B/token: {counter.breakdown(tokens)}")
+    assert mixer == pytest.approx(2 * _mixer_values(hf, 2 * 64), rel=0.05)

@@ -276,18 +276,22 @@ MATRIX_MEASURED = [("qwen3.5-9b-4l", "full", 57.83), ("qwen3.5-9b-4l", "lora", 6
 
 @pytest.mark.parametrize("preset, train_type, measured", MATRIX_MEASURED,
                          ids=[f"{p}-{t}" for p, t, _ in MATRIX_MEASURED])
-def test_the_gpu_gate_cases_estimate_within_12_percent(preset, train_type, measured):
-    """The gate fails a case outside 15% (docs/gpu.md); the estimate keeps a margin. Without the
-    frozen output layer's measured working set, the embedding gradient and the MoE terms, the
-    estimate is 21% above llama3.2-1b LoRA's and 5% and 13% below Qwen3.5-9B full's and
-    Qwen3.5-MoE LoRA's."""
+def test_the_gpu_gate_cases_estimate_within_8_percent(preset, train_type, measured):
+    """The gate fails a case outside 15% (docs/gpu.md); the estimate keeps a margin (0.96-1.05
+    now). Without the frozen output layer's measured working set, the embedding gradient, the
+    MoE and the Gated DeltaNet terms, the estimate is 21% above llama3.2-1b LoRA's and 4% and
+    13% below Qwen3.5-9B full's and Qwen3.5-MoE LoRA's."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
     from grpo_step import PRESETS
 
-    hf = PRESETS[preset]
+    from swift_megatron.fixtures.models import tiny_hf_config
+
+    preset = PRESETS[preset]   # the config.json benchmarks/grpo_step.py build_model writes
+    hf = tiny_hf_config(preset["model_type"], **{k: v for k, v in preset.items()
+                                                 if k not in ("model_type", "image_size")}).to_dict()
     run = shape("--num_generations", "8", "--micro_batch_size", "8", "--global_batch_size", "32",
                 "--steps_per_generation", "2", "--max_completion_length", "128",
                 "--max_length", "160", "--use_vllm", "true", "--vllm_mode", "colocate",
@@ -295,4 +299,4 @@ def test_the_gpu_gate_cases_estimate_within_12_percent(preset, train_type, measu
                 "--train_type", train_type, hf=hf)
     assert run.micro_batch_tokens == 8 * 160
     result = estimate(hf, run)
-    assert max(result["train"], result["logprobs"]) == pytest.approx(measured, rel=0.12)
+    assert max(result["train"], result["logprobs"]) == pytest.approx(measured, rel=0.08)
