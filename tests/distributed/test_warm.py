@@ -5,10 +5,8 @@ import os
 import sys
 import time
 
-import pytest
-
 from tests.distributed import warm
-from tests.distributed.launch import free_port, run_together, run_workers
+from tests.distributed.launch import free_port, run_workers
 
 CLI = [sys.executable, "-m", "swift_megatron.cli.main"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -46,10 +44,13 @@ def test_a_failing_rank_stops_the_others(tmp_path):
            f"--master_port={free_port()}",
            os.path.join(os.path.dirname(__file__), "workers", "ranks_probe.py"),
            "--out_dir", str(tmp_path), "--fail_rank", "1"]
-    if os.environ.get("OMP_NUM_THREADS") != "1":   # run_together's setting: else no warm start
-        pytest.skip("the warm process serves commands of its own environment: OMP_NUM_THREADS=1")
+    env = dict(warm._server.get("env", os.environ))   # the warm process's own environment
+    assert warm.forkable(cmd, env)
     began = time.monotonic()
-    [proc] = run_together([(cmd, {})], timeout=120)
-    assert proc.returncode == 3          # rank 1's own code; rank 0, killed, does not count
+    ranks = warm.start(cmd, env, os.getcwd(), str(tmp_path / "out"), str(tmp_path / "err"))
+    try:
+        assert ranks.wait(timeout=120) == 3   # rank 1's own code; rank 0, killed, does not count
+    finally:
+        ranks.kill()
     assert time.monotonic() - began < 60  # rank 0 did not wait out gloo's timeout
     assert not list(tmp_path.glob("rank*.json"))
