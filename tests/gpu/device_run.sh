@@ -48,6 +48,17 @@
 #                     ours only, NCCL weight push)
 #   async_server      grpo_server's setup twice on one server: --async_generate false, then true
 #   tp2_colocate      grpo_step with --tensor_model_parallel_size 2 on 2 GPUs (sync time)
+#   scale_8b          the Qwen3-8B shape (all 36 layers), full parameters, ours alone on 2 GPUs,
+#                     colocate, 4 rollout batches of 128 completions: TP=2 with sequence
+#                     parallelism (12k budget), then PP=2 (--auto_parallel's choice, 3k), then
+#                     DP=2 with the distributed optimizer offloaded while generating (3k); the
+#                     layouts and budgets are --auto_parallel's estimates at 139 GiB
+#   scale_8b_server   the same model in server mode: `megatron rollout` on GPU 1, the trainer on
+#                     GPU 0 with its optimizer on the CPU ($SERVER_8B), NCCL weight push
+#   async_8b          scale_8b_server with reasoning-length completions (up to 4096 tokens,
+#                     geometric lengths of mean ~500): --async_generate false, then true
+#   scale_8b_lora     weak scaling of the Qwen3-8B shape with LoRA rank 16 (8k budget): 1 GPU,
+#                     then 2 GPUs data-parallel with twice the work
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
 #   trl_2gpu_tokens   trl_compare_2gpu with ours at the 8k-token micro-batch budget
 #   server_check      grpo_server at the 8k budget with --check_weight_sync true (engine vs
@@ -158,15 +169,23 @@ LEAST="--offload_ref_model true --recompute_granularity full --recompute_method 
 BOTH="--offload_ref_model true --recompute_granularity full --recompute_method block \
 --recompute_num_layers 21"   # 2x TRL's speed at no more than its memory (head_block, trl_both)
 PYSPY=$(command -v py-spy || echo "$PWD/.pyspy/py-spy")   # host_profile*
+NO_TP="--tensor_model_parallel_size 1 --sequence_parallel false"   # scale_8b's variants
+# the trainer of an 8B model alone on one GPU: its optimizer on the CPU (--auto_parallel's choice)
+SERVER_8B="--optimizer_cpu_offload true --use_precision_aware_optimizer true \
+--max_tokens_per_micro_batch 12288"
 STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
 # for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 
-grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1)
+grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1);
+    # SERVER_PRESET (qwen2.5-1.5b), SERVER_MAX_LEN (the server's --vllm_max_model_len, 1024) and
+    # SERVER_ARGS (trl_compare.py's own options) change the workload
     local work=/tmp/grpo_server port=8011 model pid status=0 extra
+    local preset=${SERVER_PRESET:-qwen2.5-1.5b}
     model=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from grpo_step import \
-build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16'))") || return 1
+build_model; print(build_model('$preset', '$work/server_model_$preset', 'bfloat16'))") || return 1
     CUDA_VISIBLE_DEVICES=1 python3 -m swift_megatron.cli.main rollout --model "$model" \
-        --port $port --vllm_max_model_len 1024 > "$OUT/grpo_server.server.log" 2>&1 &
+        --port $port --vllm_max_model_len ${SERVER_MAX_LEN:-1024} \
+        > "$OUT/grpo_server.server.log" 2>&1 &
     pid=$!
     until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
         kill -0 $pid 2>/dev/null || { echo "the rollout server exited"; return 1; }
@@ -174,8 +193,8 @@ build_model; print(build_model('qwen2.5-1.5b', '$work/server_model', 'bfloat16')
     done
     for extra in "$@"; do
         echo "== trainer flags: $extra"
-        CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --tool ours \
-            --rollout_batches 4 --work_dir $work -- --vllm_mode server \
+        CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_compare.py --preset "$preset" --tool ours \
+            --rollout_batches 4 --work_dir $work ${SERVER_ARGS:-} -- --vllm_mode server \
             --vllm_server_host 127.0.0.1 --vllm_server_port $port $extra || status=1
     done
     kill $pid; wait $pid 2>/dev/null
@@ -356,6 +375,21 @@ phase() {
                      --check_weight_sync_atol 0.5 --torch_dtype bfloat16 --offload_optimizer true \
                      --expert_model_parallel_size 2 ;;
         async_server) grpo_server "--async_generate false" "--async_generate true" ;;
+        scale_8b) python3 benchmarks/trl_compare.py --preset qwen3-8b --tool ours --nproc 2 \
+                      --rollout_batches 4 --work_dir /tmp/scale_8b \
+                      --variant pp2="$NO_TP --pipeline_model_parallel_size 2 \
+--max_tokens_per_micro_batch 3072" \
+                      --variant dp2="$NO_TP --offload_optimizer true --max_tokens_per_micro_batch 3072" \
+                      -- --tensor_model_parallel_size 2 --sequence_parallel true \
+                      --max_tokens_per_micro_batch 12288 ;;
+        scale_8b_server) SERVER_PRESET=qwen3-8b grpo_server "$SERVER_8B" ;;
+        async_8b) SERVER_PRESET=qwen3-8b SERVER_MAX_LEN=4608 SERVER_ARGS="--completion_length 4096 \
+--variable_length --eos_probability 0.002" \
+                  grpo_server "$SERVER_8B --async_generate false" "$SERVER_8B --async_generate true" ;;
+        scale_8b_lora) for n in 1 2; do python3 benchmarks/trl_compare.py --preset qwen3-8b \
+                           --lora 16 --tool ours --nproc $n --rollout_batches 4 \
+                           --work_dir /tmp/scale_8b_lora$n -- --max_tokens_per_micro_batch 8192 \
+                           || return 1; done ;;
         tp2_colocate) NPROC_PER_NODE=2 $GRPO --preset qwen2.5-1.5b --run_name tp2 -- $VLLM \
                           --vllm_gpu_memory_utilization 0.3 --tensor_model_parallel_size 2 ;;
         export_speed) python3 benchmarks/export_speed.py --preset qwen2.5-1.5b &&
