@@ -21,7 +21,11 @@ def test_what_forks():
     script = [*TORCHRUN, "--nproc_per_node=2", "--master_addr=127.0.0.1", "--master_port=7", "w.py"]
     assert warm.parse([*script, "--x", "1"], env) == \
         warm.Launch("w.py", ["--x", "1"], 2, "7", torchrun=True)
+    server = [*CLI, "rlhf", "--model", "/vllm_model", "--vllm_mode", "server"]   # engines elsewhere
+    assert warm.parse(server, dict(env, SWIFT_MEGATRON_ROLLOUT_API_KEY="k")).argv == server[3:]
     for cmd, extra in [([*CLI, "rlhf", "--use_vllm", "true"], {}),         # vLLM: a real process
+                       ([*CLI, "rlhf", "--vllm_mode", "colocate"], {}),
+                       ([*CLI, "rlhf", "--model", "/vllm_model"], {}),
                        ([*CLI, "rlhf", "--config", "c.yaml"], {}),
                        ([*CLI, "rollout"], {}),
                        ([*CLI, "rlhf"], {"NPROC_PER_NODE": "auto"}),

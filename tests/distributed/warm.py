@@ -15,8 +15,9 @@ stops the others. What this skips is the launch itself: swift_megatron.launch's 
 exit codes are tested through real torchrun (tests/unit/test_cli.py, tests/e2e), and a caller
 that checks them passes `warm_start=False` to run_together.
 
-A command runs as a plain subprocess instead when it starts vLLM or names a config file (vLLM's
-shared-memory segments are removed only by a real interpreter's teardown), is not one of
+A command runs as a plain subprocess instead when it starts vLLM (any vLLM flag or path, except
+a `--vllm_mode server` trainer's: its engines are a rollout server's) or names a config file
+(vLLM's shared-memory segments are removed only by a real interpreter's teardown), is not one of
 COMMANDS, spans several nodes, or runs in an environment other than the warm process's, apart
 from FREE_ENV: modules read some variables when they are imported, so a preloaded module would
 not see the change."""
@@ -32,7 +33,7 @@ PRELOAD = ["swift_megatron.cli.main", "swift_megatron.cli.rlhf", "swift_megatron
            "swift_megatron.rlhf.grpo.trainer", "transformers.modeling_utils", "matplotlib.pyplot"]
 COMMANDS = ("rlhf", "export", "plot", "demo")
 FREE_ENV = {"MASTER_PORT", "PYTEST_CURRENT_TEST", "SWIFT_MEGATRON_NO_BAR", "PYTHONPATH",
-            "NPROC_PER_NODE"}
+            "NPROC_PER_NODE", "SWIFT_MEGATRON_ROLLOUT_API_KEY"}
 CLI = [sys.executable, "-m", "swift_megatron.cli.main"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -54,7 +55,7 @@ def parse(cmd, env) -> Optional[Launch]:
     """The Launch of `cmd` (with environment `env`) when it may run as children of the warm
     process, else None."""
     cmd = list(map(str, cmd))
-    if any("vllm" in arg or arg.startswith("--config") for arg in cmd[3:]):
+    if starts_vllm(cmd[3:]) or any(arg.startswith("--config") for arg in cmd[3:]):
         return None
     base = _server.get("env", os.environ)
     if any(env.get(key) != base.get(key) for key in (set(env) | set(base)) - FREE_ENV):
@@ -75,6 +76,13 @@ def parse(cmd, env) -> Optional[Launch]:
             return Launch(rest[0], rest[1:], int(options["nproc_per_node"]),
                           options["master_port"], torchrun=True)
     return None
+
+
+def starts_vllm(args: List[str]) -> bool:
+    """Whether a command with these arguments may start a vLLM engine in its own process: it
+    names vLLM anywhere, and is not a `--vllm_mode server` trainer."""
+    server = "--vllm_mode" in args[:-1] and args[args.index("--vllm_mode") + 1] == "server"
+    return any("vllm" in arg for arg in args) and not server
 
 
 def forkable(cmd, env) -> bool:

@@ -15,7 +15,6 @@ Every other flag is the scripts'.
   validation set is a note, not an error."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from swift_megatron.rollout.client import ServerConnection  # noqa: E402
-from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.distributed.launch import REPO, free_port, run_together  # noqa: E402
 from tests.vllm.conftest import rollout_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -90,7 +89,8 @@ def train(model, data, out, *flags):
            "--dataset", data, *TRAINER_FLAGS, *flags, "--output_dir", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                MASTER_PORT=str(free_port()))
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    proc, = run_together([(cmd, env)], timeout=900, cwd=REPO)   # server mode: forked warm
+    return proc
 
 
 def run_dir(out):

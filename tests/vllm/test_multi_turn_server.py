@@ -5,7 +5,6 @@ prompts with their dataset columns to /rollout and trains on the trajectories: t
 the tool's tokens masked, the server's logprobs of the model's tokens equal the trainer's."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from swift_megatron.rollout.client import ServerConnection  # noqa: E402
-from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.distributed.launch import REPO, free_port, run_together  # noqa: E402
 from tests.vllm.conftest import rollout_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -44,14 +43,12 @@ def test_trainer_uses_the_servers_scheduler(server, vllm_model_dir, math_dataset
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1")
     # a scheduler on both sides is ambiguous: refused at start, and the trainer lets go of the
     # server (its weight-sync communicator closed), so the next run can connect
-    both = subprocess.run(base + ["--multi_turn_scheduler", "calculator", "--output_dir",
-                                  str(tmp_path / "both")],
-                          capture_output=True, text=True, env=dict(env, MASTER_PORT=str(free_port())),
-                          timeout=600, cwd=REPO)
+    both, = run_together([(base + ["--multi_turn_scheduler", "calculator", "--output_dir",
+                                   str(tmp_path / "both")], dict(env, MASTER_PORT=str(free_port())))],
+                         timeout=600, cwd=REPO)
     assert both.returncode == 2 and "the rollout servers run the multi-turn scheduler " \
         "lookup_tool" in both.stderr and "Traceback" not in both.stderr
-    proc = subprocess.run(base, capture_output=True, text=True,
-                          env=dict(env, MASTER_PORT=str(free_port())), timeout=600, cwd=REPO)
+    proc, = run_together([(base, dict(env, MASTER_PORT=str(free_port())))], timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "logging.jsonl") as f:
         rows = [json.loads(line) for line in f]

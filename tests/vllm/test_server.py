@@ -41,7 +41,7 @@ from swift_megatron.errors import UserError  # noqa: E402
 from swift_megatron.rollout.client import (ServerConnection, ServerEngine,  # noqa: E402
                                            backoff_delays)
 from swift_megatron.rollout.engine import SamplingConfig  # noqa: E402
-from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.distributed.launch import REPO, free_port, run_together  # noqa: E402
 from tests.vllm.test_colocate import EOS, PROMPTS, hf_greedy, hf_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -464,7 +464,7 @@ def test_grpo_server_mode_multi_turn(server, vllm_model_dir, math_dataset_path, 
            "--log_rollout_offpolicy_metrics", "true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    proc, = run_together([(cmd, env)], timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "logging.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -500,7 +500,7 @@ def grpo_run(server, model_dir, dataset, out, *extra, processes=1):
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()),
                NPROC_PER_NODE=str(processes))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    proc, = run_together([(cmd, env)], timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "logging.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -549,7 +549,7 @@ def test_failing_and_stopped_trainers_leave_the_server_free(server, vllm_model_d
     (test_grpo_server_mode, next)."""
     health = ServerConnection(server, 30, api_key=API_KEY)
     cmd, env = rlhf_against(server, vllm_model_dir, math_dataset_path, tmp_path / "no_reward")
-    failed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    failed, = run_together([(cmd, env)], timeout=600, cwd=REPO)
     assert failed.returncode == 2 and "the rollout servers supply no reward" in failed.stderr \
         and "Traceback" not in failed.stderr, failed.stderr[-3000:]
     assert health.request("/health")["communicator"] is None
@@ -589,7 +589,7 @@ def test_grpo_server_mode(server, vllm_model_dir, math_dataset_path, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE="2",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY,
                MASTER_PORT=str(free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    proc, = run_together([(cmd, env)], timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(out / "logging.jsonl") as f:
         rows = [json.loads(line) for line in f]

@@ -28,7 +28,7 @@ except Exception as error:   # the CUDA wheel on a CPU torch raises RuntimeError
     pytest.skip(f"torchvision is not importable ({error}); run scripts/install_cpu_vllm.sh",
                 allow_module_level=True)
 
-from tests.distributed.launch import REPO, free_port  # noqa: E402
+from tests.distributed.launch import REPO, free_port, run_together  # noqa: E402
 from tests.vllm.test_grpo_colocate_images import PLUGIN, vision_task, vl_task  # noqa: E402,F401
 from tests.vllm.conftest import selected  # noqa: E402
 from tests.vllm.test_server import API_KEY, post, start_server, wait_healthy  # noqa: E402
@@ -88,7 +88,7 @@ def grpo_through(served, model: str, tmp_path, *flags) -> list:
            "--max_pixels", str(MAX_PIXELS), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", SWIFT_MEGATRON_NO_BAR="1",
                SWIFT_MEGATRON_ROLLOUT_API_KEY=API_KEY, MASTER_PORT=str(free_port()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    proc, = run_together([(cmd, env)], timeout=600, cwd=REPO)
     if proc.returncode != 0:
         with open(log.name) as f:
             server_log = f.read()[-4000:]
