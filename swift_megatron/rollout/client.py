@@ -163,6 +163,7 @@ class ServerEngine:
         self.servers: List[ServerConnection] = []
         self.world_sizes: List[int] = []
         self.communicators: list = []
+        self.reserved: Optional[Tuple[ServerConnection, str]] = None   # granted, not yet open
         self.lease: Optional[Lease] = None
         offers = [self._connect(addresses, timeout, api_key) if self.rank == 0 else None]
         if self.group is not None:
@@ -190,23 +191,27 @@ class ServerEngine:
 
     def open_communicators(self) -> None:
         """Rank 0: a weight-sync communicator with every server, each kept alive by the Lease
-        from the moment it opens (the next server may make us wait for another trainer's)."""
+        from the moment it opens (the next server may make us wait for another trainer's).
+        `close` gives back a reservation from the moment a server grants it: a stop while
+        joining or meeting the replicas (SIGTERM's SystemExit, an error) holds nothing."""
         self.lease = Lease()
         for server in self.servers:
-            comm, client_rank, token, info = self._open_communicator(server)
-            self.communicators.append((comm, client_rank, token, info))
-            self.lease.hold(server, token, info["lease_s"])
+            self.sync_position = f"opening the weight-sync communicator with {server.address}"
+            info = self._reserve(server)
+            self.reserved = (server, info["token"])
+            comm = self._join(server, info)
+            self.communicators.append((comm, info["client_rank"], info["token"], info))
+            self.reserved = None
+            self.lease.hold(server, info["token"], info["lease_s"])
 
-    def _open_communicator(self, server: "ServerConnection"):
-        self.sync_position = f"opening the weight-sync communicator with {server.address}"
-        info = self._reserve(server)
+    def _join(self, server: "ServerConnection", info: dict):
+        """Join the reserved communicator and meet the server's replicas in it."""
         if info["backend"] == "nccl" and self.device.type != "cuda":
             raise UserError(f"rollout server {server.address} runs on CUDA (NCCL weight sync) but "
                             "this trainer runs on the CPU")
         server.request("/join_communicator", {"token": info["token"]}, idempotent=False)
-        comm = open_communicator(info["backend"], server.host, info["port"], info["client_rank"],
+        return open_communicator(info["backend"], server.host, info["port"], info["client_rank"],
                                  info["world_size"], self.device)
-        return comm, info["client_rank"], info["token"], info
 
     def _reserve(self, server: "ServerConnection") -> dict:
         """POST /init_communicator, again while another trainer's lease runs (409 with
@@ -339,17 +344,21 @@ class ServerEngine:
         return None
 
     def close(self) -> None:
-        """Give back every communicator (idempotent, and safe on a failing run's way out: a
-        server that does not answer is logged; its lease then lapses)."""
+        """Give back every communicator and a reservation not yet open (idempotent, and safe on
+        a failing run's way out: a server that does not answer is logged; its lease then
+        lapses)."""
         if self.lease is not None:
             self.lease.stop()
-        for server, (comm, _, token, _) in zip(self.servers, self.communicators):
+        held = [(server, token, comm)
+                for server, (comm, _, token, _) in zip(self.servers, self.communicators)]
+        for server, token, comm in held + ([(*self.reserved, None)] if self.reserved else []):
             try:
                 server.request("/close_communicator", {"token": token}, idempotent=False)
             except (UserError, ServerError) as exc:
                 logger.warning(f"closing the weight-sync communicator: {exc}")
-            comm.close()
-        self.communicators, self.servers, self.lease = [], [], None
+            if comm is not None:
+                comm.close()
+        self.communicators, self.servers, self.lease, self.reserved = [], [], None, None
 
 
     def abandon(self) -> None:

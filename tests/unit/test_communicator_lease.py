@@ -2,8 +2,10 @@
 (rollout/server.py). /init_communicator only reserves it (the replicas, here stand-ins, see
 nothing until /join_communicator), a second client gets 409 with Retry-After while the lease
 runs, the owner's requests renew it, and a lapsed lease frees the communicator (the replicas
-close their side) so that the next client gets it. Also the multi-turn service's server-side
-defaults (--enable_thinking, --max_length) reaching each /rollout request."""
+close their side) so that the next client gets it. The trainer's side (rollout/client.py)
+gives back what it opened, a reservation it was still joining included. Also the multi-turn
+service's server-side defaults (--enable_thinking, --max_length) reaching each /rollout
+request."""
 import time
 
 import pytest
@@ -174,3 +176,80 @@ def test_the_client_waits_out_another_trainers_lease():
         engine._reserve(Conn([busy, busy, busy, busy]))
     with pytest.raises(UserError, match="HTTP 500"):
         engine._reserve(Conn([ServerError("HTTP 500: broken", 500)]))
+
+
+class Connection:
+    """A rollout/client.py ServerConnection that posts through the app's TestClient; a request
+    to `stop_at` gets SIGTERM's SystemExit (cli/rlhf.py) instead."""
+    address, host, stop_at = "127.0.0.1:1", "127.0.0.1", None
+
+    def __init__(self, http):
+        self.http = http
+
+    def request(self, path, payload=None, idempotent=True):
+        if path == self.stop_at:
+            raise SystemExit(143)
+        answer = self.http.post(path, json=payload) if payload is not None else self.http.get(path)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+
+class Communicator:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def trainer_side(http):
+    """rollout/client.py's ServerEngine on rank 0, past its connect (servers known)."""
+    import torch
+
+    from swift_megatron.rollout.client import ServerEngine
+
+    engine = object.__new__(ServerEngine)   # __init__ connects to live servers
+    engine.servers, engine.communicators, engine.reserved, engine.lease = [Connection(http)], [], \
+        None, None
+    engine.device, engine.timeout, engine.sync_position = torch.device("cpu"), 5.0, ""
+    return engine
+
+
+@pytest.mark.parametrize("stopped_in", ["/join_communicator", "open_communicator"])
+def test_a_trainer_stopped_while_opening_gives_the_reservation_back(monkeypatch, stopped_in):
+    """SIGTERM's SystemExit (cli/rlhf.py) while joining or meeting the replicas: the trainer's
+    way out (abandon) frees the server's communicator at once, not when the lease lapses."""
+    from swift_megatron.rollout import client
+
+    http, _ = serve()
+    engine = trainer_side(http)
+    connection, = engine.servers
+
+    def stop(*args):
+        raise SystemExit(143)
+
+    if stopped_in == "open_communicator":
+        monkeypatch.setattr(client, "open_communicator", stop)
+    else:
+        connection.stop_at = stopped_in
+    with pytest.raises(SystemExit):
+        engine.open_communicators()
+    assert http.get("/health").json()["communicator"] is not None
+    connection.stop_at = None
+    engine.abandon()
+    assert http.get("/health").json()["communicator"] is None
+    assert http.post("/init_communicator", json={}).status_code == 200   # the next trainer
+
+
+def test_a_trainer_closes_the_communicator_it_opened(monkeypatch):
+    from swift_megatron.rollout import client
+
+    http, replicas = serve()
+    engine = trainer_side(http)
+    comm = Communicator()
+    monkeypatch.setattr(client, "open_communicator", lambda *args: comm)
+    engine.open_communicators()
+    assert http.get("/health").json()["communicator"]["joined"] is True
+    engine.close()
+    assert comm.closed and http.get("/health").json()["communicator"] is None
+    wait_for(lambda: all(r.commands == ["open_communicator", "close_communicator"]
+                         for r in replicas))

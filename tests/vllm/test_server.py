@@ -544,9 +544,9 @@ def rlhf_against(server, model_dir, dataset, out, *extra):
 def test_failing_and_stopped_trainers_leave_the_server_free(server, vllm_model_dir,
                                                             math_dataset_path, tmp_path):
     """A trainer that fails its checks (no reward: the server supplies none) opens nothing on
-    the server; one stopped by SIGTERM after its first weight sync gives its communicator back
-    on the way out (exit 143), not only after its lease; the next trainer trains
-    (test_grpo_server_mode, next)."""
+    the server; one stopped by SIGTERM once it holds the server's communicator (reserved,
+    joining, or syncing its first weights) gives it back on the way out (exit 143), not only
+    after its lease; the next trainer trains (test_grpo_server_mode, next)."""
     health = ServerConnection(server, 30, api_key=API_KEY)
     cmd, env = rlhf_against(server, vllm_model_dir, math_dataset_path, tmp_path / "no_reward")
     failed, = run_together([(cmd, env)], timeout=600, cwd=REPO)
