@@ -39,6 +39,8 @@ PRESETS = {
     "qwen3-8b": REAL_SHAPES["qwen3-8b"],
     # built as Qwen3_5ForConditionalGeneration (text stack of this shape, a tiny vision tower)
     "qwen3.5-9b-4l": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5"),
+    # every layer of Qwen3.5-9B (24 Gated DeltaNet, 8 attention)
+    "qwen3.5-9b": dict(REAL_SHAPES["qwen3.5-9b-4l"], model_type="qwen3_5", num_hidden_layers=32),
     # Qwen3.5-35B-A3B's layer shape with 8 layers (64 experts, 8 active, a shared expert)
     "qwen3.5-moe-8l": dict(REAL_SHAPES["qwen3.5-moe-small"], model_type="qwen3_5_moe"),
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,

@@ -1,19 +1,27 @@
 """GRPO wall time per rollout batch and peak GPU memory: swift-megatron against TRL's
 GRPOTrainer doing the same work on the same GPU, in one run.
 
-Both tools get the same random model of a real shape (bf16), the same 512-row synthetic math
-dataset and the same work: 16 prompts x 8 completions of at most 256 tokens per rollout batch,
-64 completions per optimizer step in micro-batches of 8, two optimizer steps per rollout batch,
-beta 0.04, temperature 1.0, lr 1e-6, the accuracy reward, vLLM in colocate mode with sleep level 1
+Both tools get the same random model of a real shape (bf16, `--preset`: grpo_step.py's), the
+same 512-row synthetic dataset and reward (grpo_step.build_task: the math task with the accuracy
+reward; for the vision-language presets the colour task, one image per prompt, with the
+colour_parity reward) and the same work: 16 prompts x 8 completions of at most 256 tokens per
+rollout batch, 64 completions per optimizer step in micro-batches of 8, two optimizer steps per
+rollout batch, beta 0.04, temperature 1.0, lr 1e-6, vLLM in colocate mode with sleep level 1
 (TRL's level-2 sleep call is forced to level 1, as ours; `--sleep_level 2` runs both at 2) and
 --vllm_gpu_memory_utilization 0.3.
 With --variable_length the model's EOS logit is raised (its output row set along the mean final
 hidden state of its own sampled continuations of the prompts, scaled so that EOS takes about
 1/64 (`--eos_probability`) of the probability there) and completion lengths spread over 1..256
 tokens instead of all hitting 256; reasoning-length completions: `--completion_length 4096
---variable_length --eos_probability 0.002` (most short, a long tail). `--eos_context grid_world` calibrates that EOS on the grid-world environment's first
-observations instead of the math prompts (for ours with `--use_gym_env`: multi-turn episodes whose
-turns end before the length limit, so that they get a second turn).
+--variable_length --eos_probability 0.002` (most short, a long tail); text presets only.
+`--eos_context grid_world` calibrates that EOS on the grid-world environment's first
+observations instead of the math prompts (for ours with `--use_gym_env`: multi-turn episodes
+whose turns end before the length limit, so that they get a second turn).
+
+With images, TRL gets the same prompt tokens as ours (the image's placeholder before the prompt's
+text, VL_CHAT_TEMPLATE) and does the same training: the vision tower and its merger frozen in full
+training (ms-swift's --freeze_vit / --freeze_aligner defaults, ours'), no adapter on them with
+--lora.
 
 TRL runs in two settings in the same command (`--trl_settings`, both by default): `defaults`,
 GRPOConfig as TRL ships it (gradient checkpointing on), and `fastest`, the fastest setting that
@@ -42,6 +50,8 @@ line with the ratios.
     python benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 5 --variable_length
     python benchmarks/trl_compare.py --trl_settings fastest --trl_fastest '{"use_liger_kernel": true}'
     python benchmarks/trl_compare.py --preset qwen3-8b --lora 16   # both tools LoRA (all linears)
+    python benchmarks/trl_compare.py --preset qwen2.5-vl-3b   # images (the colour task)
+    python benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16   # Gated DeltaNet layers
     python benchmarks/trl_compare.py --tool ours -- --train_type lora   # extra megatron rlhf flags
     python benchmarks/trl_compare.py --nproc 2   # data parallel over 2 GPUs, twice the work
     python benchmarks/trl_compare.py --variant 8k="--max_tokens_per_micro_batch 8192" \
@@ -73,7 +83,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from grpo_step import build_model  # noqa: E402  (the same random-model presets)
+from grpo_step import PRESETS, build_model, build_task  # noqa: E402  (the same presets and tasks)
 
 PROMPTS, GENERATIONS, MICRO, GLOBAL, STEPS_PER_ROLLOUT = 16, 8, 8, 64, 2
 SETTINGS = dict(beta=0.04, temperature=1.0, lr=1e-6, gpu_memory_utilization=0.3)
@@ -82,6 +92,17 @@ EOS_PROBABILITY = 1 / 64
 # GRPOConfig fields over TRL's defaults per setting (--trl_fastest adds to `fastest`)
 TRL_SETTINGS = {"defaults": {}, "fastest": {"gradient_checkpointing": False}}
 LORA_DROPOUT = 0.05
+# The models' chat template (the fixtures', swift_megatron/fixtures/tokenizer.py) taking content
+# lists too, as TRL passes an image prompt: an image block renders as ours renders an image tag
+# (before the prompt's text), and the processor expands its <|image_pad|> to the image's patches
+VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def emit(**fields) -> None:
@@ -143,27 +164,33 @@ def raise_eos(model_dir: str, prompts: list, probability: float = EOS_PROBABILIT
 
 
 def prepare(a) -> tuple:
-    from swift_megatron.fixtures import build_math_dataset
-
+    """The preset's random model and its task's flags (grpo_step.build_task: the dataset, its
+    reward and the reward's plugin): the math task for text presets, the colour-image task for
+    the vision-language ones."""
     model = build_model(a.preset, os.path.join(a.work_dir, a.preset), "bfloat16")
-    dataset = build_math_dataset(os.path.join(a.work_dir, "math.jsonl"), num_rows=512)
+    task = build_task(a.preset, a.work_dir)
     if a.variable_length:
         if a.eos_context == "grid_world":   # the episodes' own first turns
             prompts = grid_world_prompts()
         else:
-            with open(dataset) as f:
+            with open(task_value(task, "--dataset")) as f:
                 prompts = [json.loads(line)["messages"] for line in f][:32]
         emit(name="eos_raised", context=a.eos_context,
              probability=round(raise_eos(model, prompts, a.eos_probability), 4))
-    return model, dataset
+    return model, task
+
+
+def task_value(task: list, flag: str):
+    """The value `flag` has among a task's flags, None without it."""
+    return task[task.index(flag) + 1] if flag in task else None
 
 
 # ---- ours -------------------------------------------------------------------------------------
 
-def ours_command(a, model: str, dataset: str, out: str, extra: list) -> list:
+def ours_command(a, model: str, task: list, out: str, extra: list) -> list:
     """Ours on the workload; `a.free_layout` (auto_grid.py): no layout flag of its own."""
     return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
-            "--dataset", dataset, "--reward_funcs", "accuracy", "--num_generations",
+            *task, "--num_generations",
             str(GENERATIONS), "--micro_batch_size", str(MICRO), "--global_batch_size",
             str(GLOBAL * a.nproc), "--steps_per_generation", str(STEPS_PER_ROLLOUT),
             "--max_completion_length", str(a.completion_length), "--beta", str(SETTINGS["beta"]),
@@ -197,10 +224,10 @@ def memory_estimate(cmd: list, env: dict) -> dict:
             (part.rsplit(" ", 1) for part in match.group(1).split(", "))}
 
 
-def run_ours(a, model: str, dataset: str, label: str = "ours", extra: list = ()) -> dict:
+def run_ours(a, model: str, task: list, label: str = "ours", extra: list = ()) -> dict:
     out = os.path.join(a.work_dir, label)
     shutil.rmtree(out, ignore_errors=True)
-    cmd = ours_command(a, model, dataset, out, list(extra))
+    cmd = ours_command(a, model, task, out, list(extra))
     env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", NPROC_PER_NODE=str(a.nproc))
     estimate = memory_estimate(cmd, env)
     with DevicePeak() as device:
@@ -219,7 +246,11 @@ def run_ours(a, model: str, dataset: str, label: str = "ours", extra: list = ())
                    completion_tokens=statistics.mean(r["rollout/completion_tokens"] for r in later))
     summary.update({key: statistics.mean(r[key] for r in later) for key in PHASE_KEYS
                     if all(r.get(key) is not None for r in later)})
-    summary["train_tflops"] = train_tflops(model, summary.get("perf/train_tokens_per_s"))
+    summary["train_tflops"] = train_tflops(model, summary.get("perf/train_tokens_per_s"),
+                                           summary.get("rollout/completion_length_mean", 0.0))
+    peak_tflops = bf16_peak_tflops()
+    if peak_tflops:
+        summary["train_mfu"] = summary["train_tflops"] / peak_tflops
     summary.update(memory_check(rows, estimate))
     return summary
 
@@ -253,33 +284,43 @@ PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s"
               "multi_turn/num_turns_mean", "multi_turn/env_tokens_mean")  # the last two: multi-turn runs
 
 
-def train_tflops(model_dir: str, tokens_per_s) -> float:
-    """Model FLOP/s of the train phase: 6 x parameters x tokens (forward + backward) plus the
-    attention score/value products (12 x layers x hidden x tokens x mean context, context ~ the
-    tokens of one sequence), per second, in TFLOP/s."""
+def train_tflops(model_dir: str, tokens_per_s, sequence_tokens: float = 0.0) -> float:
+    """Model FLOP/s of the train phase, in TFLOP/s: per token, forward + backward of what it
+    multiplies by (6 x planning/cost.py's active_parameters: MoE layers' routed experts only,
+    the output head included) and the causal attention products of the full-attention layers at
+    `sequence_tokens` (attention_flops_per_token; the run passes the completions' mean length,
+    its prompts left out: 24 tokens of the math task, about 285 with an image; Gated DeltaNet
+    layers' recurrence and a vision tower left out)."""
+    from swift_megatron.planning.cost import active_parameters, attention_flops_per_token
+
     if not tokens_per_s:
         return 0.0
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
-    hidden, layers, vocab = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
-    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hidden // heads
-    per_layer = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden \
-        + 3 * hidden * hf["intermediate_size"]
-    params = layers * per_layer + vocab * hidden
-    return 6 * params * tokens_per_s / 1e12
+    per_token = 6 * active_parameters(hf) + attention_flops_per_token(hf, int(sequence_tokens))
+    return per_token * tokens_per_s / 1e12
+
+
+def bf16_peak_tflops():
+    """GPU 0's dense bf16 peak in TFLOP/s (PEAK_BF16_TFLOPS by its name), None when unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader",
+                              "--id=0"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((peak for name, peak in PEAK_BF16_TFLOPS.items() if name in out.stdout), None)
 
 
 # ---- TRL --------------------------------------------------------------------------------------
 
-def trl_command(a, model: str, dataset: str, setting: str = "defaults") -> list:
+def trl_command(a, model: str, task: list, setting: str = "defaults") -> list:
     """The TRL worker's command line, under torchrun with --nproc > 1. The worker takes its
     world size from torchrun's WORLD_SIZE: an option named like one of torchrun's own (`--nproc`)
     anywhere on its line is refused by torchrun as ambiguous (seen on 2 GPUs)."""
     launcher = [sys.executable] if a.nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc)]
     return [*launcher, os.path.abspath(__file__), "--trl_worker", "--model_dir", model,
-            "--dataset_path", dataset, "--work_dir", a.work_dir, "--rollout_batches",
+            "--task", json.dumps(task), "--work_dir", a.work_dir, "--rollout_batches",
             str(a.rollout_batches), "--completion_length", str(a.completion_length),
             "--sleep_level", str(a.sleep_level), "--lora", str(getattr(a, "lora", 0)),
             "--trl_setting", setting,
@@ -292,12 +333,12 @@ def trl_overrides(a, setting: str) -> dict:
     return {**TRL_SETTINGS[setting], **extra}
 
 
-def run_trl(a, model: str, dataset: str, setting: str = "defaults") -> dict:
+def run_trl(a, model: str, task: list, setting: str = "defaults") -> dict:
     log = trl_log(a.work_dir, setting)
     if os.path.exists(log):
         os.remove(log)
     with DevicePeak() as device:
-        subprocess.run(trl_command(a, model, dataset, setting), check=True)
+        subprocess.run(trl_command(a, model, task, setting), check=True)
     with open(log) as f:
         steps = [json.loads(line) for line in f]
     ends = [s for s in steps if s["step"] % STEPS_PER_ROLLOUT == 0]
@@ -365,31 +406,61 @@ def measured(per_batch: list, warmup_batches: int) -> list:
     return per_batch[warmup_batches - 1:]
 
 
+def trl_dataset(task: list):
+    """TRL's train_dataset for the task: the conversational prompts, the reward's `solution`
+    column and, for the image task, an `image` column (its path, decoded to a PIL image when
+    read) that TRL puts before the prompt's text, where ours puts it too."""
+    from datasets import Dataset, Image
+    from datasets.table import InMemoryTable
+
+    with open(task_value(task, "--dataset")) as f:
+        rows = [json.loads(line) for line in f]
+    columns = [{"prompt": r["messages"], "solution": r["solution"],
+                **({"image": r["images"][0]} if r.get("images") else {})} for r in rows]
+    # a fixed fingerprint: datasets 5.2 cannot hash pyarrow 26's MonthDayNano type with dill
+    data = Dataset(InMemoryTable.from_pylist(columns), fingerprint="trl_compare")
+    return data.cast_column("image", Image()) if "image" in columns[0] else data
+
+
+def trl_reward(task: list):
+    """The task's reward (--reward_funcs, from --external_plugins where it names one) as TRL
+    calls a reward function: completions as chat messages, the dataset's columns as keywords."""
+    from swift_megatron.rewards import RewardConfig, resolve_reward_funcs
+    from swift_megatron.rewards.plugins import load_plugins
+
+    name, plugin = task_value(task, "--reward_funcs"), task_value(task, "--external_plugins")
+    (_, func), = resolve_reward_funcs([name], load_plugins([plugin] if plugin else []),
+                                     RewardConfig())
+
+    def reward(completions, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return func(texts, **kwargs)
+
+    reward.__name__ = name
+    return reward
+
+
+def freeze_tower(model) -> int:
+    """Freeze a vision-language model's vision tower, its merger included, as ours does in full
+    training (ms-swift's --freeze_vit and --freeze_aligner true); returns the tensors frozen."""
+    frozen = [p for name, p in model.named_parameters() if "visual." in name]
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
+
+
 def trl_worker(a) -> None:
     """TRL's GRPOTrainer on the same model, data and settings (runs in its own process)."""
     import torch
     import vllm
-    from datasets import Dataset
-    from datasets.table import InMemoryTable
-    from transformers import TrainerCallback
+    from transformers import AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from swift_megatron.rewards import RewardConfig, resolve_reward_funcs
 
     original_sleep = vllm.LLM.sleep   # TRL sleeps at level 2: ours and TRL's at --sleep_level
     vllm.LLM.sleep = lambda self, level=1: original_sleep(self, level=a.sleep_level)
-    with open(a.dataset_path) as f:
-        rows = [json.loads(line) for line in f]
-    # a fixed fingerprint: datasets 5.2 cannot hash pyarrow 26's MonthDayNano type with dill
-    data = Dataset(InMemoryTable.from_pylist([{"prompt": r["messages"], "solution": r["solution"]}
-                                              for r in rows]), fingerprint="trl_compare")
-    (_, accuracy), = resolve_reward_funcs(["accuracy"], [], RewardConfig())
-
-    def accuracy_reward(completions, solution, **kwargs):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return accuracy(texts, solution=solution)
-
+    task = json.loads(a.task)
     log = trl_log(a.work_dir, a.trl_setting)
+    cuda = torch.cuda.is_available()
 
     class Timer(TrainerCallback):
         length = None
@@ -398,8 +469,8 @@ def trl_worker(a) -> None:
             self.length = (logs or {}).get("completions/mean_length", self.length)
 
         def on_step_end(self, args, state, control, **kwargs):
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            if state.global_step % STEPS_PER_ROLLOUT == 0:
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            if cuda and state.global_step % STEPS_PER_ROLLOUT == 0:
                 torch.cuda.reset_peak_memory_stats()
             if not state.is_world_process_zero:
                 return
@@ -407,7 +478,7 @@ def trl_worker(a) -> None:
                 f.write(json.dumps(dict(step=state.global_step, time=time.time(), peak_gib=peak,
                                         completion_length_mean=self.length)) + "\n")
 
-    config = GRPOConfig(
+    config = dict(
         output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GLOBAL // MICRO, num_generations=GENERATIONS,
         generation_batch_size=GLOBAL * int(os.environ.get("WORLD_SIZE", 1)) * STEPS_PER_ROLLOUT,
@@ -418,27 +489,40 @@ def trl_worker(a) -> None:
         vllm_gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
         vllm_importance_sampling_correction=False,  # ours has no importance correction here
         max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
-        save_strategy="no", seed=42, **json.loads(a.trl_config))
-    trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[accuracy_reward], args=config,
-                          train_dataset=data, callbacks=[Timer()], peft_config=peft_config(a.lora))
+        save_strategy="no", seed=42)
+    data = trl_dataset(task)
+    processor = AutoProcessor.from_pretrained(a.model_dir, truncation_side="left",
+                                              padding_side="left")   # as TRL loads it
+    if "image" in data.column_names:
+        processor.chat_template = VL_CHAT_TEMPLATE
+    trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[trl_reward(task)],
+                          args=GRPOConfig(**{**config, **json.loads(a.trl_config)}),
+                          train_dataset=data, processing_class=processor, callbacks=[Timer()],
+                          peft_config=peft_config(a.lora))
+    if not a.lora:
+        freeze_tower(trainer.model)   # the tower of a vision-language model (Qwen3.5's too)
     trainer.train()
 
 
 def peft_config(rank: int):
-    """TRL's adapter for --lora RANK: the one lora_flags gives ours."""
+    """TRL's adapter for --lora RANK: the one lora_flags gives ours (every linear layer of the
+    language model; ours never adapts a vision tower)."""
     if not rank:
         return None
     from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=LORA_DROPOUT,
-                      target_modules="all-linear", task_type="CAUSAL_LM")
+                      target_modules="all-linear", task_type="CAUSAL_LM",
+                      exclude_modules=r".*visual\..*")
 
 
 # ---- the comparison ---------------------------------------------------------------------------
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="qwen2.5-1.5b")
+    parser.add_argument("--preset", default="qwen2.5-1.5b", choices=sorted(PRESETS),
+                        help="benchmarks/grpo_step.py's model shapes; the vision-language ones "
+                             "train on the colour-image task, the others on the math task")
     parser.add_argument("--rollout_batches", type=int, default=5)
     parser.add_argument("--warmup_batches", type=int, default=1,
                         help="the first rollout batches left out of the averages (at least 1, "
@@ -469,7 +553,7 @@ def main():
     parser.add_argument("--work_dir", default="/tmp/trl_compare")
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model_dir", help=argparse.SUPPRESS)
-    parser.add_argument("--dataset_path", help=argparse.SUPPRESS)
+    parser.add_argument("--task", default="[]", help=argparse.SUPPRESS)
     parser.add_argument("--trl_setting", default="defaults", help=argparse.SUPPRESS)
     parser.add_argument("--trl_config", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
@@ -481,12 +565,15 @@ def main():
     if not 1 <= a.warmup_batches < a.rollout_batches:
         parser.error(f"--warmup_batches {a.warmup_batches} must be at least 1 and less than "
                      f"--rollout_batches {a.rollout_batches}")
+    if a.variable_length and "image_size" in PRESETS.get(a.preset, {}):
+        parser.error(f"--variable_length calibrates the EOS on text prompts: --preset "
+                     f"{a.preset} is a vision-language preset")
     os.makedirs(a.work_dir, exist_ok=True)
-    model, dataset = prepare(a)
+    model, task = prepare(a)
     results = {}
     for tool in ("trl", "ours") if a.trl_first else ("ours", "trl"):
         if a.tool in ("both", tool):
-            (run_all_ours if tool == "ours" else run_trl_once)(a, model, dataset, results)
+            (run_all_ours if tool == "ours" else run_trl_once)(a, model, task, results)
     emit_ratios(a, results)
 
 
@@ -514,11 +601,11 @@ def ratios(mine: dict, trl: dict) -> dict:
     return found
 
 
-def run_all_ours(a, model: str, dataset: str, results: dict) -> None:
+def run_all_ours(a, model: str, task: list, results: dict) -> None:
     """Ours, then each --variant, into `results` by label, a summary line each."""
     for label, extra in [("ours", [])] + [parse_variant(v) for v in a.variant]:
         try:
-            results[label] = run_ours(a, model, dataset, label, extra)
+            results[label] = run_ours(a, model, task, label, extra)
         except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
             emit(name="failed", tool=label, returncode=exc.returncode)
             continue
@@ -526,12 +613,12 @@ def run_all_ours(a, model: str, dataset: str, results: dict) -> None:
              **rounded(results[label]))
 
 
-def run_trl_once(a, model: str, dataset: str, results: dict) -> None:
+def run_trl_once(a, model: str, task: list, results: dict) -> None:
     """Each of --trl_settings, into `results` as trl_<setting>, a summary line each."""
     for setting in a.trl_settings:
         label = f"trl_{setting}"
         try:
-            results[label] = run_trl(a, model, dataset, setting)
+            results[label] = run_trl(a, model, task, setting)
         except subprocess.CalledProcessError as exc:   # e.g. out of memory: the rest still runs
             emit(name="failed", tool=label, returncode=exc.returncode)
             continue

@@ -122,6 +122,12 @@
 #                     geometric lengths of mean 512 (most short, a long tail); TRL in both settings
 #   trl_lora8b        the Qwen3-8B shape (all 36 layers), both tools LoRA rank 16 on every linear
 #                     layer, ours at the 8k budget; TRL in both settings
+#   trl_vl            the Qwen2.5-VL-3B shape (all 36 layers, the whole tower), the colour task
+#                     (one 448-pixel image per prompt, 256 image tokens), full parameters, the
+#                     tower frozen in both tools; ours at the 8k budget; TRL in both settings
+#   trl_qwen3_5       the Qwen3.5-9B layer shape, 4 layers (3 Gated DeltaNet, 1 attention), full
+#                     parameters, ours at the 8k budget (TRL: transformers' Qwen3.5 with fla's
+#                     kernels); trl_qwen3_5_lora: every layer of Qwen3.5-9B, LoRA rank 16
 #   compiled_layers   ours with $BOTH, 6 rollout batches, the layers' elementwise math eager
 #                     (SWIFT_MEGATRON_COMPILE_LAYERS=0), then compiled (the default on CUDA)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
@@ -290,6 +296,13 @@ phase() {
                            --eos_probability 0.002 -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_lora8b) python3 benchmarks/trl_compare.py --preset qwen3-8b --lora 16 $STEADY \
                         --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
+        trl_vl) python3 benchmarks/trl_compare.py --preset qwen2.5-vl-3b $STEADY \
+                    --work_dir /tmp/trl_vl -- --max_tokens_per_micro_batch 8192 ;;
+        trl_qwen3_5) python3 benchmarks/trl_compare.py --preset qwen3.5-9b-4l $STEADY \
+                         --work_dir /tmp/trl_qwen3_5 -- --max_tokens_per_micro_batch 8192 ;;
+        trl_qwen3_5_lora) python3 benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16 \
+                              $STEADY --work_dir /tmp/trl_qwen3_5_lora -- \
+                              --max_tokens_per_micro_batch 8192 ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \

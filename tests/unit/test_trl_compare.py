@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
 trl_compare = pytest.importorskip("trl_compare")
+TASK = ["--dataset", "/d.jsonl", "--reward_funcs", "accuracy"]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -20,7 +21,7 @@ def test_the_trl_worker_line_parses_under_torchrun(nproc):
 
     a = argparse.Namespace(nproc=nproc, work_dir="/w", rollout_batches=4, completion_length=256,
                            sleep_level=2, trl_fastest='{"use_liger_kernel": true}')
-    cmd = trl_compare.trl_command(a, "/m", "/d.jsonl", "fastest")
+    cmd = trl_compare.trl_command(a, "/m", TASK, "fastest")
     worker = cmd[cmd.index(os.path.abspath(trl_compare.__file__)):]
     if nproc == 1:
         assert cmd[1:] == worker
@@ -31,6 +32,7 @@ def test_the_trl_worker_line_parses_under_torchrun(nproc):
     assert [parsed.training_script, *parsed.training_script_args] == worker
     assert "--trl_worker" in worker and "--nproc" not in worker
     assert worker[worker.index("--sleep_level") + 1] == "2"   # both tools at one level
+    assert json.loads(worker[worker.index("--task") + 1]) == TASK
     assert worker[worker.index("--trl_setting") + 1] == "fastest"
     assert json.loads(worker[worker.index("--trl_config") + 1]) == {
         "gradient_checkpointing": False, "use_liger_kernel": True}
@@ -49,17 +51,17 @@ def test_trl_first_swaps_the_order_and_keeps_the_ratios(monkeypatch, capsys, tmp
                                                         trl_first, order):
     ran = []
 
-    def ours(a, model, dataset, label, extra):
+    def ours(a, model, task, label, extra):
         ran.append(label)
         return {"wall_s": 2.0 if label == "ours" else 4.0, "peak_gib": 30.0,
                 "device_peak_gib": 45.0}
 
-    def trl(a, model, dataset, setting):
+    def trl(a, model, task, setting):
         ran.append(f"trl_{setting}")
         return {"wall_s": 8.0 if setting == "defaults" else 5.0, "peak_gib": 40.0,
                 "device_peak_gib": 60.0 if setting == "defaults" else 50.0}
 
-    monkeypatch.setattr(trl_compare, "prepare", lambda a: ("/m", "/d.jsonl"))
+    monkeypatch.setattr(trl_compare, "prepare", lambda a: ("/m", TASK))
     monkeypatch.setattr(trl_compare, "run_ours", ours)
     monkeypatch.setattr(trl_compare, "run_trl", trl)
     monkeypatch.setattr(sys, "argv", ["trl_compare.py", "--work_dir", str(tmp_path),
@@ -92,7 +94,7 @@ def test_warmup_batches_leave_the_first_batches_out(monkeypatch, capsys, tmp_pat
     a = argparse.Namespace(nproc=1, work_dir=str(tmp_path), rollout_batches=4,
                            completion_length=256, sleep_level=1, warmup_batches=warmup,
                            trl_fastest="{}")
-    result = trl_compare.run_trl(a, "/m", "/d.jsonl")
+    result = trl_compare.run_trl(a, "/m", TASK)
     assert result == {"wall_s": mean, "peak_gib": 8.0, "torch_peak_gib": 8.0,
                       "device_peak_gib": None, "config": {}}
     batches = [json.loads(line)["batch"] for line in capsys.readouterr().out.splitlines()]
@@ -123,9 +125,119 @@ def test_lora_gives_both_tools_the_same_adapter():
     """--lora 16: ours with ms-swift's LoRA flags, TRL's worker with the rank to build peft's."""
     a = argparse.Namespace(nproc=1, work_dir="/w", rollout_batches=4, completion_length=256,
                            sleep_level=1, lora=16, trl_fastest="{}", rlhf_args=["--seed", "1"])
-    ours = trl_compare.ours_command(a, "/m", "/d.jsonl", "/o", [])
+    ours = trl_compare.ours_command(a, "/m", TASK, "/o", [])
     assert ours[-10:] == ["--train_type", "lora", "--lora_rank", "16", "--lora_alpha", "32",
                           "--lora_dropout", "0.05", "--seed", "1"]
-    worker = trl_compare.trl_command(a, "/m", "/d.jsonl", "defaults")
+    worker = trl_compare.trl_command(a, "/m", TASK, "defaults")
     assert worker[worker.index("--lora") + 1] == "16"
     assert trl_compare.peft_config(0) is None
+
+
+def test_ours_trains_on_the_task_flags():
+    a = argparse.Namespace(nproc=1, completion_length=256, rollout_batches=4, sleep_level=1,
+                           lora=0, rlhf_args=[])
+    task = ["--dataset", "/c.jsonl", "--external_plugins", "/r.py", "--reward_funcs",
+            "colour_parity"]
+    cmd = trl_compare.ours_command(a, "/m", task, "/o", [])
+    assert cmd[cmd.index("--model") + 2:][:6] == task
+    assert cmd.count("--reward_funcs") == 1 and trl_compare.task_value(task, "--lora") is None
+
+
+def test_trl_gets_the_image_task_as_ours(tmp_path):
+    """The colour task for TRL: conversational prompts, the images decoded, and the reward
+    given TRL's chat-message completions scores as ours scores the texts (colour_parity: the
+    first token id's parity against red/blue)."""
+    from grpo_step import build_task
+
+    task = build_task("tiny-vl", str(tmp_path))
+    data = trl_compare.trl_dataset(task)
+    rows = [json.loads(line) for line in open(trl_compare.task_value(task, "--dataset"))]
+    assert len(data) == len(rows) == 512
+    assert data[0]["prompt"] == rows[0]["messages"] and data[0]["solution"] == rows[0]["solution"]
+    assert data[0]["image"].size == (56, 56) and data[0]["image"].mode == "RGB"
+    reward = trl_compare.trl_reward(task)
+    completions = [[{"role": "assistant", "content": "x"}]] * 4
+    assert reward(completions, solution=["red", "red", "blue", "blue"],
+                  completion_ids=[[4], [5], [4], [5]], prompts=None) == [1.0, 0.0, 0.0, 1.0]
+    assert reward.__name__ == "colour_parity"
+
+
+def test_trl_gets_the_math_task_as_ours(tmp_path):
+    from grpo_step import build_task
+
+    task = build_task("tiny", str(tmp_path))
+    data = trl_compare.trl_dataset(task)
+    assert "image" not in data.column_names
+    solution = data[0]["solution"]
+    completions = [[{"role": "assistant", "content": f"so \\boxed{{{solution}}}"}],
+                   [{"role": "assistant", "content": "\\boxed{-1}"}]]
+    assert trl_compare.trl_reward(task)(completions, solution=[solution] * 2) == [1.0, 0.0]
+
+
+def test_the_image_prompt_tokens_trl_renders_are_ours(tiny_model_dir, tmp_path):
+    """VL_CHAT_TEMPLATE through the model's processor, on the messages TRL makes of a row (the
+    image before the text), gives the token ids ours trains on: the tag ms-swift's way,
+    rendered with the model's template, expanded to one pad per merged patch."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    from swift_megatron.data.images import ImageEncoder
+
+    model = tiny_model_dir("qwen2_5_vl")
+    messages = [{"role": "user", "content": "What colour is the square?"}]
+    image = Image.new("RGB", (112, 84), (200, 30, 30))
+    encoder = ImageEncoder(model, AutoConfig.from_pretrained(model).to_dict())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    grid = encoder.encode([image])["image_grid_thw"]
+    text = tokenizer.apply_chat_template(encoder.tag(messages, 1), tokenize=False,
+                                         add_generation_prompt=True)
+    ours = tokenizer(encoder.expand(text, grid))["input_ids"]
+    processor = AutoProcessor.from_pretrained(model)
+    processor.chat_template = trl_compare.VL_CHAT_TEMPLATE
+    trl_messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": messages[0]["content"]}]}]
+    theirs = processor.apply_chat_template(trl_messages, tokenize=True, add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]
+    pads = int(grid.prod()) // encoder.merge_size ** 2
+    assert list(theirs[0]) == ours and ours.count(encoder.image_token_id) == pads == 12
+
+
+def test_trl_trains_what_ours_trains_of_a_vision_model():
+    """Full training freezes the tower and its merger (`visual.`), nothing else; LoRA puts no
+    adapter on them (peft's exclude_modules matches each module name whole)."""
+    import re
+
+    import torch
+
+    model = torch.nn.Module()
+    model.visual = torch.nn.ModuleDict({"blocks": torch.nn.Linear(2, 2),
+                                        "merger": torch.nn.Linear(2, 2)})
+    model.language_model = torch.nn.Linear(2, 2)
+    assert trl_compare.freeze_tower(model) == 4
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        "language_model.weight", "language_model.bias"]
+    exclude = trl_compare.peft_config(16).exclude_modules
+    assert re.fullmatch(exclude, "model.visual.blocks.0.attn.qkv")
+    assert not re.fullmatch(exclude, "model.language_model.layers.0.mlp.up_proj")
+
+
+def test_train_tflops_counts_active_parameters_and_attention(tmp_path):
+    """A dense config by hand: 6 x (layers x (attention + MLP) + vocab x hidden) per token, plus
+    6 x query width x sequence per full-attention layer."""
+    hf = dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+              tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    attention = 64 * 16 * (4 + 2 * 2) + 4 * 16 * 64
+    params = 2 * (attention + 3 * 64 * 128) + 1000 * 64
+    flops = 6 * params + 6 * 64 * 100 * 2
+    assert trl_compare.train_tflops(str(tmp_path), 1e6, 100) == pytest.approx(flops * 1e6 / 1e12)
+    assert trl_compare.train_tflops(str(tmp_path), None) == 0.0
+
+
+def test_variable_length_is_for_text_presets(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["trl_compare.py", "--preset", "tiny-vl",
+                                      "--variable_length"])
+    with pytest.raises(SystemExit) as exc:
+        trl_compare.main()
+    assert exc.value.code == 2 and "--variable_length" in capsys.readouterr().err
