@@ -46,6 +46,10 @@ PRESETS = {
     "tiny": dict(model_type="qwen3", vocab_size=504, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen2.5-vl-3b": dict(REAL_SHAPES["qwen2.5-vl-3b"], image_size=448),
+    # its text stack as a text model (Qwen2, 1-D rope): the per-token cost the images add
+    "qwen2.5-3b-text": dict({k: v for k, v in REAL_SHAPES["qwen2.5-vl-3b"].items()
+                             if k not in ("vision_config", "rope_parameters")},
+                            model_type="qwen2"),
     # the GPU gate's models (tests/gpu/matrix.py): real layer widths, 4 decoder layers (three
     # Gated DeltaNet and one attention for Qwen3.5), 4 vision blocks keeping each tower's
     # pattern (a full-attention block, deepstack taps)

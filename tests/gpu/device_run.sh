@@ -125,6 +125,9 @@
 #   trl_vl            the Qwen2.5-VL-3B shape (all 36 layers, the whole tower), the colour task
 #                     (one 448-pixel image per prompt, 256 image tokens), full parameters, the
 #                     tower frozen in both tools; ours at the 8k budget; TRL in both settings
+#   vl_vs_text        ours alone on trl_vl's setup, then on its text stack as a Qwen2 text model
+#                     (the math task): the logprob and train phases' tokens/s with and without
+#                     images and the tower
 #   trl_qwen3_5       the Qwen3.5-9B layer shape, 4 layers (3 Gated DeltaNet, 1 attention), full
 #                     parameters, ours at the 8k budget (TRL: transformers' Qwen3.5 with fla's
 #                     kernels); trl_qwen3_5_lora: every layer of Qwen3.5-9B, LoRA rank 16
@@ -298,6 +301,10 @@ phase() {
                         --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
         trl_vl) python3 benchmarks/trl_compare.py --preset qwen2.5-vl-3b $STEADY \
                     --work_dir /tmp/trl_vl -- --max_tokens_per_micro_batch 8192 ;;
+        vl_vs_text) for preset in qwen2.5-vl-3b qwen2.5-3b-text; do python3 \
+                        benchmarks/trl_compare.py --preset $preset --tool ours $STEADY \
+                        --work_dir /tmp/vl_vs_text -- --max_tokens_per_micro_batch 8192 \
+                        || return 1; done ;;
         trl_qwen3_5) python3 benchmarks/trl_compare.py --preset qwen3.5-9b-4l $STEADY \
                          --work_dir /tmp/trl_qwen3_5 -- --max_tokens_per_micro_batch 8192 ;;
         trl_qwen3_5_lora) python3 benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16 \
