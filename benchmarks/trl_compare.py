@@ -453,7 +453,7 @@ def trl_worker(a) -> None:
     """TRL's GRPOTrainer on the same model, data and settings (runs in its own process)."""
     import torch
     import vllm
-    from transformers import AutoProcessor, TrainerCallback
+    from transformers import AutoProcessor, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     original_sleep = vllm.LLM.sleep   # TRL sleeps at level 2: ours and TRL's at --sleep_level
@@ -491,10 +491,14 @@ def trl_worker(a) -> None:
         max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
         save_strategy="no", seed=42)
     data = trl_dataset(task)
-    processor = AutoProcessor.from_pretrained(a.model_dir, truncation_side="left",
-                                              padding_side="left")   # as TRL loads it
-    if "image" in data.column_names:
-        processor.chat_template = VL_CHAT_TEMPLATE
+    # as TRL loads it; a model directory without an image processor (the text Qwen3.5 presets:
+    # a tower in the config, no images) gets its tokenizer, where TRL's AutoProcessor would fail
+    images = os.path.exists(os.path.join(a.model_dir, "preprocessor_config.json"))
+    processor = (AutoProcessor if images else AutoTokenizer).from_pretrained(
+        a.model_dir, truncation_side="left", padding_side="left")
+    # a vision-language model's processor gets content lists even without images (TRL's
+    # prepare_multimodal_messages); plain strings render as the models' own template renders them
+    processor.chat_template = VL_CHAT_TEMPLATE
     trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[trl_reward(task)],
                           args=GRPOConfig(**{**config, **json.loads(a.trl_config)}),
                           train_dataset=data, processing_class=processor, callbacks=[Timer()],

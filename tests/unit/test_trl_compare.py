@@ -241,3 +241,19 @@ def test_variable_length_is_for_text_presets(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         trl_compare.main()
     assert exc.value.code == 2 and "--variable_length" in capsys.readouterr().err
+
+
+def test_the_template_renders_text_prompts_as_the_models_own(tiny_model_dir):
+    """A text prompt, as a string (tokenizers) or as TRL's text block (a vision-language
+    model's processor, Qwen3.5's included, without images), renders as the fixtures' template
+    renders the string."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tokenizer.chat_template = trl_compare.VL_CHAT_TEMPLATE
+    blocks = [dict(m, content=[{"type": "text", "text": m["content"]}]) for m in messages]
+    for form in (messages, blocks):
+        assert tokenizer.apply_chat_template(form, tokenize=False,
+                                             add_generation_prompt=True) == own
