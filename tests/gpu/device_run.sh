@@ -125,6 +125,10 @@
 #   trl_vl            the Qwen2.5-VL-3B shape (all 36 layers, the whole tower), the colour task
 #                     (one 448-pixel image per prompt, 256 image tokens), full parameters, the
 #                     tower frozen in both tools; ours at the 8k budget; TRL in both settings
+#   trl_fastest_sweep TRL alone on the trl_compare setup with gradient checkpointing off and, one
+#                     run each, micro-batches of 16 and 32 completions, vLLM's sleep mode off (TRL's
+#                     own default), torch.compile: which of TRL's speed options fit and help (the
+#                     best ones make `--trl_fastest` for the headline runs)
 #   vl_vs_text        ours alone on trl_vl's setup, then on its text stack as a Qwen2 text model
 #                     (the math task): the logprob and train phases' tokens/s with and without
 #                     images and the tower
@@ -182,6 +186,8 @@ NO_TP="--tensor_model_parallel_size 1 --sequence_parallel false"   # scale_8b's 
 # the trainer of an 8B model alone on one GPU: its optimizer on the CPU (--auto_parallel's choice)
 SERVER_8B="--optimizer_cpu_offload true --use_precision_aware_optimizer true \
 --max_tokens_per_micro_batch 12288"
+MICRO16='{"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4}'   # 64 per step
+MICRO32='{"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}'
 STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
 # for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 
@@ -301,6 +307,11 @@ phase() {
                         --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
         trl_vl) python3 benchmarks/trl_compare.py --preset qwen2.5-vl-3b $STEADY \
                     --work_dir /tmp/trl_vl -- --max_tokens_per_micro_batch 8192 ;;
+        trl_fastest_sweep) for cfg in '{}' "$MICRO16" "$MICRO32" '{"vllm_enable_sleep_mode": false}' \
+                               '{"torch_compile": true}'; do python3 benchmarks/trl_compare.py \
+                               --preset qwen2.5-1.5b --tool trl --trl_settings fastest \
+                               --trl_fastest "$cfg" $STEADY --work_dir /tmp/trl_sweep \
+                               || echo "trl_fastest_sweep: $cfg failed"; done ;;
         vl_vs_text) for preset in qwen2.5-vl-3b qwen2.5-3b-text; do python3 \
                         benchmarks/trl_compare.py --preset $preset --tool ours $STEADY \
                         --work_dir /tmp/vl_vs_text -- --max_tokens_per_micro_batch 8192 \
