@@ -449,6 +449,24 @@ def freeze_tower(model) -> int:
     return len(frozen)
 
 
+def grpo_config_fields(a) -> dict:
+    """The TRL worker's GRPOConfig fields: the shared work (the module docstring), then the
+    setting's fields (--trl_config: `trl_overrides`) over them."""
+    config = dict(
+        output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=GLOBAL // MICRO, num_generations=GENERATIONS,
+        generation_batch_size=GLOBAL * int(os.environ.get("WORLD_SIZE", 1)) * STEPS_PER_ROLLOUT,
+        max_completion_length=a.completion_length,
+        beta=SETTINGS["beta"], temperature=SETTINGS["temperature"],
+        learning_rate=SETTINGS["lr"], lr_scheduler_type="constant", loss_type="grpo", bf16=True,
+        use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
+        vllm_gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
+        vllm_importance_sampling_correction=False,  # ours has no importance correction here
+        max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
+        save_strategy="no", seed=42)
+    return {**config, **json.loads(a.trl_config)}
+
+
 def trl_worker(a) -> None:
     """TRL's GRPOTrainer on the same model, data and settings (runs in its own process)."""
     import torch
@@ -478,18 +496,6 @@ def trl_worker(a) -> None:
                 f.write(json.dumps(dict(step=state.global_step, time=time.time(), peak_gib=peak,
                                         completion_length_mean=self.length)) + "\n")
 
-    config = dict(
-        output_dir=os.path.join(a.work_dir, "trl"), per_device_train_batch_size=MICRO,
-        gradient_accumulation_steps=GLOBAL // MICRO, num_generations=GENERATIONS,
-        generation_batch_size=GLOBAL * int(os.environ.get("WORLD_SIZE", 1)) * STEPS_PER_ROLLOUT,
-        max_completion_length=a.completion_length,
-        beta=SETTINGS["beta"], temperature=SETTINGS["temperature"],
-        learning_rate=SETTINGS["lr"], lr_scheduler_type="constant", loss_type="grpo", bf16=True,
-        use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
-        vllm_gpu_memory_utilization=SETTINGS["gpu_memory_utilization"],
-        vllm_importance_sampling_correction=False,  # ours has no importance correction here
-        max_steps=a.rollout_batches * STEPS_PER_ROLLOUT, logging_steps=1, report_to=[],
-        save_strategy="no", seed=42)
     data = trl_dataset(task)
     # as TRL loads it; a model directory without an image processor (the text Qwen3.5 presets:
     # a tower in the config, no images) gets its tokenizer, where TRL's AutoProcessor would fail
@@ -500,7 +506,7 @@ def trl_worker(a) -> None:
     # prepare_multimodal_messages); plain strings render as the models' own template renders them
     processor.chat_template = VL_CHAT_TEMPLATE
     trainer = GRPOTrainer(model=a.model_dir, reward_funcs=[trl_reward(task)],
-                          args=GRPOConfig(**{**config, **json.loads(a.trl_config)}),
+                          args=GRPOConfig(**grpo_config_fields(a)),
                           train_dataset=data, processing_class=processor, callbacks=[Timer()],
                           peft_config=peft_config(a.lora))
     if not a.lora:

@@ -257,3 +257,21 @@ def test_the_template_renders_text_prompts_as_the_models_own(tiny_model_dir):
     for form in (messages, blocks):
         assert tokenizer.apply_chat_template(form, tokenize=False,
                                              add_generation_prompt=True) == own
+
+
+def test_a_trl_setting_may_change_any_shared_field(monkeypatch):
+    """--trl_config's fields win over the shared work's (a sweep of TRL's micro-batch size and
+    sleep mode); without it TRL gets the shared work: 64 completions per step in micro-batches
+    of 8, two steps per rollout batch of 128, sleep mode on."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    a = argparse.Namespace(work_dir="/w", completion_length=256, rollout_batches=4,
+                           trl_config="{}")
+    shared = trl_compare.grpo_config_fields(a)
+    assert (shared["per_device_train_batch_size"], shared["gradient_accumulation_steps"],
+            shared["generation_batch_size"], shared["max_steps"],
+            shared["vllm_enable_sleep_mode"]) == (8, 8, 128, 8, True)
+    a.trl_config = json.dumps({"per_device_train_batch_size": 32,
+                               "gradient_accumulation_steps": 2,
+                               "vllm_enable_sleep_mode": False, "gradient_checkpointing": False})
+    fields = trl_compare.grpo_config_fields(a)
+    assert {k: v for k, v in fields.items() if shared.get(k) != v} == json.loads(a.trl_config)
