@@ -16,7 +16,6 @@ run's estimate is within 10% of its measured peak. One JSON line per run (trl_co
 line), then a `verdict` line and a table.
 """
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -97,11 +96,11 @@ def main():
     a.variable_length, a.sleep_level, a.free_layout = False, 1, True
     grid = [parse_variant(g) for g in a.grid] or [(k, v.split()) for k, v in GRIDS[a.nproc]]
     os.makedirs(a.work_dir, exist_ok=True)
-    model, dataset = prepare(a)
+    model, task = prepare(a)
     results = {}
     for label, flags in [AUTO, *grid]:
         try:
-            results[label] = run_ours(a, model, dataset, label, flags)
+            results[label] = run_ours(a, model, task, label, flags)
         except Exception as error:   # e.g. out of memory: the rest still runs
             emit(name="failed", tool=label, error=repr(error)[:300])
             continue

@@ -17,7 +17,8 @@ LAYOUT_FLAGS = ("--recompute_granularity", "--tensor_model_parallel_size",
 def _command(flags, nproc=1):
     a = argparse.Namespace(nproc=nproc, completion_length=256, rollout_batches=3, sleep_level=1,
                            lora=0, rlhf_args=[], free_layout=True)
-    return auto_grid.run_ours.__globals__["ours_command"](a, "/m", "d.jsonl", "/o", flags)
+    task = ["--dataset", "d.jsonl", "--reward_funcs", "accuracy"]
+    return auto_grid.run_ours.__globals__["ours_command"](a, "/m", task, "/o", flags)
 
 
 def _explicit(cmd):
