@@ -135,6 +135,10 @@
 #   trl_qwen3_5       the Qwen3.5-9B layer shape, 4 layers (3 Gated DeltaNet, 1 attention), full
 #                     parameters, ours at the 8k budget (TRL: transformers' Qwen3.5 with fla's
 #                     kernels); trl_qwen3_5_lora: every layer of Qwen3.5-9B, LoRA rank 16
+#   qwen3_5_moe_ours  ours alone on the Qwen3.5-35B-A3B layer shape with 8 layers (64 experts),
+#                     full parameters, trl_compare's setup at the 8k budget: tokens/s per phase
+#                     and the train phase's model FLOP/s against the bf16 peak (the dry run's
+#                     estimate at 139 GiB: peak 95.9 GiB, generate phase)
 #   compiled_layers   ours with $BOTH, 6 rollout batches, the layers' elementwise math eager
 #                     (SWIFT_MEGATRON_COMPILE_LAYERS=0), then compiled (the default on CUDA)
 #   lora_step         benchmarks/lora_step.py: full vs LoRA train step, profiler tables in
@@ -321,6 +325,8 @@ phase() {
         trl_qwen3_5_lora) python3 benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16 \
                               $STEADY --work_dir /tmp/trl_qwen3_5_lora -- \
                               --max_tokens_per_micro_batch 8192 ;;
+        qwen3_5_moe_ours) python3 benchmarks/trl_compare.py --preset qwen3.5-moe-8l --tool ours \
+                              $STEADY --work_dir /tmp/qwen3_5_moe -- --max_tokens_per_micro_batch 8192 ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \
