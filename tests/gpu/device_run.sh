@@ -177,7 +177,7 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/vllm_env.sh ]; then . /tmp/vllm_env.sh; fi
 [ -e swift_megatron/cli ] || ln -sfn ../cli swift_megatron/cli   # a checkout not pip-installed
-export PYTHONPATH=$PWD:$PYTHONPATH
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 WORK=/tmp/gpu_bench
 GRPO="python3 benchmarks/grpo_step.py --work_dir $WORK --steps 4"
 VLLM="--use_vllm true --vllm_mode colocate --sleep_level 1"
@@ -193,6 +193,11 @@ SERVER_8B="--optimizer_cpu_offload true --use_precision_aware_optimizer true \
 MICRO16='{"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4}'   # 64 per step
 MICRO32='{"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}'
 STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
+# TRL's settings in the workload phases (trl_both, trl_reasoning, trl_lora8b, trl_vl,
+# trl_qwen3_5*): TRL_SETTINGS (both by default; "fastest" alone saves a run where the defaults
+# are not needed) and TRL_FASTEST, the GRPOConfig fields trl_fastest_sweep found best (JSON)
+TRL_SETTINGS=${TRL_SETTINGS:-defaults fastest}
+TRL_FASTEST=${TRL_FASTEST:-'{}'}
 # for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1);
@@ -294,6 +299,7 @@ phase() {
                         --tool ours --work_dir /tmp/head_block --variant block="$BOTH" \
                         -- --max_tokens_per_micro_batch 8192 ;;
         trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
+                      --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
                       --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_both_long) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 8 \
                            --warmup_batches 2 --work_dir /tmp/trl_both -- \
@@ -305,11 +311,14 @@ phase() {
                    --work_dir /tmp/rollout_seeds --prompts 128 --prompt_len 64 --max_tokens 256 \
                    --gpu_memory_utilization 0.3 --repeats 5 --generate_only ;;
         trl_reasoning) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
+                           --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
                            --work_dir /tmp/trl_reasoning --completion_length 4096 --variable_length \
                            --eos_probability 0.002 -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_lora8b) python3 benchmarks/trl_compare.py --preset qwen3-8b --lora 16 $STEADY \
+                        --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
                         --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
         trl_vl) python3 benchmarks/trl_compare.py --preset qwen2.5-vl-3b $STEADY \
+                    --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
                     --work_dir /tmp/trl_vl -- --max_tokens_per_micro_batch 8192 ;;
         trl_fastest_sweep) for cfg in '{}' "$MICRO16" "$MICRO32" '{"vllm_enable_sleep_mode": false}' \
                                '{"torch_compile": true}'; do python3 benchmarks/trl_compare.py \
@@ -321,9 +330,11 @@ phase() {
                         --work_dir /tmp/vl_vs_text -- --max_tokens_per_micro_batch 8192 \
                         || return 1; done ;;
         trl_qwen3_5) python3 benchmarks/trl_compare.py --preset qwen3.5-9b-4l $STEADY \
+                         --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
                          --work_dir /tmp/trl_qwen3_5 -- --max_tokens_per_micro_batch 8192 ;;
         trl_qwen3_5_lora) python3 benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16 \
-                              $STEADY --work_dir /tmp/trl_qwen3_5_lora -- \
+                              $STEADY --trl_settings $TRL_SETTINGS \
+                              --trl_fastest "$TRL_FASTEST" --work_dir /tmp/trl_qwen3_5_lora -- \
                               --max_tokens_per_micro_batch 8192 ;;
         qwen3_5_moe_ours) python3 benchmarks/trl_compare.py --preset qwen3.5-moe-8l --tool ours \
                               $STEADY --work_dir /tmp/qwen3_5_moe -- --max_tokens_per_micro_batch 8192 ;;
