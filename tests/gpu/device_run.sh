@@ -57,6 +57,8 @@
 #                     GPU 0 with its optimizer on the CPU ($SERVER_8B), NCCL weight push
 #   async_8b          scale_8b_server with reasoning-length completions (up to 4096 tokens,
 #                     geometric lengths of mean ~500): --async_generate false, then true
+#   async_reasoning   the same on trl_reasoning's 1.5B shape (the trainer at the 8k budget):
+#                     the long-completion workload of one GPU, generation overlapped on a second
 #   scale_8b_lora     weak scaling of the Qwen3-8B shape with LoRA rank 16 (8k budget): 1 GPU,
 #                     then 2 GPUs data-parallel with twice the work
 #   export_speed      benchmarks/export_speed.py at TP=1 and TP=2 (the bridge's export alone)
@@ -434,6 +436,10 @@ phase() {
         async_8b) SERVER_PRESET=qwen3-8b SERVER_MAX_LEN=4608 SERVER_ARGS="--completion_length 4096 \
 --variable_length --eos_probability 0.002" \
                   grpo_server "$SERVER_8B --async_generate false" "$SERVER_8B --async_generate true" ;;
+        async_reasoning) SERVER_MAX_LEN=4608 SERVER_ARGS="--completion_length 4096 \
+--variable_length --eos_probability 0.002" grpo_server \
+                         "--max_tokens_per_micro_batch 8192 --async_generate false" \
+                         "--max_tokens_per_micro_batch 8192 --async_generate true" ;;
         scale_8b_lora) for n in 1 2; do python3 benchmarks/trl_compare.py --preset qwen3-8b \
                            --lora 16 --tool ours --nproc $n --rollout_batches 4 \
                            --work_dir /tmp/scale_8b_lora$n -- --max_tokens_per_micro_batch 8192 \
