@@ -41,6 +41,10 @@
 #                   profiler ($OUT/profile/profile_rank0.txt, training/profile.py)
 #   profile_varlen  the same with spread lengths and $BOTH: the 3rd batch, the slow one of both
 #                   trl_varlen_both runs
+#   profile_workload  the profile phase on another workload of trl_compare's: PROFILE_PRESET
+#                   (qwen2.5-1.5b), PROFILE_ARGS (trl_compare's own options, e.g. "--lora 16"
+#                   or "--completion_length 4096 --variable_length") and PROFILE_FLAGS (ours'
+#                   extra flags after the 8k budget) -> $OUT/profile_<preset>/
 # Two GPUs (nvidia-h200-x2):
 #   trl_compare_2gpu  trl_compare data-parallel over 2 GPUs, twice the work (weak scaling)
 #   lora_scaling      ours with --train_type lora on the trl_compare setup, 1 GPU then 2 GPUs
@@ -261,6 +265,11 @@ phase() {
         profile) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
                      --preset qwen2.5-1.5b --rollout_batches 3 --tool ours --work_dir /tmp/profile \
                      -- --max_tokens_per_micro_batch 8192 ;;
+        profile_workload) SWIFT_MEGATRON_PROFILE=$OUT/profile_${PROFILE_PRESET:-qwen2.5-1.5b} \
+                              python3 benchmarks/trl_compare.py \
+                              --preset ${PROFILE_PRESET:-qwen2.5-1.5b} --rollout_batches 3 \
+                              --tool ours --work_dir /tmp/profile_workload ${PROFILE_ARGS:-} \
+                              -- --max_tokens_per_micro_batch 8192 ${PROFILE_FLAGS:-} ;;
         profile_varlen) SWIFT_MEGATRON_PROFILE=$OUT/profile python3 benchmarks/trl_compare.py \
                             --preset qwen2.5-1.5b --rollout_batches 3 --tool ours \
                             --work_dir /tmp/profile --variable_length \
