@@ -199,12 +199,12 @@ SERVER_8B="--optimizer_cpu_offload true --use_precision_aware_optimizer true \
 MICRO16='{"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4}'   # 64 per step
 MICRO32='{"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}'
 STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh machine stays slow
+# for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 # TRL's settings in the workload phases (trl_both, trl_reasoning, trl_lora8b, trl_vl,
 # trl_qwen3_5*): TRL_SETTINGS (both by default; "fastest" alone saves a run where the defaults
 # are not needed) and TRL_FASTEST, the GRPOConfig fields trl_fastest_sweep found best (JSON)
 TRL_SETTINGS=${TRL_SETTINGS:-defaults fastest}
 TRL_FASTEST=${TRL_FASTEST:-'{}'}
-# for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1);
     # SERVER_PRESET (qwen2.5-1.5b), SERVER_MAX_LEN (the server's --vllm_max_model_len, 1024) and
