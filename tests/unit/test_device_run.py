@@ -1,0 +1,99 @@
+"""tests/gpu/device_run.sh's phases build the command lines they mean: run on the CPU with
+stand-ins for python3, curl and nvidia-smi that record their arguments, so a quoting mistake
+(a JSON object of TRL's settings split into words, an environment knob dropped) shows here and
+not after a GPU lease's install."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.quick
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "gpu", "device_run.sh")
+# python3's stand-in: a call's arguments as one JSON line (grpo_server takes one call's output
+# as its model path: any word serves)
+RECORDER = f"""#!/bin/sh
+printf '%s\\n' "$@" | {sys.executable} -c \\
+    'import json, sys; print(json.dumps(sys.stdin.read().splitlines()))'
+"""
+
+
+@pytest.fixture
+def device_run(tmp_path):
+    """Run phases of a copy of device_run.sh; returns {phase: [argv of each python3 call]}."""
+    tree, bin_dir, out = tmp_path / "tree", tmp_path / "bin", tmp_path / "out"
+    (tree / "tests" / "gpu").mkdir(parents=True)
+    (tree / "swift_megatron").mkdir()
+    shutil.copy(SCRIPT, tree / "tests" / "gpu" / "device_run.sh")
+    bin_dir.mkdir()
+    for name, body in (("python3", RECORDER), ("curl", "#!/bin/sh\nexit 0\n"),
+                       ("nvidia-smi", "#!/bin/sh\necho 'NVIDIA H200, 143771 MiB'\n")):
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+
+    def run(*phases, **knobs):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # as on a bare GPU
+        env.update(knobs, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out))
+        proc = subprocess.run(["bash", "tests/gpu/device_run.sh", *phases], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        calls = {}
+        for log in [*phases, "grpo_server.server"]:   # the rollout server logs apart
+            path = out / f"{log}.log"
+            lines = path.read_text().splitlines() if path.exists() else []
+            calls[log] = [json.loads(line) for line in lines if line.startswith("[")]
+        return calls
+
+    return run
+
+
+def flag(argv, name):
+    """The words after `name` up to the next option."""
+    i = argv.index(name) + 1
+    end = next((j for j in range(i, len(argv)) if argv[j].startswith("--")), len(argv))
+    return argv[i:end]
+
+
+def test_trl_settings_and_the_sweeps_choice_reach_each_workload(device_run):
+    fastest = '{"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4}'
+    phases = ["trl_both", "trl_reasoning", "trl_lora8b", "trl_vl", "trl_qwen3_5",
+              "trl_qwen3_5_lora"]
+    calls = device_run(*phases, TRL_SETTINGS="fastest", TRL_FASTEST=fastest)
+    for phase in phases:
+        [argv] = calls[phase]
+        assert flag(argv, "--trl_settings") == ["fastest"], phase
+        assert flag(argv, "--trl_fastest") == [fastest], phase   # one word, unsplit
+    defaults = device_run("trl_vl")["trl_vl"][0]
+    assert flag(defaults, "--trl_settings") == ["defaults", "fastest"]
+    assert flag(defaults, "--trl_fastest") == ["{}"]
+
+
+def test_the_sweep_runs_trl_alone_once_per_setting(device_run):
+    runs = device_run("trl_fastest_sweep")["trl_fastest_sweep"]
+    assert [flag(argv, "--tool") for argv in runs] == [["trl"]] * 5
+    assert [json.loads(flag(argv, "--trl_fastest")[0]) for argv in runs] == [
+        {}, {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4},
+        {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2},
+        {"vllm_enable_sleep_mode": False}, {"torch_compile": True}]
+
+
+def test_profile_workload_takes_its_workload_from_the_environment(device_run):
+    [argv] = device_run("profile_workload", PROFILE_PRESET="qwen3-8b", PROFILE_ARGS="--lora 16",
+                        PROFILE_FLAGS="--lora_dropout 0")["profile_workload"]
+    assert flag(argv, "--preset") == ["qwen3-8b"] and flag(argv, "--lora") == ["16"]
+    ours = argv[argv.index("--") + 1:]
+    assert ours == ["--max_tokens_per_micro_batch", "8192", "--lora_dropout", "0"]
+
+
+def test_async_reasoning_runs_the_trainer_twice_against_one_server(device_run):
+    calls = device_run("async_reasoning")
+    trainers = calls["async_reasoning"]
+    assert [flag(argv, "--async_generate") for argv in trainers] == [["false"], ["true"]]
+    for argv in trainers:
+        assert flag(argv, "--completion_length") == ["4096"]
+        assert flag(argv, "--vllm_mode") == ["server"]
+    [server] = calls["grpo_server.server"]
+    assert server[:3] == ["-m", "swift_megatron.cli.main", "rollout"]
+    assert flag(server, "--vllm_max_model_len") == ["4608"]
