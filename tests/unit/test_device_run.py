@@ -97,3 +97,24 @@ def test_async_reasoning_runs_the_trainer_twice_against_one_server(device_run):
     [server] = calls["grpo_server.server"]
     assert server[:3] == ["-m", "swift_megatron.cli.main", "rollout"]
     assert flag(server, "--vllm_max_model_len") == ["4608"]
+
+
+def test_scale_8b_runs_three_layouts_in_one_command(device_run):
+    [argv] = device_run("scale_8b")["scale_8b"]
+    assert flag(argv, "--nproc") == ["2"]
+    variants = dict(v.split("=", 1) for v in (argv[i + 1] for i, word in enumerate(argv)
+                                              if word == "--variant"))
+    assert variants["pp2"].split() == ["--tensor_model_parallel_size", "1", "--sequence_parallel",
+                                       "false", "--pipeline_model_parallel_size", "2",
+                                       "--max_tokens_per_micro_batch", "3072"]
+    assert "--offload_optimizer true" in variants["dp2"]
+    ours = argv[argv.index("--") + 1:]
+    assert ours[:2] == ["--tensor_model_parallel_size", "2"]
+
+
+def test_the_matrix_takes_its_cases_and_options_from_the_environment(device_run):
+    [argv] = device_run("matrix", MATRIX_CASES="qwen2_lora llama3",
+                        MATRIX_ARGS="--resume --start_within 900")["matrix"]
+    assert argv[0] == "tests/gpu/matrix.py" and flag(argv, "--part") == ["matrix"]
+    assert flag(argv, "--cases") == ["qwen2_lora", "llama3"]
+    assert "--resume" in argv and flag(argv, "--start_within") == ["900"]
