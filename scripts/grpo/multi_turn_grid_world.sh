@@ -3,7 +3,7 @@
 # examples/megatron/grpo/multi_turn/frozen_lake.sh: the built-in grid_world (a FrozenLake-like
 # 4x4 lake, docs/multi_turn.md) driven by gym_scheduler, the environment's total reward as the
 # only reward (--use_gym_env, implied by --gym_env), vLLM in colocate mode, LoRA. ms-swift's
-# example trains Qwen3.5-2B (Qwen3.5: issue 11); its plugin's frozen_lake works here too:
+# example trains Qwen3.5-2B (MODEL=Qwen/Qwen3.5-2B here); its plugin's frozen_lake works here too:
 # --external_plugins frozen_lake_plugin.py --gym_env frozen_lake.
 #
 #   bash scripts/grpo/multi_turn_grid_world.sh [extra megatron rlhf flags]

@@ -3,7 +3,8 @@
 # teacher of the same family scores every token the student samples, and the advantage of token
 # t becomes A + teacher_kl_coef x (teacher logprob - student logprob) (docs/rlhf.md). One
 # completion per prompt (--num_generations 1), LoRA on TP 2, vLLM colocate. ms-swift's script
-# distils Qwen3.5-9B into Qwen3.5-2B (Qwen3.5: issue 11); here Qwen3-8B into Qwen3-1.7B.
+# distils Qwen3.5-9B into Qwen3.5-2B; here Qwen3-8B into Qwen3-1.7B by default
+# (MODEL=Qwen/Qwen3.5-2B TEACHER=Qwen/Qwen3.5-9B for ms-swift's pair).
 # As in ms-swift's script there is no reward function: the teacher is the only signal.
 #
 #   bash scripts/grpo/opd_rl.sh [extra megatron rlhf flags]

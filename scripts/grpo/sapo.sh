@@ -3,7 +3,8 @@
 # optimization, arXiv:2511.20347) replaces GRPO's hard clip with a sigmoid gate on the importance
 # ratio, temperature --tau_pos for positive and --tau_neg for negative advantages (docs/rlhf.md).
 # vLLM in colocate mode on one node of 8 GPUs. The flags are ms-swift's; its version trains
-# Qwen2.5-VL-3B on CLEVR (vision models: issue 12), so the rewards here are accuracy and format.
+# Qwen2.5-VL-3B on CLEVR with its plugin's rewards (multimodal_colocate.sh shows that setup),
+# so the rewards here are accuracy and format.
 #
 #   bash scripts/grpo/sapo.sh [extra megatron rlhf flags]
 #   MODEL=/path/to/hf_model DATASET=/path/to/data.jsonl bash scripts/grpo/sapo.sh

@@ -3,7 +3,8 @@ engine, full (dense and MoE; packed micro-batches, the default) and LoRA (padded
 exactly the trainer's policy (weight sync), the first step's KL is 0 and the step updates; the
 final HF export keeps the vision tower (frozen by default) and MTP tensors of the source bit for
 bit; LoRA adapts the Gated DeltaNet projections too, only adapted linears change, and peft
-reproduces the merged export from the adapter. With images (the colour task, packed
+reproduces the merged export from the adapter; a Qwen3.5 teacher of another size scores the
+LoRA run's completions (ms-swift's opd_rl.sh pair). With images (the colour task, packed
 micro-batches): the engine's and the trainer's logprobs of image prompts agree after every
 sync, and rewards get the row's `solution`."""
 import json
@@ -52,10 +53,15 @@ def test_lora_grpo_adapts_gated_deltanet_and_peft_reproduces_the_merge(base, tin
     from transformers import AutoModelForImageTextToText
 
     out = tmp_path / "lora"
+    teacher = build_tiny_model("qwen3_5", str(tmp_path / "teacher"), seed=1, hidden_size=64,
+                               num_hidden_layers=4)
     # --lora_dropout 0: the sync check's trainer forward applies LoRA dropout (0.05 by default)
     rlhf(*base, "--train_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--beta", "0.04",
-         "--lr", "5e-3", "--lora_dropout", "0", "--padding_free", "false", "--output_dir", out)
-    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in logged(out))
+         "--lr", "5e-3", "--lora_dropout", "0", "--padding_free", "false",
+         "--teacher_model", teacher, "--output_dir", out)
+    rows = logged(out)
+    assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)
+    assert all(r["teacher_kl"] > 0 for r in rows)   # another model scored the completions
     with open(out / "final_adapter" / "adapter_config.json") as f:
         targets = json.load(f)["target_modules"]
     assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj"} <= set(targets)
