@@ -202,9 +202,14 @@ STEADY="--rollout_batches 6 --warmup_batches 2"   # the first run on a fresh mac
 # for a few batches, whichever tool it is: average batches 3-6 (trl_both*)
 # TRL's settings in the workload phases (trl_both, trl_reasoning, trl_lora8b, trl_vl,
 # trl_qwen3_5*): TRL_SETTINGS (both by default; "fastest" alone saves a run where the defaults
-# are not needed) and TRL_FASTEST, the GRPOConfig fields trl_fastest_sweep found best (JSON)
+# are not needed) and TRL_FASTEST, the GRPOConfig fields of TRL's fastest setting (JSON); unset,
+# those trl_fastest_sweep picked earlier in this run ($OUT/trl_fastest.json), else '{}'
 TRL_SETTINGS=${TRL_SETTINGS:-defaults fastest}
-TRL_FASTEST=${TRL_FASTEST:-'{}'}
+trl_fastest() {
+    if [ -n "${TRL_FASTEST:-}" ]; then echo "$TRL_FASTEST"
+    elif [ -s "$OUT/trl_fastest.json" ]; then cat "$OUT/trl_fastest.json"
+    else echo '{}'; fi
+}
 
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1);
     # SERVER_PRESET (qwen2.5-1.5b), SERVER_MAX_LEN (the server's --vllm_max_model_len, 1024) and
@@ -310,7 +315,7 @@ phase() {
                         --tool ours --work_dir /tmp/head_block --variant block="$BOTH" \
                         -- --max_tokens_per_micro_batch 8192 ;;
         trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
-                      --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
+                      --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
                       --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_both_long) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 8 \
                            --warmup_batches 2 --work_dir /tmp/trl_both -- \
@@ -322,30 +327,32 @@ phase() {
                    --work_dir /tmp/rollout_seeds --prompts 128 --prompt_len 64 --max_tokens 256 \
                    --gpu_memory_utilization 0.3 --repeats 5 --generate_only ;;
         trl_reasoning) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
-                           --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
+                           --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
                            --work_dir /tmp/trl_reasoning --completion_length 4096 --variable_length \
                            --eos_probability 0.002 -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_lora8b) python3 benchmarks/trl_compare.py --preset qwen3-8b --lora 16 $STEADY \
-                        --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
+                        --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
                         --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
         trl_vl) python3 benchmarks/trl_compare.py --preset qwen2.5-vl-3b $STEADY \
-                    --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
+                    --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
                     --work_dir /tmp/trl_vl -- --max_tokens_per_micro_batch 8192 ;;
         trl_fastest_sweep) for cfg in '{}' "$MICRO16" "$MICRO32" '{"vllm_enable_sleep_mode": false}' \
                                '{"torch_compile": true}'; do python3 benchmarks/trl_compare.py \
                                --preset qwen2.5-1.5b --tool trl --trl_settings fastest \
                                --trl_fastest "$cfg" $STEADY --work_dir /tmp/trl_sweep \
-                               || echo "trl_fastest_sweep: $cfg failed"; done ;;
+                               || echo "trl_fastest_sweep: $cfg failed"; done
+                           python3 benchmarks/trl_sweep_pick.py "$OUT/trl_fastest_sweep.log" \
+                               > "$OUT/trl_fastest.json" ;;
         vl_vs_text) for preset in qwen2.5-vl-3b qwen2.5-3b-text; do python3 \
                         benchmarks/trl_compare.py --preset $preset --tool ours $STEADY \
                         --work_dir /tmp/vl_vs_text -- --max_tokens_per_micro_batch 8192 \
                         || return 1; done ;;
         trl_qwen3_5) python3 benchmarks/trl_compare.py --preset qwen3.5-9b-4l $STEADY \
-                         --trl_settings $TRL_SETTINGS --trl_fastest "$TRL_FASTEST" \
+                         --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
                          --work_dir /tmp/trl_qwen3_5 -- --max_tokens_per_micro_batch 8192 ;;
         trl_qwen3_5_lora) python3 benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16 \
                               $STEADY --trl_settings $TRL_SETTINGS \
-                              --trl_fastest "$TRL_FASTEST" --work_dir /tmp/trl_qwen3_5_lora -- \
+                              --trl_fastest "$(trl_fastest)" --work_dir /tmp/trl_qwen3_5_lora -- \
                               --max_tokens_per_micro_batch 8192 ;;
         qwen3_5_moe_ours) python3 benchmarks/trl_compare.py --preset qwen3.5-moe-8l --tool ours \
                               $STEADY --work_dir /tmp/qwen3_5_moe -- --max_tokens_per_micro_batch 8192 ;;

@@ -70,13 +70,22 @@ def test_trl_settings_and_the_sweeps_choice_reach_each_workload(device_run):
     assert flag(defaults, "--trl_fastest") == ["{}"]
 
 
-def test_the_sweep_runs_trl_alone_once_per_setting(device_run):
-    runs = device_run("trl_fastest_sweep")["trl_fastest_sweep"]
+def test_the_sweep_runs_trl_alone_once_per_setting_and_later_phases_take_its_pick(device_run,
+                                                                                 tmp_path):
+    calls = device_run("trl_fastest_sweep", "trl_both")
+    runs = calls["trl_fastest_sweep"]
     assert [flag(argv, "--tool") for argv in runs] == [["trl"]] * 5
     assert [json.loads(flag(argv, "--trl_fastest")[0]) for argv in runs] == [
         {}, {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 4},
         {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2},
         {"vllm_enable_sleep_mode": False}, {"torch_compile": True}]
+    # the pick's output (here the stand-in's record of the pick's own command) is what the
+    # next phase passes as --trl_fastest
+    picked = (tmp_path / "out" / "trl_fastest.json").read_text().strip()
+    assert json.loads(picked) == ["benchmarks/trl_sweep_pick.py",
+                                  str(tmp_path / "out" / "trl_fastest_sweep.log")]
+    [both] = calls["trl_both"]
+    assert flag(both, "--trl_fastest") == [picked]
 
 
 def test_profile_workload_takes_its_workload_from_the_environment(device_run):
