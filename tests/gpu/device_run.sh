@@ -211,6 +211,23 @@ trl_fastest() {
     else echo '{}'; fi
 }
 
+trl_workload() {   # trl_compare.py "$@" with TRL's settings above; where TRL's fastest setting
+    # fails with those fields (the sweep's micro-batches of 1.5B x 256 tokens can run out of
+    # memory on a larger workload), TRL's fastest once more with gradient checkpointing off alone
+    local fastest record status
+    fastest=$(trl_fastest) record=$(mktemp)
+    python3 benchmarks/trl_compare.py --trl_settings $TRL_SETTINGS --trl_fastest "$fastest" "$@" \
+        | tee "$record"
+    status=${PIPESTATUS[0]}
+    if [ "$fastest" != '{}' ] && grep -q '"name": "failed", "tool": "trl_fastest"' "$record"; then
+        echo "trl_workload: TRL's fastest setting failed with $fastest; again with {}"
+        python3 benchmarks/trl_compare.py --tool trl --trl_settings fastest --trl_fastest '{}' "$@"
+        status=$?
+    fi
+    rm -f "$record"
+    return $status
+}
+
 grpo_server() {   # one run per argument: the trainer's extra flags (server mode on GPU 1);
     # SERVER_PRESET (qwen2.5-1.5b), SERVER_MAX_LEN (the server's --vllm_max_model_len, 1024) and
     # SERVER_ARGS (trl_compare.py's own options) change the workload
@@ -314,9 +331,8 @@ phase() {
         head_block) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 4 \
                         --tool ours --work_dir /tmp/head_block --variant block="$BOTH" \
                         -- --max_tokens_per_micro_batch 8192 ;;
-        trl_both) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
-                      --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
-                      --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        trl_both) trl_workload --preset qwen2.5-1.5b $STEADY --work_dir /tmp/trl_both \
+                      -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         trl_both_long) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b --rollout_batches 8 \
                            --warmup_batches 2 --work_dir /tmp/trl_both -- \
                            --max_tokens_per_micro_batch 8192 $BOTH ;;
@@ -326,16 +342,13 @@ phase() {
         seeds) python3 benchmarks/rollout.py --mode colocate --preset qwen2.5-1.5b \
                    --work_dir /tmp/rollout_seeds --prompts 128 --prompt_len 64 --max_tokens 256 \
                    --gpu_memory_utilization 0.3 --repeats 5 --generate_only ;;
-        trl_reasoning) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
-                           --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
-                           --work_dir /tmp/trl_reasoning --completion_length 4096 --variable_length \
-                           --eos_probability 0.002 -- --max_tokens_per_micro_batch 8192 $BOTH ;;
-        trl_lora8b) python3 benchmarks/trl_compare.py --preset qwen3-8b --lora 16 $STEADY \
-                        --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
-                        --work_dir /tmp/trl_lora8b -- --max_tokens_per_micro_batch 8192 ;;
-        trl_vl) python3 benchmarks/trl_compare.py --preset qwen2.5-vl-3b $STEADY \
-                    --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
-                    --work_dir /tmp/trl_vl -- --max_tokens_per_micro_batch 8192 ;;
+        trl_reasoning) trl_workload --preset qwen2.5-1.5b $STEADY --work_dir /tmp/trl_reasoning \
+                           --completion_length 4096 --variable_length --eos_probability 0.002 \
+                           -- --max_tokens_per_micro_batch 8192 $BOTH ;;
+        trl_lora8b) trl_workload --preset qwen3-8b --lora 16 $STEADY --work_dir /tmp/trl_lora8b \
+                        -- --max_tokens_per_micro_batch 8192 ;;
+        trl_vl) trl_workload --preset qwen2.5-vl-3b $STEADY --work_dir /tmp/trl_vl \
+                    -- --max_tokens_per_micro_batch 8192 ;;
         trl_fastest_sweep) for cfg in '{}' "$MICRO16" "$MICRO32" '{"vllm_enable_sleep_mode": false}' \
                                '{"torch_compile": true}'; do python3 benchmarks/trl_compare.py \
                                --preset qwen2.5-1.5b --tool trl --trl_settings fastest \
@@ -347,13 +360,10 @@ phase() {
                         benchmarks/trl_compare.py --preset $preset --tool ours $STEADY \
                         --work_dir /tmp/vl_vs_text -- --max_tokens_per_micro_batch 8192 \
                         || return 1; done ;;
-        trl_qwen3_5) python3 benchmarks/trl_compare.py --preset qwen3.5-9b-4l $STEADY \
-                         --trl_settings $TRL_SETTINGS --trl_fastest "$(trl_fastest)" \
-                         --work_dir /tmp/trl_qwen3_5 -- --max_tokens_per_micro_batch 8192 ;;
-        trl_qwen3_5_lora) python3 benchmarks/trl_compare.py --preset qwen3.5-9b --lora 16 \
-                              $STEADY --trl_settings $TRL_SETTINGS \
-                              --trl_fastest "$(trl_fastest)" --work_dir /tmp/trl_qwen3_5_lora -- \
-                              --max_tokens_per_micro_batch 8192 ;;
+        trl_qwen3_5) trl_workload --preset qwen3.5-9b-4l $STEADY --work_dir /tmp/trl_qwen3_5 \
+                         -- --max_tokens_per_micro_batch 8192 ;;
+        trl_qwen3_5_lora) trl_workload --preset qwen3.5-9b --lora 16 $STEADY \
+                              --work_dir /tmp/trl_qwen3_5_lora -- --max_tokens_per_micro_batch 8192 ;;
         qwen3_5_moe_ours) python3 benchmarks/trl_compare.py --preset qwen3.5-moe-8l --tool ours \
                               $STEADY --work_dir /tmp/qwen3_5_moe -- --max_tokens_per_micro_batch 8192 ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \

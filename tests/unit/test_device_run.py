@@ -13,10 +13,11 @@ import pytest
 pytestmark = pytest.mark.quick
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "gpu", "device_run.sh")
 # python3's stand-in: a call's arguments as one JSON line (grpo_server takes one call's output
-# as its model path: any word serves)
+# as its model path: any word serves), then FAKE_LINE if set (what the real call would print)
 RECORDER = f"""#!/bin/sh
 printf '%s\\n' "$@" | {sys.executable} -c \\
     'import json, sys; print(json.dumps(sys.stdin.read().splitlines()))'
+[ -z "$FAKE_LINE" ] || echo "$FAKE_LINE"
 """
 
 
@@ -68,6 +69,20 @@ def test_trl_settings_and_the_sweeps_choice_reach_each_workload(device_run):
     defaults = device_run("trl_vl")["trl_vl"][0]
     assert flag(defaults, "--trl_settings") == ["defaults", "fastest"]
     assert flag(defaults, "--trl_fastest") == ["{}"]
+
+
+def test_trls_fastest_setting_runs_again_without_the_sweeps_fields_where_they_failed(device_run):
+    failed = json.dumps({"name": "failed", "tool": "trl_fastest", "returncode": 1})
+    fastest = '{"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}'
+    first, again = device_run("trl_reasoning", TRL_FASTEST=fastest,
+                              FAKE_LINE=failed)["trl_reasoning"]
+    assert flag(first, "--trl_fastest") == [fastest]
+    assert flag(again, "--tool") == ["trl"] and flag(again, "--trl_settings") == ["fastest"]
+    assert flag(again, "--trl_fastest") == ["{}"]
+    assert flag(again, "--completion_length") == ["4096"]   # the same workload
+    # no second run where nothing failed, or where the failed setting was {} already
+    assert len(device_run("trl_reasoning", TRL_FASTEST=fastest)["trl_reasoning"]) == 1
+    assert len(device_run("trl_reasoning", FAKE_LINE=failed)["trl_reasoning"]) == 1
 
 
 def test_the_sweep_runs_trl_alone_once_per_setting_and_later_phases_take_its_pick(device_run,
