@@ -1,13 +1,18 @@
 """TRL's fastest setting from a sweep: of trl_compare.py's `--tool trl --trl_settings fastest`
 runs in a log (device_run.sh's trl_fastest_sweep, one run per candidate set of GRPOConfig
-fields), the one with the fewest seconds per rollout batch. Prints its fields as the JSON object
-`--trl_fastest` takes (device_run.sh's later phases read it as TRL_FASTEST), and on stderr each
-candidate that ran, with its seconds and peak memory.
+fields), the one with the fewest seconds per rollout batch. Prints the fields it adds to TRL's
+`fastest` setting as the JSON object `--trl_fastest` takes (device_run.sh's later phases read it
+as TRL_FASTEST; {} where the setting alone was fastest), and on stderr each candidate that ran,
+with its seconds and peak memory.
 
     python benchmarks/trl_sweep_pick.py $OUT/trl_fastest_sweep.log > $OUT/trl_fastest.json
 """
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from trl_compare import TRL_SETTINGS  # noqa: E402
 
 
 def summaries(lines) -> list:
@@ -25,8 +30,12 @@ def summaries(lines) -> list:
 
 
 def pick(runs: list) -> dict:
-    """The GRPOConfig fields of the fastest run; {} (TRL's `fastest` as it is) when none ran."""
-    return min(runs, key=lambda run: run["wall_s"])["config"] if runs else {}
+    """The GRPOConfig fields the fastest run adds to TRL's `fastest` setting; {} when none ran."""
+    if not runs:
+        return {}
+    base = TRL_SETTINGS["fastest"]
+    config = min(runs, key=lambda run: run["wall_s"])["config"]
+    return {key: value for key, value in config.items() if key not in base or base[key] != value}
 
 
 if __name__ == "__main__":

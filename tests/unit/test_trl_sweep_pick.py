@@ -1,5 +1,6 @@
 """benchmarks/trl_sweep_pick.py: of a sweep's log, TRL's `fastest` summaries only, the run with
-the fewest seconds per rollout batch picked, {} when every candidate failed."""
+the fewest seconds per rollout batch picked (the fields it adds to the setting), {} when every
+candidate failed or the setting alone was fastest."""
 import json
 import os
 import subprocess
@@ -30,9 +31,10 @@ LOG = [
 def test_the_fastest_trl_run_of_the_log_is_picked():
     runs = trl_sweep_pick.summaries(LOG)
     assert [run["wall_s"] for run in runs] == [5.61, 4.9]   # ours' summary and others left out
-    assert trl_sweep_pick.pick(runs) == {"gradient_checkpointing": False,
-                                         "per_device_train_batch_size": 16,
+    # the fields it adds to TRL's `fastest` setting (gradient checkpointing off) only
+    assert trl_sweep_pick.pick(runs) == {"per_device_train_batch_size": 16,
                                          "gradient_accumulation_steps": 4}
+    assert trl_sweep_pick.pick(runs[:1]) == {}   # the setting alone was fastest
 
 
 def test_no_run_gives_trls_fastest_as_it_is(tmp_path):
