@@ -205,6 +205,14 @@ def ours_command(a, model: str, task: list, out: str, extra: list) -> list:
             *lora_flags(getattr(a, "lora", 0)), *a.rlhf_args, *extra]
 
 
+def is_lora(a, extra) -> bool:
+    """Whether a run of ours trains LoRA adapters: --lora, or `--train_type lora` among the
+    extra flags (the last one given wins, as on the command line)."""
+    flags = [*lora_flags(getattr(a, "lora", 0)), *a.rlhf_args, *extra]
+    kinds = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--train_type"]
+    return bool(kinds) and kinds[-1] == "lora"
+
+
 def lora_flags(rank: int) -> list:
     """--lora RANK for ours: ms-swift's all-linear targets, alpha 2 x rank, dropout 0.05 (its
     default; TRL gets the same adapter through peft)."""
@@ -247,7 +255,8 @@ def run_ours(a, model: str, task: list, label: str = "ours", extra: list = ()) -
     summary.update({key: statistics.mean(r[key] for r in later) for key in PHASE_KEYS
                     if all(r.get(key) is not None for r in later)})
     summary["train_tflops"] = train_tflops(model, summary.get("perf/train_tokens_per_s"),
-                                           summary.get("rollout/completion_length_mean", 0.0))
+                                           summary.get("rollout/completion_length_mean", 0.0),
+                                           lora=is_lora(a, extra))
     peak_tflops = bf16_peak_tflops()
     if peak_tflops:
         summary["train_mfu"] = summary["train_tflops"] / peak_tflops
@@ -284,20 +293,23 @@ PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s"
               "multi_turn/num_turns_mean", "multi_turn/env_tokens_mean")  # the last two: multi-turn runs
 
 
-def train_tflops(model_dir: str, tokens_per_s, sequence_tokens: float = 0.0) -> float:
+def train_tflops(model_dir: str, tokens_per_s, sequence_tokens: float = 0.0,
+                 lora: bool = False) -> float:
     """Model FLOP/s of the train phase, in TFLOP/s: per token, forward + backward of what it
     multiplies by (6 x planning/cost.py's active_parameters: MoE layers' routed experts only,
-    the output head included) and the causal attention products of the full-attention layers at
-    `sequence_tokens` (attention_flops_per_token; the run passes the completions' mean length,
-    its prompts left out: 24 tokens of the math task, about 285 with an image; Gated DeltaNet
-    layers' recurrence and a vision tower left out)."""
+    the output head included; with `lora` 4 x, as frozen weights get no weight gradient, the
+    adapters' few FLOPs left out) and the causal attention products of the full-attention
+    layers at `sequence_tokens` (attention_flops_per_token; the run passes the completions'
+    mean length, its prompts left out: 24 tokens of the math task, about 285 with an image;
+    Gated DeltaNet layers' recurrence and a vision tower left out)."""
     from swift_megatron.planning.cost import active_parameters, attention_flops_per_token
 
     if not tokens_per_s:
         return 0.0
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
-    per_token = 6 * active_parameters(hf) + attention_flops_per_token(hf, int(sequence_tokens))
+    per_token = (4 if lora else 6) * active_parameters(hf) + \
+        attention_flops_per_token(hf, int(sequence_tokens))
     return per_token * tokens_per_s / 1e12
 
 

@@ -2,11 +2,12 @@
 (an option of the worker's named like one of torchrun's own made torchrun refuse it as
 ambiguous on the two-GPU machine) and passes the worker's options through unchanged; the
 order of the runs (`--trl_first`) with the ratio lines it ends with; and which rollout batches
-the averages hold (`--warmup_batches`)."""
+the averages hold (`--warmup_batches`); the train phase's model FLOPs (full and LoRA)."""
 import argparse
 import json
 import os
 import sys
+import types
 
 import pytest
 
@@ -233,6 +234,22 @@ def test_train_tflops_counts_active_parameters_and_attention(tmp_path):
     flops = 6 * params + 6 * 64 * 100 * 2
     assert trl_compare.train_tflops(str(tmp_path), 1e6, 100) == pytest.approx(flops * 1e6 / 1e12)
     assert trl_compare.train_tflops(str(tmp_path), None) == 0.0
+    # LoRA: the frozen weights get no weight gradient, so 4 x the parameters (attention the same)
+    lora = 4 * params + 6 * 64 * 100 * 2
+    assert trl_compare.train_tflops(str(tmp_path), 1e6, 100, lora=True) == \
+        pytest.approx(lora * 1e6 / 1e12)
+
+
+@pytest.mark.parametrize("rank, rlhf_args, extra, expected", [
+    (0, [], [], False),
+    (16, [], [], True),
+    (0, ["--train_type", "lora"], [], True),
+    (0, [], ["--train_type", "lora", "--lora_dropout", "0"], True),   # a --variant's flags
+    (16, [], ["--train_type", "full"], False),                         # the last one wins
+])
+def test_is_lora_reads_the_runs_flags(rank, rlhf_args, extra, expected):
+    a = types.SimpleNamespace(lora=rank, rlhf_args=rlhf_args)
+    assert trl_compare.is_lora(a, extra) is expected
 
 
 def test_variable_length_is_for_text_presets(monkeypatch, capsys):
