@@ -10,7 +10,7 @@ Every run gets trl_compare's command without its fixed `--recompute_granularity 
 layouts set their own flags, and the `auto` run sets `--auto_parallel true` alone (the planner
 keeps flags a user sets, so it must see none of the layout flags). Per run: seconds per rollout
 batch (the first `--warmup_batches` left out), the training's measured peak memory and the dry
-run's estimate of it (trl_compare's `memory_check`). Passes (exit 0) when the automatic choice
+run's estimate of it (dry_run_memory.py's `memory_check`). Passes (exit 0) when the automatic choice
 ran, its seconds per rollout batch are within 10% of the fastest grid layout that ran, and every
 run's estimate is within 10% of its measured peak. One JSON line per run (trl_compare's summary
 line), then a `verdict` line and a table.

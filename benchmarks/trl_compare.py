@@ -73,7 +73,6 @@ TRL is a benchmark-only dependency (requirements/benchmarks.txt).
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -83,6 +82,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from dry_run_memory import memory_check, memory_estimate  # noqa: E402
 from grpo_step import PRESETS, build_model, build_task  # noqa: E402  (the same presets and tasks)
 
 PROMPTS, GENERATIONS, MICRO, GLOBAL, STEPS_PER_ROLLOUT = 16, 8, 8, 64, 2
@@ -220,18 +220,6 @@ def lora_flags(rank: int) -> list:
                                 str(2 * rank), "--lora_dropout", str(LORA_DROPOUT)]
 
 
-def memory_estimate(cmd: list, env: dict) -> dict:
-    """The dry run's per-GPU estimate ({part: GiB}) for the same command."""
-    proc = subprocess.run([*cmd, "--dry_run", "true"], capture_output=True, text=True, env=env)
-    text = proc.stdout + proc.stderr
-    match = re.search(r"memory per GPU \(estimate, GiB\): (.*)", text)
-    if proc.returncode != 0 or not match:   # reported, and the measurement still runs
-        emit(name="dry_run_failed", returncode=proc.returncode, tail=text[-2000:])
-        return {}
-    return {name: float(value) for name, value in
-            (part.rsplit(" ", 1) for part in match.group(1).split(", "))}
-
-
 def run_ours(a, model: str, task: list, label: str = "ours", extra: list = ()) -> dict:
     out = os.path.join(a.work_dir, label)
     shutil.rmtree(out, ignore_errors=True)
@@ -262,26 +250,6 @@ def run_ours(a, model: str, task: list, label: str = "ours", extra: list = ()) -
         summary["train_mfu"] = summary["train_tflops"] / peak_tflops
     summary.update(memory_check(rows, estimate))
     return summary
-
-
-def memory_check(rows: list, estimate: dict) -> dict:
-    """The measured training memory (the logprob and train phases' peak less the sleeping
-    engine's share of torch's counter; CUDA runs log both) next to the dry run's estimate."""
-    def peak(key):
-        return max((r.get(key) or 0.0 for r in rows), default=0.0)
-
-    result = {f"estimate/{key}_gib": estimate[key]
-              for key in ("train", "logprobs", "generate", "peak") if key in estimate}
-    phases = {phase: peak(f"memory/{phase}_peak_gib") for phase in ("rollout", "logprobs", "train",
-                                                                    "sync", "sync_check")}
-    if any(phases.values()):
-        asleep = peak("memory/engine_asleep_gib")
-        training = max(phases["logprobs"], phases["train"]) - asleep
-        result.update({f"measured/{phase}_peak_gib": v for phase, v in phases.items() if v},
-                      engine_asleep_gib=asleep, training_gib=training,
-                      estimate_vs_training=max(estimate["train"], estimate.get("logprobs", 0))
-                      / training if training > 0 and "train" in estimate else None)
-    return result
 
 
 PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",

@@ -23,7 +23,7 @@ tokens per data-parallel rank) with `--check_weight_sync true`, after the same c
   family's tolerance (`--check_weight_sync_atol`: the default 0.05, 0.5 for random MoE routers
   of real width, docs/export.md);
 - the dry run's training-memory estimate is within 15% of the measured training peak (the
-  logprob and train phases' peak less the sleeping engine's share, benchmarks/trl_compare.py
+  logprob and train phases' peak less the sleeping engine's share, benchmarks/dry_run_memory.py
   `memory_check`).
 Flags beyond the defaults, as users set them: the batch sizes above; in colocate mode the
 engine's share (`--vllm_gpu_memory_utilization 0.3`) and `--sleep_level 1`; `--max_length` (the
@@ -54,7 +54,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from grpo_step import PLUGIN, build_model, build_task  # noqa: E402  (the benchmarks' presets)
-from trl_compare import memory_check, memory_estimate  # noqa: E402
+from dry_run_memory import memory_check, memory_estimate  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.15
 MOE_SYNC_ATOL = 0.5   # bf16 routing of random routers at real width (docs/export.md)
@@ -441,7 +441,7 @@ def gpu_count() -> int:
 # what a case runs: the package, its requirements, the benchmarks' presets and memory check,
 # this file (other benchmarks and docs may change between leases)
 CODE = ("setup.py", "requirements", "swift_megatron", "cli", "benchmarks/grpo_step.py",
-        "benchmarks/trl_compare.py", "tests/gpu/matrix.py")
+        "benchmarks/dry_run_memory.py", "tests/gpu/matrix.py")
 
 
 def code_version(root: str = REPO) -> str:
