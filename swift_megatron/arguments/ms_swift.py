@@ -11,10 +11,9 @@ flag: a name in these tables still fails the parse, with the reason.
 """
 from typing import Dict, Optional
 
-_MULTIMODAL = ("not supported yet: of vision-language models only Qwen2.5-VL and Qwen3.5 GRPO "
-               "with images, --max_pixels, --freeze_vit/--freeze_aligner/--freeze_llm, "
-               "--vit_lr/--aligner_lr and --train_type lora_llm are (docs/multimodal.md; "
-               "issue 12)")
+_MULTIMODAL = ("not supported: of the vision-language options, GRPO with images on Qwen2.5-VL, "
+               "Qwen3-VL and Qwen3.5, --max_pixels, --freeze_vit/--freeze_aligner/--freeze_llm, "
+               "--vit_lr/--aligner_lr and --train_type lora_llm are (docs/multimodal.md)")
 _SERVER_SCHEDULER = ("not needed: every dataset column reaches the multi-turn scheduler, "
                      "whether the trainer runs it (--multi_turn_scheduler) or the rollout server "
                      "(megatron rollout --multi_turn_scheduler) (docs/multi_turn.md)")
@@ -57,7 +56,8 @@ NOT_SUPPORTED: Dict[str, str] = {
     "fp8_format": "FP8 training " + _TE, "fp8_recipe": "FP8 training " + _TE,
     "fp4_format": "FP4 training " + _TE,
     "tp_comm_overlap": "tensor-parallel communication overlap " + _TE,
-    "packing": "packing is not supported yet (issue 10: GRPO throughput)",
+    "packing": "not needed: each micro-batch's sequences are packed already (--padding_free "
+               "true, the default)",
     "streaming": "streaming datasets are not supported: datasets are loaded into memory",
     "save_strategy": "checkpoints are saved every --save_steps optimizer steps",
     "metric_for_best_model": "--save_total_limit keeps the checkpoint with the best reward/mean",

@@ -54,7 +54,8 @@ ACCEPTED = {
 }
 OTHER_ISSUES = {"teacher_model_server": "--teacher_model",
                 "vllm_server_pass_dataset": "every dataset column reaches",
-                "context_manager": "removed in ms-swift too", "vit_attn_impl": "issue 12",
+                "context_manager": "removed in ms-swift too", "vit_attn_impl": "Qwen3-VL",
+                "packing": "--padding_free true",
                 "use_ray": "torchrun, not Ray"}
 
 
