@@ -44,9 +44,12 @@ What differs, and how it is handled here:
   `language_model_only` (`model_defaults`) unless images are wanted (rollout/factory.py
   `vision_engine_kwargs` then sets it False).
 - Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
-- Closing: vLLM keeps its model-parallel groups in module state after an `LLM` is dropped;
-  `release_engine` destroys them (not torch.distributed's world), so a process can build
-  another engine.
+- Closing: vLLM keeps its model-parallel groups and its world group (its own process groups
+  over torch.distributed's world) in module state after an `LLM` is dropped; `release_engine`
+  destroys them (not torch.distributed's world), so a process can build another engine. Left
+  alone, 0.32's engine core destroys them from a finalizer at exit, after the trainer has
+  destroyed torch.distributed's world, and prints `ValueError: Invalid process group
+  specified` at the end of a run that succeeded.
 """
 import contextlib
 import dataclasses
@@ -319,12 +322,16 @@ def _user_error(exc: Exception, settings: EngineSettings) -> Exception:
 
 def release_engine() -> None:
     """After the last reference to an in-process `LLM` is dropped: collect it and destroy vLLM's
-    model-parallel groups (torch.distributed's world stays), so that this process can build
-    another engine (e.g. one of a different model)."""
-    from vllm.distributed.parallel_state import destroy_model_parallel
+    model-parallel and world groups (torch.distributed's world stays), so that this process
+    can build another engine (e.g. one of a different model) and nothing of vLLM's is left to
+    destroy at exit (module docstring)."""
+    from vllm.distributed import parallel_state
 
     gc.collect()
-    destroy_model_parallel()
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:   # no public call destroys it alone
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
     import torch
 
     if torch.cuda.is_available():

@@ -97,6 +97,7 @@ def colocate_rows(runs: dict, value) -> list:
     proc = future.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "colocate engine ready" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-5000:]   # nothing left to fail at exit
     with open(out / "logging.jsonl") as f:
         return [json.loads(line) for line in f]
 
