@@ -133,7 +133,7 @@
 #                     tower frozen in both tools; ours at the 8k budget; TRL in both settings
 #   trl_fastest_sweep TRL alone on the trl_compare setup with gradient checkpointing off and, one
 #                     run each, micro-batches of 16 and 32 completions, vLLM's sleep mode off (TRL's
-#                     own default), torch.compile: which of TRL's speed options fit and help (the
+#                     own default), torch.compile (each run at most 8 minutes): which of TRL's speed options fit and help (the
 #                     best ones make `--trl_fastest` for the headline runs)
 #   vl_vs_text        ours alone on trl_vl's setup, then on its text stack as a Qwen2 text model
 #                     (the math task): the logprob and train phases' tokens/s with and without
@@ -350,7 +350,7 @@ phase() {
         trl_vl) trl_workload --preset qwen2.5-vl-3b $STEADY --work_dir /tmp/trl_vl \
                     -- --max_tokens_per_micro_batch 8192 ;;
         trl_fastest_sweep) for cfg in '{}' "$MICRO16" "$MICRO32" '{"vllm_enable_sleep_mode": false}' \
-                               '{"torch_compile": true}'; do python3 benchmarks/trl_compare.py \
+                               '{"torch_compile": true}'; do timeout -k 30 480 python3 benchmarks/trl_compare.py \
                                --preset qwen2.5-1.5b --tool trl --trl_settings fastest \
                                --trl_fastest "$cfg" $STEADY --work_dir /tmp/trl_sweep \
                                || echo "trl_fastest_sweep: $cfg failed"; done
