@@ -54,7 +54,8 @@ Per rank, in bytes:
 The peak is the largest of the train phase (everything but vLLM), the logprob phase (the
 resident state, the reference and a forward's working set: the head's chunk and one layer's
 activations, nothing kept for a backward) and generation (vLLM + what stays resident: the
-weights and, unless offloaded, gradients, optimizer and reference).
+weights and, unless offloaded, optimizer and reference; the gradients only without a colocated
+engine, which generates with them freed).
 """
 import dataclasses
 from typing import Dict, Mapping, Optional, Tuple
@@ -298,9 +299,10 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
                  head=_head_bytes(hf, run),
                  embedding_grad=0 if run.lora else 2 * hf["vocab_size"] * hf["hidden_size"] / run.tp)
     train = sum(parts.values())
-    resident = (parts["weights"] + parts["reference"] + parts["gradients"]) * (
-        not run.offload_model) + parts["optimizer"] * (not run.offload_optimizer) + \
-        parts["teacher"]
+    # a colocated engine generates with the gradients freed (training/offload.py, grad_dropper)
+    gradients = parts["gradients"] * (run.vllm_fraction == 0)
+    resident = (parts["weights"] + parts["reference"] + gradients) * (not run.offload_model) + \
+        parts["optimizer"] * (not run.offload_optimizer) + parts["teacher"]
     one_layer = activation_bytes(hf, dataclasses.replace(run, full_recompute=False)) / (
         hf["num_hidden_layers"] // run.pp)
     logprobs = train - parts["activations"] - parts["embedding_grad"] + one_layer + \

@@ -1,5 +1,6 @@
 """Move the training state to host memory while a colocated vLLM engine generates
-(`--offload_model`, `--offload_optimizer`), and back.
+(`--offload_model`, `--offload_optimizer`), and back; without --offload_model the gradients
+alone are freed (`grad_dropper`).
 
     offloaders = [model_offloader(policy.chunks), optimizer_offloader(policy.optimizer)]
     for o in offloaders: o.offload()
@@ -157,6 +158,13 @@ def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
             yield from torch.nn.Module.buffers(chunk)
 
     return Offloader("model", keep, lambda: (g for c in chunks for g in _grad_buffers(c)))
+
+
+def grad_dropper(chunks: Sequence[torch.nn.Module]) -> Offloader:
+    """Megatron DDP's grad buffers freed (and zeroed on reload), nothing copied: what every
+    colocated generation does without --offload_model, since no gradient outlives an optimizer
+    step (4 bytes per trainable parameter back to the engine at no cost but a memset)."""
+    return Offloader("gradients", lambda: [], lambda: (g for c in chunks for g in _grad_buffers(c)))
 
 
 def resident(offloader: Optional[Offloader], read_only: bool = False) -> ContextManager:

@@ -124,6 +124,10 @@
 #                     batches, batches 3-6 averaged (fits one call on a machine where vLLM and
 #                     TRL's wheels are already installed); trl_both_first: TRL first;
 #                     trl_both_long: 8 rollout batches (is the last batch the slow one?)
+#   trl_fast          ours without $BOTH's memory flags (the reference resident, no recomputation)
+#                     at the 8k and 16k budgets, against TRL's fastest setting alone (its memory:
+#                     103.7 GiB by torch's counter, 71.0 by the device's on 2026-11-29); give
+#                     TRL_FASTEST when trl_fastest_sweep does not run first in the same command
 #   trl_reasoning     trl_both's flags on reasoning-length completions: up to 4096 tokens, about
 #                     geometric lengths of mean 512 (most short, a long tail); TRL in both settings
 #   trl_lora8b        the Qwen3-8B shape (all 36 layers), both tools LoRA rank 16 on every linear
@@ -133,8 +137,9 @@
 #                     tower frozen in both tools; ours at the 8k budget; TRL in both settings
 #   trl_fastest_sweep TRL alone on the trl_compare setup with gradient checkpointing off and, one
 #                     run each, micro-batches of 16 and 32 completions, vLLM's sleep mode off (TRL's
-#                     own default), torch.compile (each run at most 8 minutes): which of TRL's speed options fit and help (the
-#                     best ones make `--trl_fastest` for the headline runs)
+#                     own default), torch.compile (each run at most 8 minutes): which of TRL's
+#                     speed options fit and help (the best ones make `--trl_fastest` for the
+#                     headline runs; on 2026-11-29 micro-batches of 32)
 #   vl_vs_text        ours alone on trl_vl's setup, then on its text stack as a Qwen2 text model
 #                     (the math task): the logprob and train phases' tokens/s with and without
 #                     images and the tower
@@ -366,6 +371,9 @@ phase() {
                               --work_dir /tmp/trl_qwen3_5_lora -- --max_tokens_per_micro_batch 8192 ;;
         qwen3_5_moe_ours) python3 benchmarks/trl_compare.py --preset qwen3.5-moe-8l --tool ours \
                               $STEADY --work_dir /tmp/qwen3_5_moe -- --max_tokens_per_micro_batch 8192 ;;
+        trl_fast) TRL_SETTINGS=fastest trl_workload --preset qwen2.5-1.5b $STEADY \
+                      --work_dir /tmp/trl_both --variant 16k="--max_tokens_per_micro_batch 16384" \
+                      -- --max_tokens_per_micro_batch 8192 ;;
         trl_both_first) python3 benchmarks/trl_compare.py --preset qwen2.5-1.5b $STEADY \
                             --trl_first --work_dir /tmp/trl_both -- --max_tokens_per_micro_batch 8192 $BOTH ;;
         compiled_layers) SWIFT_MEGATRON_COMPILE_LAYERS=0 python3 benchmarks/trl_compare.py \

@@ -1,4 +1,6 @@
 """The dry run's per-GPU memory estimate (model/memory.py) against hand-computed bytes."""
+import dataclasses
+
 import pytest
 
 from swift_megatron.model.memory import GIB, RunShape, activation_bytes, estimate, rank_parameters
@@ -122,8 +124,11 @@ def test_full_parameter_run_and_peak():
     assert result["optimizer"] * GIB == pytest.approx(12 * params / 2)   # sharded over DP 2
     assert result["reference"] == result["weights"]
     assert result["vllm"] == 4.0 and result["device"] == 8.0
-    resident = result["weights"] + result["reference"] + result["gradients"] + result["optimizer"]
+    # a colocated engine generates with the gradients freed; without one they stay
+    resident = result["weights"] + result["reference"] + result["optimizer"]
     assert result["generate"] == pytest.approx(resident + 4.0)
+    server = estimate(HF, dataclasses.replace(run, vllm_fraction=0.0), device_bytes=8 * GIB)
+    assert server["generate"] == pytest.approx(resident + result["gradients"])
     assert result["peak"] == max(result["train"], result["logprobs"], result["generate"])
     # the logprob phase: the resident state, the reference (for its own pass, even when
     # offloaded) and a forward's working set; no activations kept for a backward

@@ -48,7 +48,7 @@ from swift_megatron.rlhf.grpo.references import Reference
 from swift_megatron.rlhf.grpo.teacher import Teacher, check_same_tokenizer
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
-from swift_megatron.training.offload import model_offloader, optimizer_offloader
+from swift_megatron.training.offload import grad_dropper, model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
                                            check_settings, wrap_ddp)
 
@@ -405,8 +405,9 @@ def check_multi_turn_sources(args: RlhfArguments, server_scheduler: Optional[str
 
 def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference) -> list:
     """Colocate mode: what moves to host memory while vLLM generates (--offload_model: the
-    policy and `reference`, a list of the other models' chunks; --offload_optimizer). Without
-    the colocated engine: none, and the colocate flags' notice when preflight expected it."""
+    policy and `reference`, a list of the other models' chunks; else the policy's gradients
+    alone are freed; --offload_optimizer). Without the colocated engine: none, and the colocate
+    flags' notice when preflight expected it."""
     if engine_kind(args, state.device) != "colocate":
         note = note_no_colocate_engine(args)
         if note and state.rank == 0:
@@ -415,6 +416,8 @@ def offloaders(args: RlhfArguments, state: ParallelState, pol: Policy, reference
     moved = []
     if args.rollout.offload_model:
         moved.append(model_offloader(pol.chunks + (reference or [])))
+    else:
+        moved.append(grad_dropper(pol.chunks))
     if args.rollout.offload_optimizer:
         moved.append(optimizer_offloader(pol.optimizer))
     return moved
