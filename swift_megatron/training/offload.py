@@ -91,7 +91,7 @@ class Offloader:
             for index, storage in enumerate(self._kept):
                 host = self._host_buffer(index, storage)
                 host.copy_(_byte_view(storage), non_blocking=host.is_pinned())
-        _synchronize(self._kept)
+        _synchronize(self._kept + [s for s, _ in self._dropped])   # no kernel still reads them
         freed = sum(s.nbytes() for s in self._kept) + sum(n for _, n in self._dropped)
         for storage in self._kept + [s for s, _ in self._dropped]:
             storage.resize_(0)
