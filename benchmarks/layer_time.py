@@ -129,6 +129,11 @@ def main():
 
     from swift_megatron.model.build import build_model
     from swift_megatron.parallel.state import ParallelState
+    from swift_megatron.platform.kernels import gdn_kernel_problem
+
+    problem = gdn_kernel_problem()   # what `megatron rlhf` checks first (a Hopper GPU's Triton)
+    if problem:
+        parser.error(problem)
 
     state = ParallelState.initialize(device=a.device, seed=0)
     dtype = torch.bfloat16 if state.device.type == "cuda" else torch.float32
