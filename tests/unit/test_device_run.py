@@ -142,3 +142,12 @@ def test_the_matrix_takes_its_cases_and_options_from_the_environment(device_run)
     assert argv[0] == "tests/gpu/matrix.py" and flag(argv, "--part") == ["matrix"]
     assert flag(argv, "--cases") == ["qwen2_lora", "llama3"]
     assert "--resume" in argv and flag(argv, "--start_within") == ["900"]
+
+
+def test_trl_fast_runs_ours_at_both_budgets_against_trls_fastest_alone(device_run):
+    fastest = '{"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}'
+    [argv] = device_run("trl_fast", TRL_FASTEST=fastest)["trl_fast"]
+    assert flag(argv, "--trl_settings") == ["fastest"] and flag(argv, "--trl_fastest") == [fastest]
+    assert flag(argv, "--variant") == ["16k=--max_tokens_per_micro_batch 16384"]
+    extra = argv[argv.index("--") + 1:]
+    assert extra == ["--max_tokens_per_micro_batch", "8192"]   # no $BOTH memory flags
