@@ -388,7 +388,14 @@ def sleep(llm, level: int) -> None:
 
 
 def wake_up(llm, tags: Optional[List[str]] = None) -> None:
-    """Reallocate the given memory kinds ("weights", "kv_cache"; None: everything)."""
+    """Reallocate the given memory kinds ("weights", "kv_cache"; None: everything), after
+    handing torch's cached blocks back to the device: vLLM 0.32's allocator does that itself,
+    0.26's does not, and the trainer's cached activations then stayed reserved beside the
+    engine's memory (about 12 GiB of device memory on the 1.5B TRL setup; docs/gpu.md)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     llm.wake_up(tags=tags)
 
 

@@ -2,7 +2,9 @@
 
 `measure_phase` times each phase (rollout, logprobs, train, sync, sync_check) into
 `time/<phase>_s` and, on CUDA, its peak allocated memory into `memory/<phase>_peak_gib` (torch's
-counter, reset at the phase's start). The optional torch-profiler capture of one rollout batch:
+counter, reset at the phase's start); `device_memory` reads the whole device (the trainer logs it
+at the end of each generation: `memory/generate_device_used_gib`, `memory/generate_reserved_gib`).
+The optional torch-profiler capture of one rollout batch:
 
     SWIFT_MEGATRON_PROFILE=DIR megatron rlhf ...    # profiles the 3rd rollout batch on rank 0
 
@@ -76,6 +78,17 @@ def phase_tables(events, device: bool, rows: int = 25) -> str:
         lines += [f"{name[:70]:<70} {us / 1e3:10.2f} ms {calls:7d} calls {100 * us / total:5.1f}%"
                   for us, calls, name in ops[:rows]]
     return "\n".join(lines) + "\n"
+
+
+def device_memory(device: torch.device) -> Dict[str, float]:
+    """On CUDA, in GiB: what the whole device holds now (`device_used`: total less free, every
+    process and allocator, as NVML counts it) and what this process's torch allocator has
+    reserved (`reserved`); {} elsewhere."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {"device_used_gib": (total - free) / 2**30,
+            "reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
 
 
 @contextlib.contextmanager

@@ -91,3 +91,14 @@ def test_request_seeds_flag(build, monkeypatch, flags, per_request):
     else:   # seeded per call from its seeds, and the caller's stream restored after
         assert draws[0] == draws[1] != draws[2]
         assert torch.rand(1).item() == outside
+
+
+def test_wake_up_hands_torchs_cached_blocks_back_first(monkeypatch):
+    """vLLM 0.26's allocator maps the engine's memory beside whatever torch still caches for
+    the trainer; vllm_compat.wake_up empties that cache first, on CUDA."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    llm = type("LLM", (), {"wake_up": lambda self, tags=None: calls.append(("wake_up", tags))})()
+    vllm_compat.wake_up(llm, ["kv_cache"])
+    assert calls == ["empty_cache", ("wake_up", ["kv_cache"])]

@@ -48,7 +48,7 @@ from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
-from swift_megatron.training.profile import maybe_profile, measure_phase
+from swift_megatron.training.profile import device_memory, maybe_profile, measure_phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
@@ -97,6 +97,7 @@ class GRPOTrainer:
         if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
             record_run(self.output_dir, "megatron rlhf", args, plan, self.train_iters)
         self.step = 0
+        self.generation_memory: Dict[str, float] = {}   # generating(): the device at its end
         self.numerics_pending = self._numerics_gate_applies(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
         self.prefetch = self._prefetch()
@@ -166,6 +167,8 @@ class GRPOTrainer:
         if device.type == "cuda":  # this rank's peak over the rollout batch's phases
             metrics["perf/max_memory_allocated_gib"] = max(
                 value for key, value in timings.items() if key.startswith("memory/"))
+            metrics.update({f"memory/generate_{key}": value
+                            for key, value in self.generation_memory.items()})
             asleep = getattr(self.engine, "allocated_while_asleep", None)
             if asleep is not None:   # colocate: what torch still counts for the sleeping engine
                 metrics["memory/engine_asleep_gib"] = asleep / 2**30
@@ -185,6 +188,8 @@ class GRPOTrainer:
         self.engine.wake_up()
         try:
             yield
+            # the device as the generation leaves it (engine awake), for the rollout batch's log
+            self.generation_memory = device_memory(self.state.device)
         finally:
             self.engine.sleep()
             for offloader in self.offloaders:
