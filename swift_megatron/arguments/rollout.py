@@ -86,8 +86,8 @@ class RolloutArguments:
                                    "seeded request and decode step (measured 2-4% of the "
                                    "generation at 128 requests: docs/gpu.md). Server mode always "
                                    "sends per-request seeds.")
-    offload_model: bool = arg(False, "Colocate: move the training weights (and free the grads) "
-                              "to host memory while vLLM generates.")
+    offload_model: bool = arg(False, "Colocate: move the training weights to host memory while "
+                              "vLLM generates (the grads are freed then in any case).")
     offload_optimizer: bool = arg(False, "Colocate: move the optimizer state and main params to "
                                   "host memory while vLLM generates.")
     vllm_server_host: List[str] = arg([], "Server mode: host of each `megatron rollout` server "
