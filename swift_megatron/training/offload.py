@@ -149,6 +149,11 @@ def _grad_buffers(chunk: torch.nn.Module) -> List[torch.Tensor]:
     return [b.grad_data for b in buffers if getattr(b, "grad_data", None) is not None]
 
 
+def _all_grad_buffers(chunks: Sequence[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    for chunk in chunks:
+        yield from _grad_buffers(chunk)
+
+
 def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
     """Parameters and module buffers of the model chunks (DDP-wrapped or not) kept, DDP grad
     buffers dropped."""
@@ -157,14 +162,14 @@ def model_offloader(chunks: Sequence[torch.nn.Module]) -> Offloader:
             yield from (p.data for p in chunk.parameters())
             yield from torch.nn.Module.buffers(chunk)
 
-    return Offloader("model", keep, lambda: (g for c in chunks for g in _grad_buffers(c)))
+    return Offloader("model", keep, lambda: _all_grad_buffers(chunks))
 
 
 def grad_dropper(chunks: Sequence[torch.nn.Module]) -> Offloader:
     """Megatron DDP's grad buffers freed (and zeroed on reload), nothing copied: what every
     colocated generation does without --offload_model, since no gradient outlives an optimizer
     step (4 bytes per trainable parameter back to the engine at no cost but a memset)."""
-    return Offloader("gradients", lambda: [], lambda: (g for c in chunks for g in _grad_buffers(c)))
+    return Offloader("gradients", lambda: [], lambda: _all_grad_buffers(chunks))
 
 
 def resident(offloader: Optional[Offloader], read_only: bool = False) -> ContextManager:
