@@ -11,10 +11,14 @@ def memory_estimate(cmd: list, env: dict) -> dict:
     """The dry run's per-GPU estimate ({part: GiB}) for the same command; {} when the dry run
     fails (reported as a `dry_run_failed` JSON line, and the measurement still runs)."""
     proc = subprocess.run([*cmd, "--dry_run", "true"], capture_output=True, text=True, env=env)
-    text = proc.stdout + proc.stderr
+    return parse_estimate(proc.returncode, proc.stdout + proc.stderr)
+
+
+def parse_estimate(returncode: int, text: str) -> dict:
+    """{part: GiB} of a dry run's output, {} (and a `dry_run_failed` JSON line) if it failed."""
     match = re.search(r"memory per GPU \(estimate, GiB\): (.*)", text)
-    if proc.returncode != 0 or not match:
-        print(json.dumps(dict(name="dry_run_failed", returncode=proc.returncode,
+    if returncode != 0 or not match:
+        print(json.dumps(dict(name="dry_run_failed", returncode=returncode,
                               tail=text[-2000:])), flush=True)
         return {}
     return {name: float(value) for name, value in

@@ -2,6 +2,7 @@
 # device_run.sh phases that outlast one device call (10 minutes), e.g. the whole GPU gate:
 #
 #   bash tests/gpu/background.sh start matrix_all   # first call: returns at once
+#                                                   # (after the phases started earlier end)
 #   bash tests/gpu/background.sh wait 560           # next calls: wait up to 560 s, show progress
 #   bash tests/gpu/background.sh collect            # last call: the matrix table, logs and
 #                                                   # results.jsonl into $OUT
@@ -29,6 +30,7 @@ running() { [ -f "$BG/pid" ] && kill -0 "$(cat "$BG/pid")" 2>/dev/null; }
 case "${1:-}" in
     start)
         shift
+        while running; do sleep 2; done   # e.g. the gate's preparation (docs/gpu.md)
         rm -rf "$BG" && mkdir -p "$BG/tree" "$BG/out"
         tar --exclude=./.vparts -cf - . | tar -xf - -C "$BG/tree"
         cd "$BG/tree" || exit 1

