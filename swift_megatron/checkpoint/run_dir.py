@@ -1,9 +1,9 @@
 """A run directory (--output_dir, --save) belongs to one run.
 
-- While a run is alive its global rank 0 holds an exclusive lock (`flock`) on `DIR/.swift_megatron
-  .lock`: a second run into the same directory is refused instead of interleaving its logs and
-  checkpoints. The kernel releases the lock when the process ends, however it ends (kill -9
-  included), so the file a dead run leaves behind blocks nothing.
+- While a run is alive its global rank 0 holds an exclusive lock (`flock`) on
+  `DIR/.swift_megatron.lock`: a second run into the same directory is refused instead of
+  interleaving its logs and checkpoints. The kernel releases the lock when the process ends,
+  however it ends (kill -9 included), so the file a dead run leaves behind blocks nothing.
 - A directory that holds another run's logs or checkpoints is refused unless this run resumes
   from it (`--load DIR`, or `--mcore_model DIR --finetune false`, as ms-swift): a new run into a
   finished run's directory would append to its logs and leave its checkpoints beside the new
@@ -20,12 +20,12 @@ import re
 import socket
 from typing import Iterable, List, Optional, Tuple
 
-from swift_megatron.checkpoint.run import BEST_FILE
-from swift_megatron.checkpoint.trainer import LATEST
+from swift_megatron.checkpoint.ms_swift import LATEST
 from swift_megatron.errors import UserError
 from swift_megatron.paths import sweep_dir
 
 LOCK_FILE = ".swift_megatron.lock"
+BEST_FILE = "best_checkpoint.json"   # {"step", "reward"}: the save --save_total_limit keeps
 RUN_FILES = ("logging.jsonl", "completions.jsonl", "args.json", LATEST, BEST_FILE, "final_hf",
              "final_adapter")
 RUN_DIRS = re.compile(r"iter_\d{7}|checkpoint-\d+(-merged)?")
@@ -54,8 +54,10 @@ def run_files(directory: str) -> List[str]:
 
 def resumes(directory: str, resume_dir: Optional[str]) -> bool:
     """Whether the checkpoint this run resumes (an iter_* directory) lies in `directory`."""
-    return resume_dir is not None and \
-        os.path.realpath(os.path.dirname(os.path.abspath(resume_dir))) == os.path.realpath(directory)
+    if resume_dir is None:
+        return False
+    parent = os.path.dirname(os.path.abspath(resume_dir))
+    return os.path.realpath(parent) == os.path.realpath(directory)
 
 
 def _refusal(directory: str, flag: str, found: List[str]) -> UserError:
@@ -121,12 +123,17 @@ def check_run_dir(directory: str, flag: str, resume_dirs: Iterable[Optional[str]
 def claim_run_dir(lock: RunLock, directory: str, flag: str,
                   resume_dirs: Iterable[Optional[str]]) -> None:
     """Create `directory`, lock it into `lock`, check what it holds and sweep what dead
-    processes staged there (global rank 0). UserError when it cannot be created or is taken."""
+    processes staged there (global rank 0). UserError when it cannot be created or is taken
+    (`lock` then holds nothing)."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
         raise UserError(f"{flag} {directory} cannot be created ({exc.strerror}): choose a "
                         "writable directory") from None
-    lock.take(directory, flag)
-    _check_contents(directory, flag, list(resume_dirs))
+    try:
+        lock.take(directory, flag)
+        _check_contents(directory, flag, list(resume_dirs))
+    except UserError:
+        lock.release()
+        raise
     sweep_dir(directory)

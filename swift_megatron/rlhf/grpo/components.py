@@ -532,7 +532,6 @@ def claim_run_dirs(args: RlhfArguments, state: ParallelState, out: str,
             refusal[0] = str(error)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0]:
-        lock.release()
         raise UserError(refusal[0])
     return lock
 

@@ -106,11 +106,10 @@ class GRPOTrainer:
         self.numerics_pending = self._numerics_gate_applies(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
         self.prefetch = self._prefetch()
-        self.finishing = start.resume_dir is not None and \
-            resumes(self.save_dir, start.resume_dir)   # continues its own save directory
+        self.resumes_save_dir = resumes(self.save_dir, start.resume_dir)  # continues a run
         if start.resume_dir:
             state = self._resume(start.resume_dir)
-            if state and self.finishing:
+            if state and self.resumes_save_dir:
                 self._finish_interrupted_save(start.resume_dir, state.get("reward"))
 
     # ---- the loop --------------------------------------------------------------------------
@@ -118,7 +117,8 @@ class GRPOTrainer:
         if self.step >= self.train_iters:   # a finished run resumed: nothing to redo
             logger.info(f"the checkpoint is at step {self.step} of {self.train_iters}: nothing to "
                         "train (raise --train_iters to continue)")
-            if self.finishing and not os.path.isdir(os.path.join(self.output_dir, "final_hf")):
+            if self.resumes_save_dir and not os.path.isdir(os.path.join(self.output_dir,
+                                                                        "final_hf")):
                 self.export_final()   # the run was stopped while writing its final model
             self.close()
             return {}
@@ -516,7 +516,8 @@ class GRPOTrainer:
         """After the resumable checkpoint at `path`: its entry in best_checkpoint.json, the HF
         copies (when `hf_copies`), the rotation. Collective."""
         t = self.args.training
-        run_checkpoint.on_rank0(lambda: run_checkpoint.record_best(self.save_dir, self.step, reward))
+        run_checkpoint.on_rank0(lambda: run_checkpoint.record_best(self.save_dir, self.step,
+                                                                   reward))
         if hf_copies:
             self._save_hf_copies(path)
         run_checkpoint.on_rank0(lambda: run_checkpoint.rotate(self.save_dir, t.save_total_limit))
@@ -545,7 +546,8 @@ class GRPOTrainer:
         ms-swift, since the adapter does not hold the trained vision tower). A failed write
         leaves neither; the error says that the resumable checkpoint `path` is complete."""
         pol, chunk = self.policy, self.policy.chunks[0]  # one chunk with LoRA
-        directory, merged = (run_checkpoint.hf_dir(self.save_dir, self.step, m) for m in (False, True))
+        directory = run_checkpoint.hf_dir(self.save_dir, self.step)
+        merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=True)
         kept = f"the resumable checkpoint {path} is complete: {self._resume_hint()} resumes " \
                f"from it and writes {os.path.basename(directory)} again"
         with removed_if_failed([directory, merged], directory, kept, self.state.rank == 0):
