@@ -26,8 +26,10 @@ from swift_megatron.paths import sweep_dir
 
 LOCK_FILE = ".swift_megatron.lock"
 BEST_FILE = "best_checkpoint.json"   # {"step", "reward"}: the save --save_total_limit keeps
-RUN_FILES = ("logging.jsonl", "completions.jsonl", "args.json", LATEST, BEST_FILE, "final_hf",
-             "final_adapter")
+# what makes a directory another run's: its checkpoints, final model and (non-empty) logs; not the
+# args.json or empty logs of a run that stopped before logging a step (a fixed rerun may go there)
+RUN_FILES = (LATEST, BEST_FILE, "final_hf", "final_adapter")
+RUN_LOGS = ("logging.jsonl", "completions.jsonl")
 RUN_DIRS = re.compile(r"iter_\d{7}|checkpoint-\d+(-merged)?")
 
 
@@ -47,9 +49,10 @@ def run_dirs(output_dir: Optional[str], save: Optional[str]) -> List[Tuple[str, 
 
 
 def run_files(directory: str) -> List[str]:
-    """What in `directory` a training run wrote (sorted; empty for a new directory)."""
+    """What in `directory` makes it another run's (sorted; empty for a new directory)."""
     names = os.listdir(directory) if os.path.isdir(directory) else []
-    return sorted(n for n in names if n in RUN_FILES or RUN_DIRS.fullmatch(n))
+    return sorted(n for n in names if n in RUN_FILES or RUN_DIRS.fullmatch(n) or
+                  (n in RUN_LOGS and os.path.getsize(os.path.join(directory, n)) > 0))
 
 
 def resumes(directory: str, resume_dir: Optional[str]) -> bool:
@@ -65,8 +68,10 @@ def _refusal(directory: str, flag: str, found: List[str]) -> UserError:
     shown = ", ".join(first[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
     version = ", or --add_version true (each run in a new v<N>-<time> subdirectory)" \
         if flag == "--output_dir" else ""
+    then = f"--load {directory} to resume that run" if LATEST in found else \
+        "remove them (that run saved no checkpoint to resume)"
     return UserError(f"{flag} {directory} holds another run ({shown}): pass a new {flag}"
-                     f"{version}, or --load {directory} to resume that run")
+                     f"{version}, or {then}")
 
 
 def _check_contents(directory: str, flag: str, resume_dirs: Iterable[Optional[str]]) -> None:

@@ -190,9 +190,14 @@ CHECKPOINTS = [   # --load / --mcore_model / --mcore_adapter / --adapters
 
 RUN_DIRS = [   # issue 57: a directory holding another run, or one a live run holds
     case(["--output_dir", "BAD_FINISHED_RUN", "--add_version", "false"],
-         "--output_dir BAD_FINISHED_RUN holds another run (logging.jsonl, iter_0000004, args.json)"
-         ": pass a new --output_dir, or --add_version true (each run in a new v<N>-<time> "
-         "subdirectory), or --load BAD_FINISHED_RUN to resume that run"),
+         "--output_dir BAD_FINISHED_RUN holds another run (logging.jsonl, iter_0000004, "
+         "best_checkpoint.json, latest_checkpointed_iteration.txt): pass a new --output_dir, or "
+         "--add_version true (each run in a new v<N>-<time> subdirectory), or --load "
+         "BAD_FINISHED_RUN to resume that run"),
+    case(["--output_dir", "BAD_LOGS_ONLY", "--add_version", "false"],
+         "--output_dir BAD_LOGS_ONLY holds another run (logging.jsonl): pass a new --output_dir, "
+         "or --add_version true (each run in a new v<N>-<time> subdirectory), or remove them "
+         "(that run saved no checkpoint to resume)"),
     case(["--save", "CKPT_AT_STEP_2"], "--save CKPT_AT_STEP_2 holds another run (iter_0000002, "
                                        "latest_checkpointed_iteration.txt): pass a new --save, or "
                                        "--load CKPT_AT_STEP_2 to resume that run"),
@@ -355,6 +360,7 @@ def bad(tiny_model_dir, tmp_path_factory):
         json.dumps({"model_type": "qwen3", "saved_with": {"tp": 2, "pp": 1, "ep": 1, "etp": 2}})))
     paths["UNWRITABLE"] = _unwritable(root)
     paths["BAD_FINISHED_RUN"] = _finished_run(root / "BAD_FINISHED_RUN")
+    paths["BAD_LOGS_ONLY"] = _finished_run(root / "BAD_LOGS_ONLY", checkpoint=False)
     with _locked_run(root / "LOCKED_RUN") as paths["LOCKED_RUN"]:
         yield paths, root
 
@@ -369,11 +375,15 @@ def _unwritable(root) -> str:
     return str(path)
 
 
-def _finished_run(path) -> str:
-    """The output directory of a finished run (its logs, args and a checkpoint)."""
-    (path / "iter_0000004").mkdir(parents=True)
+def _finished_run(path, checkpoint=True) -> str:
+    """The output directory of a run: its args and logs, with a checkpoint or without."""
+    path.mkdir()
     for name in ("logging.jsonl", "args.json"):
-        (path / name).write_text("{}\n")
+        (path / name).write_text('{"step": 4}\n')
+    if checkpoint:
+        (path / "iter_0000004").mkdir()
+        (path / "latest_checkpointed_iteration.txt").write_text("4")
+        (path / "best_checkpoint.json").write_text('{"step": 4, "reward": 0.5}')
     return str(path)
 
 

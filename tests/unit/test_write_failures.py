@@ -128,5 +128,8 @@ def test_a_directory_holding_a_run_is_taken_only_to_resume_it(tmp_path):
             claim_run_dir(RunLock(), str(run), "--output_dir", [resume])
     check_run_dir(str(run), "--output_dir", [str(run / "iter_0000002")])
     claim_run_dir(RunLock(), str(run), "--output_dir", [str(run / "iter_0000002")])
-    (tmp_path / "new").mkdir()
-    check_run_dir(str(tmp_path / "new"), "--output_dir", [None])   # an empty directory: fine
+    stopped = tmp_path / "stopped"   # a run that stopped before its first step: a rerun may
+    stopped.mkdir()                  # go there (its args.json is replaced, its log was empty)
+    (stopped / "args.json").write_text("{}")
+    (stopped / "logging.jsonl").write_text("")
+    check_run_dir(str(stopped), "--output_dir", [None])
