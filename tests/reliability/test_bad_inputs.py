@@ -1,12 +1,15 @@
 """A corpus of bad inputs to the command line (flags, model directories, datasets, plugins,
-checkpoints): each must end with exit code 2, a message naming the culprit, no traceback, and
-nothing written. The commands run in this process (`cli.main.main`) with `--dry_run true`, which
+checkpoints, output directories that cannot be written or belong to another run): each must end
+with exit code 2, a message naming the culprit, no traceback, and nothing written. The commands
+run in this process (`cli.main.main`) with `--dry_run true`, which
 runs every check that needs no weights, so the corpus costs seconds. Damaged checkpoints are
 also refused by real runs (the same plan_start call, tests/unit/test_checkpoint_integrity.py);
-the server's bad requests are in tests/vllm/test_server.py.
+the server's bad requests are in tests/vllm/test_server.py; full disks, file size limits and
+kills during a run are test_faults.py's.
 
 Placeholders in a case: MODEL (a tiny qwen3), VL_MODEL (a tiny qwen2.5-vl), DATA (a 64-row math
-jsonl), and the names of the bad artefacts the `bad` fixture builds (BAD_...)."""
+jsonl), and the names of the bad artefacts the `bad` fixture builds (BAD_..., UNWRITABLE,
+LOCKED_RUN: a run directory this process holds the lock of)."""
 import contextlib
 import json
 import os
