@@ -12,6 +12,16 @@ class UserError(Exception):
     exit_code = 2
 
 
+class WriteFailed(UserError):
+    """A write that the disk refused (no space left, the file size limit, a read-only file
+    system, no permission): the message names what was being written, the cause, the partial
+    output removed and what was kept (paths.py `removed_if_failed`)."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
+
+
 class WeightSyncError(RuntimeError):
     """The rollout engine does not compute what the trainer computes after a weight sync
     (`--check_weight_sync`): its weights are wrong, stale or mapped to the wrong tensors."""

@@ -41,12 +41,14 @@ def read_local_hf_config(model: Optional[str]) -> Optional[dict]:
 
 def model_files(args: RlhfArguments) -> Optional[str]:
     """--model, else the HF files kept with the starting checkpoint (--mcore_model, --load,
-    --mcore_adapter), whose paths are checked here, before any process starts."""
+    --mcore_adapter), whose paths are checked here, before any process starts, as are the run's
+    directories (check_run_dirs: they depend on what the run resumes)."""
     from swift_megatron.checkpoint.start import check_resume_layout, check_resume_step, plan_start
 
     start = plan_start(args.training, args.lora)
     check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim)
     check_resume_step(start.resume_dir, args.training.train_iters or 0)
+    check_run_dirs(args, start.resume_dir)
     _check_reference_paths(args, start)
     if args.model.model:
         from swift_megatron.model.hub import check_model_name
@@ -55,6 +57,20 @@ def model_files(args: RlhfArguments) -> Optional[str]:
         return args.model.model
     weights = start.weights or (start.adapter.base if start.adapter else None)
     return weights.hf_files if weights else None
+
+
+def check_run_dirs(args: RlhfArguments, resume_dir: Optional[str]) -> None:
+    """--output_dir (unless --add_version true makes a new one) and --save: refused when a live
+    run holds them or they hold a run this one does not resume (checkpoint/run_dir.py). Global
+    rank 0 only: the other ranks of a launch would find its lock."""
+    from swift_megatron.checkpoint.run_dir import check_run_dir, output_base, run_dirs
+
+    t = args.training
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    out = None if t.add_version else output_base(t.output_dir, args.model.model or t.mcore_model)
+    for flag, directory in run_dirs(out, t.save):
+        check_run_dir(directory, flag, [resume_dir])
 
 
 def _check_reference_paths(args: RlhfArguments, start) -> None:

@@ -1,9 +1,10 @@
 """Write an HF checkpoint directory from a stream of (name, tensor) pairs: sharded safetensors
 with index json, config.json (dtype updated), generation_config.json and tokenizer files copied
-from the source model. Written under a temporary name and renamed when complete; only global
-rank 0 writes, but every rank must drain the stream (exporting is collective). Tensors of the
-source checkpoint under the `passthrough` prefixes (parts the Megatron model does not hold, as
-Qwen3.5's vision tower) are copied into the output unchanged, in their own dtype."""
+from the source model. Written under a temporary name and renamed when complete (a failed write
+removes it; a full disk is a WriteFailed naming the cause: paths.py); only global rank 0 writes,
+but every rank must drain the stream (exporting is collective). Tensors of the source checkpoint
+under the `passthrough` prefixes (parts the Megatron model does not hold, as Qwen3.5's vision
+tower) are copied into the output unchanged, in their own dtype."""
 import json
 import os
 import shutil
@@ -16,7 +17,8 @@ from swift_megatron.bridge.io import INDEX, SINGLE, HFReader, HFWriter
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.logging.progress import progress
-from swift_megatron.paths import check_output_path, staging_dir, sweep_stale
+from swift_megatron.paths import (check_output_path, kept_as_before, removed_if_failed,
+                                  staging_dir, sweep_stale)
 
 logger = get_logger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -73,20 +75,28 @@ def write_hf_checkpoint(pairs: Iterable[Tuple[str, torch.Tensor]], out_dir: str,
     if writer_rank:
         check_output_dir(out_dir, exist_ok)
         sweep_stale(out_dir)   # what a killed export or save staged here
-        os.makedirs(tmp, exist_ok=True)
-        writer = HFWriter(tmp, max_shard_size)
-    written_dtype = dtype
-    for name, tensor in progress(pairs, desc="exporting HF weights", total=total):
-        written_dtype = written_dtype or tensor.dtype
-        if writer_rank:
-            writer.add(name, tensor.to(written_dtype))
-    if not writer_rank:
-        return
-    for name, tensor in passthrough_tensors(passthrough_dir or source_dir, passthrough):
+    with removed_if_failed(tmp, out_dir, kept_as_before(out_dir), remove=writer_rank):
+        writer = HFWriter(tmp, max_shard_size) if writer_rank else None
+        if writer:
+            os.makedirs(tmp, exist_ok=True)
+        written_dtype = dtype
+        for name, tensor in progress(pairs, desc="exporting HF weights", total=total):
+            written_dtype = written_dtype or tensor.dtype
+            if writer:
+                writer.add(name, tensor.to(written_dtype))
+        if writer:
+            _finish(writer, tmp, out_dir, source_dir=source_dir, hf_config=hf_config,
+                    dtype=written_dtype, passthrough=(passthrough_dir or source_dir, passthrough))
+
+
+def _finish(writer: HFWriter, tmp: str, out_dir: str, *, source_dir: str, hf_config: dict,
+            dtype: torch.dtype, passthrough: Tuple[str, Sequence[str]]) -> None:
+    """The passthrough tensors, last shard, config and tokenizer files; then publish `tmp`."""
+    for name, tensor in passthrough_tensors(*passthrough):
         writer.add(name, tensor)
     writer.close()
     copy_model_files(source_dir, tmp)
-    _write_config(tmp, hf_config, written_dtype)
+    _write_config(tmp, hf_config, dtype)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -54,7 +54,7 @@ def sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def _broadcast_str(value: str) -> str:
+def broadcast_str(value: str) -> str:
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
@@ -65,7 +65,7 @@ def save_model(chunks: Sequence[torch.nn.Module], directory: str, exist_ok: bool
     directory = os.path.abspath(directory)
     if os.path.exists(directory) and not exist_ok:
         raise UserError(f"{directory} exists; pass --exist_ok true to overwrite it")
-    tmp = _broadcast_str(staging_dir(directory))
+    tmp = broadcast_str(staging_dir(directory))
     if dist.get_rank() == 0:
         sweep_stale(directory)
         os.makedirs(tmp, exist_ok=True)

@@ -22,11 +22,11 @@ from typing import Callable, List, Optional
 import torch.distributed as dist
 
 from swift_megatron.paths import staging_dir, sweep_stale
+from swift_megatron.checkpoint.run_dir import BEST_FILE
 from swift_megatron.checkpoint.trainer import iteration_dir
 from swift_megatron.logging import get_logger
 
 logger = get_logger(__name__)
-BEST_FILE = "best_checkpoint.json"   # {"step", "reward"}: the save --save_total_limit keeps
 
 
 def hf_dir(save_dir: str, step: int, merged: bool = False) -> str:

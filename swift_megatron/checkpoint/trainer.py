@@ -6,9 +6,11 @@
         trainer_state.json          step, scheduler, data position, run bookkeeping
     SAVE/latest_checkpointed_iteration.txt
 
-The iteration directory is written as `iter_XXXXXXX.tmp` and renamed once every rank has
-finished; the `latest` file is replaced atomically afterwards. `--no_save_optim` and
-`--no_save_rng` leave those parts out (a resume then starts a fresh optimizer / RNG).
+The iteration directory is written as `iter_XXXXXXX.tmp-<pid>` (paths.py) and renamed once every
+rank has finished; the `latest` file is replaced atomically afterwards. A save the disk refuses
+(full, file size limit, read-only) ends in WriteFailed with the partial directory removed and
+the last checkpoint untouched. `--no_save_optim` and `--no_save_rng` leave those parts out (a
+resume then starts a fresh optimizer / RNG).
 """
 import json
 import os
@@ -19,8 +21,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from swift_megatron.checkpoint.dist import save_strategy, sharded_state_dict
+from swift_megatron.checkpoint.dist import broadcast_str, save_strategy, sharded_state_dict
 from swift_megatron.checkpoint.layout import load_model_dir, write_model_dir
+from swift_megatron.checkpoint.ms_swift import read_latest
+from swift_megatron.errors import UserError
+from swift_megatron.paths import removed_if_failed, staging_dir, sweep_stale
 from swift_megatron.training.optim import adam_step_tensor, torch_optimizers, use_fused_adam
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -56,13 +61,32 @@ def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module],
                     save_optim: bool = True, save_rng: bool = True,
                     write_extra: Optional[Callable[[str], None]] = None) -> str:
     """Write SAVE/iter_<step> (collective) and point `latest` at it; returns the directory.
-    `write_extra(tmp_dir)` (collective) adds files before the directory is published."""
+    `write_extra(tmp_dir)` (collective) adds files before the directory is published. A write
+    the disk refuses: WriteFailed, the partial directory removed, the last checkpoint kept."""
     final = iteration_dir(save_dir, step)
-    tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    tmp = broadcast_str(staging_dir(final))
+    kept = kept_checkpoint(save_dir)
+    with removed_if_failed(tmp, final, kept, remove=dist.get_rank() == 0):
+        if dist.get_rank() == 0:
+            sweep_stale(final)
+            os.makedirs(tmp)
+        dist.barrier()
+        _write_parts(tmp, chunks, optimizer, hf_source_dir=hf_source_dir, meta=meta,
+                     save_optim=save_optim, save_rng=save_rng, write_extra=write_extra)
+        if dist.get_rank() == 0:
+            with open(os.path.join(tmp, STATE), "w") as f:
+                json.dump(trainer_state, f, indent=2)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _write_latest(save_dir, step)
     dist.barrier()
+    return final
+
+
+def _write_parts(tmp: str, chunks, optimizer, *, hf_source_dir: str, meta: dict,
+                 save_optim: bool, save_rng: bool,
+                 write_extra: Optional[Callable[[str], None]]) -> None:
+    """The checkpoint's weights, optimizer, RNG and extra files into `tmp` (collective)."""
     write_model_dir(chunks, tmp, hf_source_dir=hf_source_dir, meta=meta)
     if save_optim:
         model_sd = sharded_state_dict(chunks)
@@ -74,14 +98,18 @@ def save_checkpoint(save_dir: str, step: int, chunks: Sequence[torch.nn.Module],
     if write_extra is not None:
         write_extra(tmp)
     dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(tmp, STATE), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_latest(save_dir, step)
-    dist.barrier()
-    return final
+
+
+def kept_checkpoint(save_dir: str) -> str:
+    """What a failed save leaves to resume from (said in its error)."""
+    try:
+        step = read_latest(save_dir) if os.path.isfile(os.path.join(save_dir, LATEST)) else None
+    except UserError:   # a damaged latest file
+        step = None
+    if step is None or not os.path.isdir(iteration_dir(save_dir, step)):
+        return f"no earlier checkpoint is in {save_dir}"
+    return f"the last checkpoint {iteration_dir(save_dir, step)} (step {step}) is intact: " \
+           f"resume from it with --load {save_dir}"
 
 
 def _fresh(parent: str, name: str) -> str:

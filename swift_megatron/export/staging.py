@@ -41,12 +41,11 @@ def _tmp_name(out_dir: str) -> str:
 @contextlib.contextmanager
 def staged(out_dir: str, state: "ParallelState"):
     """Yield the staging directory of `out_dir`, publish it when the body succeeds, remove it
-    when it fails (rank 0). Collective."""
+    when it fails (rank 0; a failure of the disk: WriteFailed, paths.py). Collective."""
+    from swift_megatron.paths import kept_as_before, removed_if_failed
+
     tmp = _tmp_name(out_dir)
-    try:
+    with removed_if_failed(tmp, os.path.abspath(out_dir), kept_as_before(os.path.abspath(out_dir)),
+                           remove=state.rank == 0):
         yield tmp
-    except BaseException:
-        if state.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _publish(tmp, os.path.abspath(out_dir), state)

@@ -1,12 +1,16 @@
 """A corpus of bad inputs to the command line (flags, model directories, datasets, plugins,
-checkpoints): each must end with exit code 2, a message naming the culprit, no traceback, and
-nothing written. The commands run in this process (`cli.main.main`) with `--dry_run true`, which
+checkpoints, output directories that cannot be written or belong to another run): each must end
+with exit code 2, a message naming the culprit, no traceback, and nothing written. The commands
+run in this process (`cli.main.main`) with `--dry_run true`, which
 runs every check that needs no weights, so the corpus costs seconds. Damaged checkpoints are
 also refused by real runs (the same plan_start call, tests/unit/test_checkpoint_integrity.py);
-the server's bad requests are in tests/vllm/test_server.py.
+the server's bad requests are in tests/vllm/test_server.py; full disks, file size limits and
+kills during a run are test_faults.py's.
 
 Placeholders in a case: MODEL (a tiny qwen3), VL_MODEL (a tiny qwen2.5-vl), DATA (a 64-row math
-jsonl), and the names of the bad artefacts the `bad` fixture builds (BAD_...)."""
+jsonl), and the names of the bad artefacts the `bad` fixture builds (BAD_..., UNWRITABLE,
+LOCKED_RUN: a run directory this process holds the lock of)."""
+import contextlib
 import json
 import os
 import re
@@ -113,6 +117,10 @@ FILES = [   # model directories, datasets, plugins, system prompts
     case(["--dataset", "DATA#abc"], "the 'abc' after '#' must be a whole number of rows"),
     case(["--output_dir", "BAD_TEXT.txt"], "--output_dir BAD_TEXT.txt is a file, not a directory"),
     case(["--save", "BAD_TEXT.txt/ckpt"], "lies under BAD_TEXT.txt, which is a file"),
+    # issue 57: a FileNotFoundError traceback once the model was built
+    case(["--output_dir", "UNWRITABLE/out"], "--output_dir UNWRITABLE/out cannot be created: "
+                                             "UNWRITABLE takes no new files"),
+    case(["--save", "UNWRITABLE/ckpt"], "--save UNWRITABLE/ckpt cannot be created"),
     case(["--dataset", "DATA#-3"], "the '-3' after '#' must be a whole number of rows"),
     case(["--dataset", "BAD_NOT_UTF8.jsonl"], "line 2: not UTF-8 text"),
     case(["--dataset", "BAD_NOT_JSON.jsonl"], "line 1: not valid JSON"),
@@ -183,9 +191,32 @@ CHECKPOINTS = [   # --load / --mcore_model / --mcore_adapter / --adapters
          "--ref_adapters BAD_EMPTY_DIR: not a PEFT adapter"),
 ]
 
+RUN_DIRS = [   # issue 57: a directory holding another run, or one a live run holds
+    case(["--output_dir", "BAD_FINISHED_RUN", "--add_version", "false"],
+         "--output_dir BAD_FINISHED_RUN holds another run (logging.jsonl, iter_0000004, "
+         "best_checkpoint.json, latest_checkpointed_iteration.txt): pass a new --output_dir, or "
+         "--add_version true (each run in a new v<N>-<time> subdirectory), or --load "
+         "BAD_FINISHED_RUN to resume that run"),
+    case(["--output_dir", "BAD_LOGS_ONLY", "--add_version", "false"],
+         "--output_dir BAD_LOGS_ONLY holds another run (logging.jsonl): pass a new --output_dir, "
+         "or --add_version true (each run in a new v<N>-<time> subdirectory), or remove them "
+         "(that run saved no checkpoint to resume)"),
+    case(["--save", "CKPT_AT_STEP_2"], "--save CKPT_AT_STEP_2 holds another run (iter_0000002, "
+                                       "latest_checkpointed_iteration.txt): pass a new --save, or "
+                                       "--load CKPT_AT_STEP_2 to resume that run"),
+    # --finetune true (the default) loads the weights only: a new run, not a resume
+    case(["--mcore_model", "CKPT_AT_STEP_2", "--save", "CKPT_AT_STEP_2"],
+         "--save CKPT_AT_STEP_2 holds another run"),
+    case(["--output_dir", "LOCKED_RUN", "--add_version", "false"],
+         "--output_dir LOCKED_RUN is in use by a run that is still going (pid "),
+    case(["--save", "LOCKED_RUN"], "--save LOCKED_RUN is in use by a run that is still going"),
+]
+
 EXPORT = [   # megatron export
     case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "BAD_TEXT.txt"],
          "--output_dir BAD_TEXT.txt is a file, not a directory", "export", base=False),
+    case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "UNWRITABLE/mcore"],
+         "--output_dir UNWRITABLE/mcore cannot be created", "export", base=False),
     case(["--model", "BAD_GPT2", "--to_mcore", "true", "--output_dir", "OUT"],
          "model_type 'gpt2' is not supported", "export", base=False),
     case(["--model", "BAD_MISSING_DIR", "--to_mcore", "true", "--output_dir", "OUT"],
@@ -235,7 +266,7 @@ COMMANDS = [
     case(["--config", "BAD_CONFIG_UNKNOWN_FLAG.yaml"], "not_a_flag"),
 ]
 
-ALL = FLAGS + FILES + CHECKPOINTS + EXPORT + ROLLOUT + COMMANDS
+ALL = FLAGS + FILES + CHECKPOINTS + RUN_DIRS + EXPORT + ROLLOUT + COMMANDS
 
 
 def _dcp_checkpoint(root) -> str:
@@ -330,7 +361,47 @@ def bad(tiny_model_dir, tmp_path_factory):
     checkpoint_copy("BAD_CKPT_MISSING_SHARD", lambda it: os.remove(it / "model" / "__0_0.distcp"))
     checkpoint_copy("BAD_CKPT_OTHER_LAYOUT", lambda it: (it / "swift_megatron.json").write_text(
         json.dumps({"model_type": "qwen3", "saved_with": {"tp": 2, "pp": 1, "ep": 1, "etp": 2}})))
-    return paths, root
+    paths["UNWRITABLE"] = _unwritable(root)
+    paths["BAD_FINISHED_RUN"] = _finished_run(root / "BAD_FINISHED_RUN")
+    paths["BAD_LOGS_ONLY"] = _finished_run(root / "BAD_LOGS_ONLY", checkpoint=False)
+    with _locked_run(root / "LOCKED_RUN") as paths["LOCKED_RUN"]:
+        yield paths, root
+
+
+def _unwritable(root) -> str:
+    """A directory no file can be created in: mode 555 for an ordinary user; for root (whom
+    modes do not stop) /sys, where the kernel refuses new files."""
+    if os.geteuid() == 0:
+        return "/sys"
+    path = root / "BAD_READ_ONLY"
+    path.mkdir(mode=0o555)
+    return str(path)
+
+
+def _finished_run(path, checkpoint=True) -> str:
+    """The output directory of a run: its args and logs, with a checkpoint or without."""
+    path.mkdir()
+    for name in ("logging.jsonl", "args.json"):
+        (path / name).write_text('{"step": 4}\n')
+    if checkpoint:
+        (path / "iter_0000004").mkdir()
+        (path / "latest_checkpointed_iteration.txt").write_text("4")
+        (path / "best_checkpoint.json").write_text('{"step": 4, "reward": 0.5}')
+    return str(path)
+
+
+@contextlib.contextmanager
+def _locked_run(path):
+    """A run directory whose lock a live process (this one) holds."""
+    from swift_megatron.checkpoint.run_dir import RunLock
+
+    path.mkdir()
+    lock = RunLock()
+    lock.take(str(path), "--output_dir")
+    try:
+        yield str(path)
+    finally:
+        lock.release()
 
 
 def _image_datasets(root, paths) -> None:

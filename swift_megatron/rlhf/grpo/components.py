@@ -18,6 +18,7 @@ from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments, frozen_vision_parts
 from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
+from swift_megatron.checkpoint.run_dir import RunLock, claim_run_dir, output_base, run_dirs
 from swift_megatron.checkpoint.sources import (AdapterSource, WeightsSource, load_weights,
                                                peft_dir_of)
 from swift_megatron.checkpoint.start import Start
@@ -510,17 +511,29 @@ def output_dir(args: RlhfArguments, state: ParallelState) -> str:
     import torch.distributed as dist
 
     t = args.training
-    base = t.output_dir or os.path.join("megatron_output", _model_name(args))
+    base = output_base(t.output_dir, args.model.model or t.mcore_model)
     chosen = [versioned(base) if t.add_version else base]
     dist.broadcast_object_list(chosen, src=0)
-    if state.rank == 0:
-        os.makedirs(chosen[0], exist_ok=True)
     return chosen[0]
 
 
-def _model_name(args: RlhfArguments) -> str:
-    source = args.model.model or args.training.mcore_model
-    return os.path.basename(os.path.normpath(source))
+def claim_run_dirs(args: RlhfArguments, state: ParallelState, out: str,
+                   resume_dir: Optional[str]) -> RunLock:
+    """Create and lock the run's directories on global rank 0 (checkpoint/run_dir.py); a
+    refusal there is raised on every rank. Collective."""
+    import torch.distributed as dist
+
+    lock, refusal = RunLock(), [None]
+    if state.rank == 0:
+        try:
+            for flag, directory in run_dirs(out, args.training.save):
+                claim_run_dir(lock, directory, flag, [resume_dir])
+        except UserError as error:
+            refusal[0] = str(error)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise UserError(refusal[0])
+    return lock
 
 
 def versioned(base: str) -> str:

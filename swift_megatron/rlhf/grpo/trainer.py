@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -23,16 +24,19 @@ import torch.distributed as dist
 from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint import run as run_checkpoint
+from swift_megatron.checkpoint.run_dir import resumes
 from swift_megatron.checkpoint.start import check_resume_step, plan_start
 from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
 from swift_megatron.errors import NumericsError, UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import save_adapter
+from swift_megatron.lora.peft_io import ADAPTER_CONFIG
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.model.vision_cache import frozen_tower_cache
 from swift_megatron.model.wrappers import unwrap
 from swift_megatron.parallel.context import padding_multiples
+from swift_megatron.paths import removed_if_failed
 from swift_megatron.report import write_run_report
 from swift_megatron.report.run_record import record_run
 from swift_megatron.rlhf.grpo import components as build
@@ -65,6 +69,9 @@ class GRPOTrainer:
         start = plan_start(args.training, args.lora)
         for notice in start.notices if self.state.rank == 0 else []:
             logger.warning(notice)
+        self.output_dir = build.output_dir(args, self.state)
+        self.save_dir = args.training.save or self.output_dir
+        self.run_lock = build.claim_run_dirs(args, self.state, self.output_dir, start.resume_dir)
         model_dir = build.model_dir(args, start)
         hf_config = load_hf_config(model_dir)
         self.tokenizer = build.tokenizer(model_dir, hf_config)
@@ -90,8 +97,6 @@ class GRPOTrainer:
                                          self.reward_funcs, fresh, hf_config, images)
         self.collector.trainer_state.max_steps = self.train_iters
         self.loss_settings = build.loss_settings(args, self.policy)
-        self.output_dir = build.output_dir(args, self.state)
-        self.save_dir = args.training.save or self.output_dir
         self.metrics_log, self.completions_log = build.loggers(args, self.state, self.output_dir,
                                                                {"plan": vars(plan)})
         if self.state.rank == 0:  # the flags and plan, for the report and for ms-swift's tools
@@ -101,20 +106,27 @@ class GRPOTrainer:
         self.numerics_pending = self._numerics_gate_applies(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
         self.prefetch = self._prefetch()
+        self.resumes_save_dir = resumes(self.save_dir, start.resume_dir)  # continues a run
         if start.resume_dir:
-            self._resume(start.resume_dir)
+            state = self._resume(start.resume_dir)
+            if state and self.resumes_save_dir:
+                self._finish_interrupted_save(start.resume_dir, state.get("reward"))
 
     # ---- the loop --------------------------------------------------------------------------
     def train(self) -> Dict[str, float]:
         if self.step >= self.train_iters:   # a finished run resumed: nothing to redo
             logger.info(f"the checkpoint is at step {self.step} of {self.train_iters}: nothing to "
                         "train (raise --train_iters to continue)")
+            if self.resumes_save_dir and not os.path.isdir(os.path.join(self.output_dir,
+                                                                        "final_hf")):
+                self.export_final()   # the run was stopped while writing its final model
             self.close()
             return {}
         try:
             metrics = self._train()
         except BaseException:   # an error, Ctrl-C or SIGTERM (cli/rlhf.py)
             self.engine.abandon()   # a rollout server's weight-sync communicator
+            self.run_lock.release()
             raise
         self.close()
         return metrics
@@ -477,13 +489,16 @@ class GRPOTrainer:
     _saved_step = -1
 
     def save(self, metrics: Dict[str, float]) -> None:
-        """A resumable checkpoint, the HF copies --save_safetensors asks for, then the rotation
-        of --save_total_limit (checkpoint/run.py). Collective."""
+        """A resumable checkpoint, its reward in best_checkpoint.json, the HF copies
+        --save_safetensors asks for, then the rotation of --save_total_limit (checkpoint/run.py).
+        Collective."""
         t, pol = self.args.training, self.policy
         check_finite_weights(pol.chunks, f"checkpoint of step {self.step}")
+        reward = metrics.get("reward/mean")
         state = {"step": self.step, "train_iters": self.train_iters,
                  "adam_step": adam_step(pol.optimizer),
-                 "scheduler": pol.scheduler.state_dict(), "sampler": self._sampler_state()}
+                 "scheduler": pol.scheduler.state_dict(), "sampler": self._sampler_state(),
+                 "reward": reward if reward is not None and math.isfinite(reward) else None}
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "train_type": t.train_type,
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
@@ -492,15 +507,32 @@ class GRPOTrainer:
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
                                write_extra=self._save_extra)
-        if t.save_safetensors:
-            self._save_hf_copies()
-        reward = metrics.get("reward/mean")
-        run_checkpoint.on_rank0(lambda: (run_checkpoint.record_best(self.save_dir, self.step, reward),
-                                         run_checkpoint.rotate(self.save_dir, t.save_total_limit)))
-        self._saved_step = self.step
+        self._record_save(path, state["reward"], hf_copies=t.save_safetensors)
         logger.info(f"saved checkpoint {path}")
         if self.state.rank == 0:
             write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
+
+    def _record_save(self, path: str, reward: Optional[float], hf_copies: bool) -> None:
+        """After the resumable checkpoint at `path`: its entry in best_checkpoint.json, the HF
+        copies (when `hf_copies`), the rotation. Collective."""
+        t = self.args.training
+        run_checkpoint.on_rank0(lambda: run_checkpoint.record_best(self.save_dir, self.step,
+                                                                   reward))
+        if hf_copies:
+            self._save_hf_copies(path)
+        run_checkpoint.on_rank0(lambda: run_checkpoint.rotate(self.save_dir, t.save_total_limit))
+        self._saved_step = self.step
+
+    def _finish_interrupted_save(self, path: str, reward: Optional[float]) -> None:
+        """A resume of this save directory's latest checkpoint: what a run stopped during that
+        save (kill -9) may not have done after the checkpoint itself (the HF copies, the entry
+        in best_checkpoint.json, the rotation) is done now. Collective."""
+        missing = self.args.training.save_safetensors and not self._hf_copies_complete()
+        if missing:
+            logger.info(f"writing the HF copies of step {self.step}, which the run that saved "
+                        f"{path} did not finish")
+            run_checkpoint.on_rank0(self._remove_hf_copies)
+        self._record_save(path, reward, hf_copies=missing)
 
     def _sampler_state(self) -> dict:
         """The sampler's state to resume from: with a batch prefetched, from before its draw
@@ -508,28 +540,54 @@ class GRPOTrainer:
         pending = self.prefetch.pending if self.prefetch else None
         return pending.sampler_state if pending else self.sampler.state_dict()
 
-    def _save_hf_copies(self) -> None:
+    def _save_hf_copies(self, path: str) -> None:
         """checkpoint-<step>: the HF weights (LoRA: the PEFT adapter, and the merged model in
         checkpoint-<step>-merged with --merge_lora; lora_llm: the merged model only, as
-        ms-swift, since the adapter does not hold the trained vision tower)."""
+        ms-swift, since the adapter does not hold the trained vision tower). A failed write
+        leaves neither; the error says that the resumable checkpoint `path` is complete."""
         pol, chunk = self.policy, self.policy.chunks[0]  # one chunk with LoRA
         directory = run_checkpoint.hf_dir(self.save_dir, self.step)
-        if pol.lora is None:
-            pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
-            return
-        if self._adapter_alone:
-            save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
-        if self.args.training.merge_lora:
-            pol.bridge.save_hf(chunk, run_checkpoint.hf_dir(self.save_dir, self.step, merged=True),
-                               source_dir=pol.model_dir, exist_ok=True)
+        merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=True)
+        kept = f"the resumable checkpoint {path} is complete: {self._resume_hint()} resumes " \
+               f"from it and writes {os.path.basename(directory)} again"
+        with removed_if_failed([directory, merged], directory, kept, self.state.rank == 0):
+            if pol.lora is None:
+                pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
+                return
+            if self._adapter_alone:
+                save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
+            if self.args.training.merge_lora:
+                pol.bridge.save_hf(chunk, merged, source_dir=pol.model_dir, exist_ok=True)
 
-    def _resume(self, directory: str) -> None:
+    def _resume_hint(self) -> str:
+        """The flags of a run that resumes this one's last checkpoint into its save directory
+        (which finishes what a failed or killed save left undone: _finish_interrupted_save)."""
+        return f"`--load {self.save_dir} --save {self.save_dir}`"
+
+    def _hf_copies_complete(self) -> bool:
+        """Whether every HF copy _save_hf_copies writes for this step is there (each directory
+        is published whole; the adapter's config is written after its weights)."""
+        directory = run_checkpoint.hf_dir(self.save_dir, self.step)
+        if self.policy.lora is None:
+            return os.path.isdir(directory)
+        wanted = ([os.path.join(directory, ADAPTER_CONFIG)] if self._adapter_alone else []) + \
+            ([run_checkpoint.hf_dir(self.save_dir, self.step, merged=True)]
+             if self.args.training.merge_lora else [])
+        return all(os.path.exists(path) for path in wanted)
+
+    def _remove_hf_copies(self) -> None:
+        for merged in (False, True):
+            shutil.rmtree(run_checkpoint.hf_dir(self.save_dir, self.step, merged),
+                          ignore_errors=True)
+
+    def _resume(self, directory: str) -> Optional[dict]:
+        """Load the checkpoint at `directory`; its trainer state (None: weights only)."""
         t, pol = self.args.training, self.policy
         state = load_checkpoint(directory, pol.chunks, pol.optimizer,
                                 load_optim=not t.no_load_optim, load_rng=not t.no_load_rng)
         if state is None:
             logger.info(f"initialised the policy from {directory} (weights only)")
-            return
+            return None
         self.step = int(state["step"])
         dropped = self.metrics_log.drop_after(self.step)
         if dropped:
@@ -539,6 +597,7 @@ class GRPOTrainer:
         pol.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         logger.info(f"resumed from {directory} at step {self.step}")
+        return state
 
     @property
     def _adapter_alone(self) -> bool:
@@ -559,10 +618,18 @@ class GRPOTrainer:
     def export_final(self) -> None:
         """The trained policy as an HF checkpoint: {output_dir}/final_hf (adapters merged), and
         with --train_type lora also the adapter in PEFT format: {output_dir}/final_adapter.
-        Files the final save already wrote are hard-linked, not written twice."""
+        Files the final save already wrote are hard-linked, not written twice. A failed write
+        leaves neither."""
+        final_hf = os.path.join(self.output_dir, "final_hf")
+        final_adapter = os.path.join(self.output_dir, "final_adapter")
+        kept = f"the checkpoint of step {self.step} is complete: {self._resume_hint()} resumes " \
+               "from it and writes the final model"
+        with removed_if_failed([final_hf, final_adapter], final_hf, kept, self.state.rank == 0):
+            self._export_final(final_hf, final_adapter)
+
+    def _export_final(self, final_hf: str, final_adapter: str) -> None:
         pol = self.policy
         merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=pol.lora is not None)
-        final_hf = os.path.join(self.output_dir, "final_hf")
         if self._saved_step == self.step and os.path.isdir(merged):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
         else:
@@ -570,7 +637,6 @@ class GRPOTrainer:
         if not self._adapter_alone:
             return
         adapter = run_checkpoint.hf_dir(self.save_dir, self.step)
-        final_adapter = os.path.join(self.output_dir, "final_adapter")
         if self._saved_step == self.step and os.path.isdir(adapter):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(adapter, final_adapter))
         else:
@@ -583,6 +649,7 @@ class GRPOTrainer:
         self.completions_log.close()
         self.engine.close()
         self.state.destroy()
+        self.run_lock.release()
 
 
 def run_grpo(args: RlhfArguments, plan: BatchPlan) -> Dict[str, float]:
