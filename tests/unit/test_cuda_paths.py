@@ -20,7 +20,6 @@ megatron-core compiles itself (`jit_fuser`), called our compiled norm, and dynam
 `maybe_mark_dynamic` inside traced code (model/compiled.py `Compiled.run`); the qwen3_5 cases
 here fail the same way without that fix.
 """
-import types
 from functools import partial
 
 import pytest
