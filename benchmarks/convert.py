@@ -1,4 +1,5 @@
 """Time `megatron export` conversions against plain safetensors IO on the same disk.
+Feeds docs/gpu.md, "Kernels and single-step benchmarks" (device_run.sh's convert).
 
 Writes a random HF checkpoint of a Qwen2-family preset shape (safetensors shards + config.json),
 then measures, in one process (TP = PP = 1):

@@ -1,6 +1,7 @@
 """The dry run's memory estimate of a `megatron rlhf` command and the training memory a run of it
 measured, side by side: shared by trl_compare.py, auto_grid.py and the GPU gate
 (tests/gpu/matrix.py), whose code fingerprint covers this file and not the benchmarks around it.
+Feeds docs/gpu.md, "Memory and the dry run's estimate" and the GPU gate's estimate column.
 """
 import json
 import re

@@ -1,5 +1,6 @@
 """How fast the bridge streams a Megatron model's weights out as HF tensors (what every weight
 sync to vLLM consumes), per tensor-parallel size: run under torchrun with TP = the world size.
+Feeds docs/gpu.md, "Weight sync and the vLLM engine" (device_run.sh's export_speed).
 
 Builds a random Megatron model of a preset shape on each rank, then times consuming
 `Bridge.export` (the TP all-gathers and HF layout transforms, no engine) --repeats times and

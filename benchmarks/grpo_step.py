@@ -1,4 +1,7 @@
 """Per-phase time of real GRPO steps (`megatron rlhf`) on a random model of a real shape.
+Feeds docs/gpu.md, "Qwen3.5, MoE and vision-language models with vLLM" (device_run.sh's
+qwen3_5_vllm, qwen3_5_moe_vllm, moe_ep2, vl_grpo, tp2_colocate); its presets are every benchmark's
+and the GPU gate's.
 
 Builds an HF model from a real config.json's values with random weights (bf16 on CUDA) and the
 fixture tokenizer (ids beyond its 504 tokens decode to nothing: the rewards stay near 0, which

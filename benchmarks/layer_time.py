@@ -2,6 +2,8 @@
 against gated attention), next to the same ratio for the two kernels alone: fla's
 chunk_gated_delta_rule against the attention kernel our spec calls (torch's
 scaled_dot_product_attention, causal, grouped heads).
+Feeds docs/gpu.md, "Not yet measured on the current code" until its first GPU run (device_run.sh's
+layer_time).
 
 Each layer runs on its own, on the inputs it got in one forward of the whole model (so rotary
 embeddings and masks are the model's own), `--repeats` times after a warm-up, backward from a

@@ -3,6 +3,7 @@
 output weight of a real vocabulary size: the logprob passes' forward (old / reference policy) and
 the training pass (forward with entropy, then backward into the hidden states and the weight).
 One JSON line per mode (with the peak memory) and one with the ratios compiled / eager.
+Feeds docs/gpu.md, "Kernels and single-step benchmarks" (device_run.sh's logprobs_kernel).
 
     python benchmarks/logprobs_kernel.py                          # GPU: 8192 x 1536 x 151936
     python benchmarks/logprobs_kernel.py --device cpu --tokens 256 --vocab 4096 --repeat 2

@@ -2,6 +2,8 @@
 one packed micro-batch holding a 256-token prompt and a completion up to --seq tokens, the GRPO
 loss (the trainer's loss and logprob path, CP-aware), an Adam step, on the random model of a
 preset, bf16 on CUDA.
+Feeds docs/gpu.md, "Long sequences and context parallelism" (device_run.sh's long_context,
+long_recompute).
 
     python benchmarks/long_context.py --preset qwen2.5-1.5b --seq 16384
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/long_context.py \

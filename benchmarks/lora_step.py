@@ -7,6 +7,7 @@ ratio LoRA / full (issue: a LoRA step should be no slower than a full one). The 
 elementwise nodes run as the trainer runs them: compiled on CUDA (model/compiled.py;
 SWIFT_MEGATRON_COMPILE_LAYERS=0 / 1 sets both modes). `--profile DIR`
 writes a torch-profiler table per mode (self time per op, by host time, then on CUDA by GPU time).
+Feeds docs/gpu.md, "LoRA against full" (device_run.sh's lora_step, lora_step_8k).
 
     python benchmarks/lora_step.py --preset qwen2.5-1.5b                  # GPU
     python benchmarks/lora_step.py --preset small --device cpu --steps 3  # CPU

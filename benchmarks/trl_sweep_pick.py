@@ -4,6 +4,7 @@ fields), the one with the fewest seconds per rollout batch. Prints the fields it
 `fastest` setting as the JSON object `--trl_fastest` takes (device_run.sh's later phases read it
 as TRL_FASTEST; {} where the setting alone was fastest), and on stderr each candidate that ran,
 with its seconds and peak memory.
+Feeds docs/gpu.md, "GRPO against TRL" (device_run.sh's trl_fastest_sweep).
 
     python benchmarks/trl_sweep_pick.py $OUT/trl_fastest_sweep.log > $OUT/trl_fastest.json
 """

@@ -32,6 +32,8 @@ NOT_QUICK = frozenset({
     "tests/unit/test_moe_numerics.py",        # one MoE training run in a subprocess
     "tests/unit/test_layer_time.py",          # a Qwen3.5 stack's layers timed in a subprocess
     "tests/unit/test_lora.py::checks",        # every family's LoRA model in worker processes
+    # every family's GRPO step on the CUDA paths: Inductor compiles for about a minute when cold
+    "tests/unit/test_cuda_paths.py::test_cuda_paths_give_the_cpu_defaults_grpo_step",
     "tests/unit/test_export_cli.py::test_nproc_per_node_relaunches_under_torchrun",
     "tests/unit/test_cli.py::test_dry_run_checks_the_model",
 })

@@ -1,8 +1,9 @@
 """Groups of pure tensor functions that run compiled by torch.compile where that pays, eagerly
 elsewhere. On CUDA, Inductor fuses each function into one kernel (with autograd, one forward and
 one backward kernel) where eager PyTorch launches a kernel, and makes a trip through memory, per
-op. Off CUDA they run eagerly unless the group's environment variable says 1; 0 keeps them
-eager everywhere (a GPU whose Triton / Inductor cannot build the kernels). A compile that fails
+op. Off CUDA they run eagerly unless the group's environment variable says 1 (or the tests'
+platform/cuda_paths.py `on_cpu()` gives the CPU CUDA's paths: Inductor's C++ backend); 0 keeps
+them eager everywhere (a GPU whose Triton / Inductor cannot build the kernels). A compile that fails
 in a forward warns once and the group computes eagerly from then on: the same math.
 
 Numerics: Inductor computes a chain of bfloat16 elementwise ops in float32 and rounds once, where
@@ -19,6 +20,8 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
+from swift_megatron.platform.cuda_paths import takes_cuda_paths
+
 logger = logging.getLogger(__name__)
 
 LAYERS_ENV = "SWIFT_MEGATRON_COMPILE_LAYERS"
@@ -30,8 +33,8 @@ RECOMPILE_LIMIT = 64
 
 
 class Compiled:
-    """Named pure functions, compiled together at first use where `mode` says so: "auto" (on
-    CUDA), True or False; the environment variable `env` set to 0 or 1 overrides "auto".
+    """Named pure functions, compiled together at first use where `mode` says so: "auto" (where
+    the CUDA paths are taken: platform/cuda_paths.py), True or False; the environment variable `env` set to 0 or 1 overrides "auto".
     `token_major[name]`: how many leading tensor arguments of that function have the token
     count as their first dimension, compiled for any count from the first call (no recompile
     per micro-batch size)."""
@@ -55,7 +58,7 @@ class Compiled:
 
     def active(self, device: torch.device) -> bool:
         """Whether calls on `device` run the compiled functions."""
-        wanted = device.type == "cuda" if self.mode == "auto" else bool(self.mode)
+        wanted = takes_cuda_paths(device) if self.mode == "auto" else bool(self.mode)
         return wanted and not self.failed
 
     def run(self, name: str, device: torch.device, *args):

@@ -29,6 +29,7 @@ from typing import Callable, ContextManager, Iterable, Iterator, List, Optional,
 import torch
 
 from swift_megatron.logging import get_logger
+from swift_megatron.platform.cuda_paths import takes_cuda_paths
 from swift_megatron.training.optim import torch_optimizers
 
 logger = get_logger(__name__)
@@ -60,8 +61,11 @@ def _unique_storages(tensors: Iterable[torch.Tensor], seen: set) -> List[torch.U
 
 
 def _synchronize(storages: Sequence[torch.UntypedStorage]) -> None:
-    if any(storage.device.type == "cuda" for storage in storages):
-        torch.cuda.synchronize()
+    """Wait for the work queued on the storages' devices (copies to or from the host buffers, the
+    last kernels reading a storage about to be freed) where the CUDA paths are taken
+    (platform/cuda_paths.py; on the CPU, in the tests, torch.cpu.synchronize)."""
+    for device in {s.device for s in storages if takes_cuda_paths(s.device)}:
+        torch.get_device_module(device).synchronize(device)
 
 
 class Offloader:

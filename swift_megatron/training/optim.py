@@ -39,6 +39,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, Par
 
 from swift_megatron.arguments.training import check_lr_bounds
 from swift_megatron.errors import UserError
+from swift_megatron.platform.cuda_paths import takes_cuda_paths
 
 
 @dataclass
@@ -187,9 +188,10 @@ def torch_optimizers(optimizer) -> List[torch.optim.Optimizer]:
     return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
 
 
-def use_fused_adam(optimizer, device_type: str = "cuda") -> None:
-    """Switch every torch Adam(W) inside `optimizer` whose parameters all live on `device_type`
-    to torch's fused kernel. Without Transformer Engine or apex megatron-core 0.16.1 builds
+def use_fused_adam(optimizer) -> None:
+    """Switch every torch Adam(W) inside `optimizer` whose parameters all live on CUDA (or on the
+    CPU in the tests' platform/cuda_paths.py `on_cpu()`: torch's fused CPU kernel) to torch's
+    fused kernel. Without Transformer Engine or apex megatron-core 0.16.1 builds
     torch.optim.AdamW and leaves torch to pick its foreach implementation, whose step allocates
     a temporary the size of the float32 second moments (1.54B parameters: 5.8 GiB, the peak of a
     GRPO step with full recomputation); the fused kernel updates in one pass without it. The
@@ -201,7 +203,7 @@ def use_fused_adam(optimizer, device_type: str = "cuda") -> None:
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
-        if params and all(p.device.type == device_type for p in params):
+        if params and all(takes_cuda_paths(p.device) for p in params):
             for group in inner.param_groups:
                 group["fused"], group["foreach"] = True, False
 

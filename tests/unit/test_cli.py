@@ -385,7 +385,7 @@ def test_batch_inputs_reads_every_flag():
 def test_sleep_level_2_is_kept_on_cuda():
     """ms-swift's scripts use --sleep_level 2 everywhere; it runs as given (the trainer's flow
     keeps vLLM 0.26's greedy output identical through a level-2 sleep and a full weight update
-    on an H200: benchmarks/sleep_level2.py, docs/gpu.md)."""
+    on an H200: tests/gpu/test_vllm_gpu.py, docs/gpu.md)."""
     from swift_megatron.arguments.parser import notices
     from swift_megatron.preflight import preflight_rlhf
 

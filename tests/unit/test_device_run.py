@@ -1,25 +1,31 @@
 """tests/gpu/device_run.sh's phases build the command lines they mean: run on the CPU with
 stand-ins for python3, curl and nvidia-smi that record their arguments, so a quoting mistake
 (a JSON object of TRL's settings split into words, an environment knob dropped) shows here and
-not after a GPU lease's install."""
+not after a GPU lease's install. The harness explains itself: each phase is one line of its case
+table and docs/gpu.md names it; each benchmark's docstring names the docs section it feeds and
+benchmarks/README.md lists it."""
+import ast
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.quick
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "gpu", "device_run.sh")
-# python3's stand-in: a call's arguments as one JSON line (grpo_server takes one call's output
-# as its model path: any word serves), then FAKE_LINE if set (what the real call would print).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "tests", "gpu", "device_run.sh")
+PHASE = re.compile(r"^ {8}([a-z0-9_|]+)\) +(.*)$")   # a phase's line of the case table
+# python3's stand-in: a call's arguments on one line after CALL, each after a unit separator
+# (grpo_server takes one call's output as its model path: any word serves), then FAKE_LINE if
+# set (what the real call would print). A shell script: a phase's calls cost no interpreter.
 # It ignores SIGTERM: the script kills the rollout server's stand-in once the trainers are done,
 # which under load came before the stand-in had written its line (a CI failure)
-RECORDER = f"""#!/bin/sh
+RECORDER = """#!/bin/sh
 trap '' TERM
-printf '%s\\n' "$@" | {sys.executable} -c \\
-    'import json, sys; print(json.dumps(sys.stdin.read().splitlines()))'
+printf 'CALL'; printf '\\037%s' "$@"; printf '\\n'
 [ -z "$FAKE_LINE" ] || echo "$FAKE_LINE"
 """
 
@@ -43,11 +49,12 @@ def device_run(tmp_path):
         proc = subprocess.run(["bash", "tests/gpu/device_run.sh", *phases], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+        run.stdout = proc.stdout
         calls = {}
         for log in [*phases, "grpo_server.server"]:   # the rollout server logs apart
             path = out / f"{log}.log"
             lines = path.read_text().splitlines() if path.exists() else []
-            calls[log] = [json.loads(line) for line in lines if line.startswith("[")]
+            calls[log] = [line.split("\x1f")[1:] for line in lines if line.startswith("CALL")]
         return calls
 
     return run
@@ -100,10 +107,10 @@ def test_the_sweep_runs_trl_alone_once_per_setting_and_later_phases_take_its_pic
     # the pick's output (here the stand-in's record of the pick's own command) is what the
     # next phase passes as --trl_fastest
     picked = (tmp_path / "out" / "trl_fastest.json").read_text().strip()
-    assert json.loads(picked) == ["benchmarks/trl_sweep_pick.py",
-                                  str(tmp_path / "out" / "trl_fastest_sweep.log")]
+    assert picked.split("\x1f")[1:] == ["benchmarks/trl_sweep_pick.py",
+                                        str(tmp_path / "out" / "trl_fastest_sweep.log")]
     [both] = calls["trl_both"]
-    assert flag(both, "--trl_fastest") == [picked]
+    assert "\x1f".join(flag(both, "--trl_fastest")) == picked   # (the record has separators)
 
 
 def test_profile_workload_takes_its_workload_from_the_environment(device_run):
@@ -154,3 +161,50 @@ def test_trl_fast_runs_ours_at_both_budgets_against_trls_fastest_alone(device_ru
     assert flag(argv, "--variant") == ["16k=--max_tokens_per_micro_batch 16384"]
     extra = argv[argv.index("--") + 1:]
     assert extra == ["--max_tokens_per_micro_batch", "8192"]   # no $BOTH memory flags
+
+
+def test_gpu_tests_run_pytest_on_tests_gpu_or_the_chosen_files(device_run):
+    assert device_run("gpu_tests")["gpu_tests"] == [["-m", "pytest", "tests/gpu", "-q", "-s"]]
+    [argv] = device_run("gpu_tests", GPU_TESTS="tests/gpu/test_bridge_gpu.py -k qwen3_5")["gpu_tests"]
+    assert argv[2:5] == ["tests/gpu/test_bridge_gpu.py", "-k", "qwen3_5"]
+
+
+def test_every_phase_runs_its_commands(device_run):
+    """Every phase of the case table, with the stand-ins: exit 0 and at least one python3 call
+    (an unknown or mistyped phase exits 2)."""
+    table = _read("tests", "gpu", "device_run.sh").split("\nphase() {\n", 1)[1]
+    names = [name for line in table.split("\n}\n")[0].splitlines() if PHASE.match(line)
+             for name in PHASE.match(line).group(1).split("|")]
+    calls = device_run(*names)
+    for name in names:
+        assert f"== {name}: exit 0 " in device_run.stdout, name
+        assert calls[name], name
+
+
+def _read(*path) -> str:
+    with open(os.path.join(REPO, *path)) as f:
+        return f.read()
+
+
+def test_each_phase_is_one_line_that_docs_gpu_names():
+    table = _read("tests", "gpu", "device_run.sh").split("\nphase() {\n", 1)[1].split("\n}\n")[0]
+    phases = [PHASE.match(line) for line in table.splitlines() if PHASE.match(line)]
+    assert len(phases) > 30
+    doc = _read("docs", "gpu.md")
+    for match in phases:
+        assert match.group(2).endswith(";;"), match.group(0)   # the whole command on its line
+        for name in match.group(1).split("|"):
+            assert re.search(rf"\b{name}\b", doc), f"docs/gpu.md does not name the phase {name}"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "benchmarks", "*.py"))),
+                         ids=os.path.basename)
+def test_each_benchmark_names_the_docs_section_it_feeds(path):
+    with open(path) as f:
+        first = " ".join(ast.get_docstring(ast.parse(f.read())).split("\n\n")[0].split())
+    feeds = re.search(r'Feeds (docs/[\w-]+\.md), "([^"]+)"', first)
+    assert feeds, f"{path}: its docstring's first paragraph says `Feeds docs/X.md, \"section\"`"
+    doc = _read(*feeds.group(1).split("/"))
+    assert re.search(rf"^#+ {re.escape(feeds.group(2))}$", doc, re.M), feeds.group(0)
+    name = os.path.basename(path)
+    assert f"[{name}]({name})" in _read("benchmarks", "README.md")

@@ -241,6 +241,7 @@ def _steps(params, adam, count, seed=1):
 
 
 def test_use_fused_adam_switches_the_kernel_and_keeps_the_update():
+    from swift_megatron.platform import cuda_paths
     from swift_megatron.training.optim import adam_step_tensor, use_fused_adam
 
     params, adam, wrapped = _adamw_wrapped()
@@ -250,7 +251,8 @@ def test_use_fused_adam_switches_the_kernel_and_keeps_the_update():
     use_fused_adam(wrapped)            # parameters on the CPU: a CUDA switch leaves them be
     assert adam.param_groups[0]["fused"] is None and adam.param_groups[0]["foreach"]
 
-    use_fused_adam(wrapped, device_type="cpu")   # midway, as after loading a checkpoint
+    with cuda_paths.on_cpu():   # the CPU takes CUDA's path: torch's fused CPU kernel
+        use_fused_adam(wrapped)   # midway, as after loading a checkpoint
     assert adam.param_groups[0]["fused"] is True and adam.param_groups[0]["foreach"] is False
     assert all(s["step"].dtype == torch.float32 and float(s["step"]) == 2
                for s in adam.state.values())
@@ -263,9 +265,11 @@ def test_use_fused_adam_switches_the_kernel_and_keeps_the_update():
 
 
 def test_use_fused_adam_leaves_other_optimizers_alone():
+    from swift_megatron.platform import cuda_paths
     from swift_megatron.training.optim import use_fused_adam
 
     param = torch.nn.Parameter(torch.ones(3))
     sgd = torch.optim.SGD([param], lr=0.1)
-    use_fused_adam(SimpleNamespace(optimizer=sgd), device_type="cpu")
+    with cuda_paths.on_cpu():
+        use_fused_adam(SimpleNamespace(optimizer=sgd))
     assert sgd.param_groups[0].get("fused") is None
