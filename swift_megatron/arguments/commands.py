@@ -62,6 +62,7 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
+        self._check_tail_logprobs()
         self._check_vision_lrs()
         self._check_lora_llm()
         if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(
@@ -119,6 +120,33 @@ class RlhfArguments:
             raise UserError("--async_generate true does not support multi-turn rollouts (as "
                             "ms-swift): drop --async_generate or --multi_turn_scheduler")
 
+
+    def tail_logprobs_problem(self) -> Optional[str]:
+        """Why the flags leave --tail_logprobs nothing to run on (rlhf/grpo/tail.py), or None:
+        its passes must run between engine steps in this process alone, with the models on
+        the GPU."""
+        p, g, r = self.parallel, self.grpo, self.rollout
+        split = [f"--{name} {getattr(p, name)}" for name in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size") if getattr(p, name) > 1]
+        if r.vllm_mode != "colocate" or r.use_vllm is False:
+            return "it needs the colocated vLLM engine (--use_vllm true --vllm_mode colocate)"
+        if g.async_generate:
+            return "--async_generate generates the next batch while this one trains"
+        if g.multi_turn_scheduler is not None:
+            return "a multi-turn rollout's conversation is not done when a turn finishes"
+        if split:
+            return (f"{', '.join(split)} spread a model replica over several processes, which "
+                    "would all have to join each pass between their engines' steps")
+        if r.offload_model:
+            return "--offload_model keeps the models in host memory while vLLM generates"
+        return None
+
+    def _check_tail_logprobs(self) -> None:
+        problem = self.tail_logprobs_problem()
+        if self.rollout.tail_logprobs and problem:
+            raise UserError(f"--tail_logprobs true cannot run here: {problem}; drop "
+                            "--tail_logprobs (or pass false)")
 
     def _check_virtual_pipeline(self) -> None:
         """What the interleaved schedule (--virtual_pipeline_model_parallel_size) needs: PP > 1

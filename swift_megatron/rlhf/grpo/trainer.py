@@ -43,8 +43,10 @@ from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
+from swift_megatron.rlhf.grpo import tail
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.rollout.timeline import timing_metrics
 from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
@@ -89,6 +91,10 @@ class GRPOTrainer:
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh, hf_config, images)
         self.collector.trainer_state.max_steps = self.train_iters
+        self.tail_kinds = tail.tail_kinds(args, plan.steps_per_generation,
+                                          build.engine_kind(args, self.state.device) == "colocate",
+                                          any(p.images for p in self.train_prompts))
+        self.tail: Optional[tail.TailPasses] = None   # the rollout batch's, until fill_logprobs
         self.loss_settings = build.loss_settings(args, self.policy)
         self.output_dir = build.output_dir(args, self.state)
         self.save_dir = args.training.save or self.output_dir
@@ -155,7 +161,7 @@ class GRPOTrainer:
         # a frozen vision tower runs once per image of the rollout batch (vision_cache.py)
         with frozen_tower_cache(self.policy.chunks, self.reference.frozen):
             with measure_phase("logprobs", timings, device):
-                self.fill_logprobs(steps)
+                self.fill_logprobs(steps, samples)
             metrics.update(self.assign_advantages(samples, [mb for step in steps for mb in step]))
             with measure_phase("train", timings, device):
                 train_metrics = [self.optimizer_step(micro)
@@ -202,9 +208,14 @@ class GRPOTrainer:
         group_ids, prompts = (pending.group_ids, pending.prompts) if pending else self._draw()
         self.collector.trainer_state.global_step = self.step
         seed = self.args.training.seed
+        self.tail = self._tail_passes(prompts, group_ids)
         with self.generating():
-            samples, metrics = self.collector.collect(prompts, group_ids, seed=seed,
-                                                      generated=pending and pending.generated)
+            samples, metrics = self.collector.collect(
+                prompts, group_ids, seed=seed, generated=pending and pending.generated,
+                on_finished=self.tail and self.tail.on_finished)
+        if self.tail:
+            metrics.update(self.tail.generation_done())
+        metrics.update(timing_metrics(getattr(self.engine, "take_generation_times", list)()))
         if self.prefetch:
             metrics.update(staleness_metrics(samples, self.engine.weight_version))
             if self._another_batch():
@@ -217,6 +228,26 @@ class GRPOTrainer:
         """The next batch's group ids (stream positions: unique over the run) and prompts."""
         group_ids = self.sampler.batch_sample_ids()
         return group_ids, [self.train_prompts[i] for i in next(self.sampler)]
+
+    def _tail_passes(self, prompts, group_ids) -> Optional[tail.TailPasses]:
+        """--tail_logprobs: the rollout batch's passes in the generation's tail (tail.py), told
+        which requests come (this rank generates all of its prompts' requests: one process per
+        model replica) and which of them the old policy's pass needs (after the first step's)."""
+        if not self.tail_kinds:
+            return None
+        t = tail.build(self.tail_kinds, self.policy.chunks, self.reference, self.loss_settings,
+                       lambda group: self.micro_batches(group, micro_batch_size=len(group))[0],
+                       self.plan.micro_batch_size, self.args.batch.max_tokens_per_micro_batch)
+        g = self.args.grpo.num_generations
+        first_step = len(prompts) * g // self.plan.steps_per_generation
+        all_old = self._all_old()
+        t.expect([(Sample(group_id=group_id, prompt_id=prompt.prompt_id,
+                          prompt_ids=list(prompt.input_ids), completion_ids=[],
+                          rollout_logprobs=None, finish_reason="", rewards=[]),
+                   (tail.REF,) + (tail.OLD,) * (all_old or i * g + k >= first_step))
+                  for i, (prompt, group_id) in enumerate(zip(prompts, group_ids))
+                  for k in range(g)])
+        return t
 
     def _prefetch(self) -> Optional[RolloutPrefetch]:
         """--async_generate's background generation (server mode, single-turn: checked by the
@@ -266,15 +297,30 @@ class GRPOTrainer:
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
 
-    def fill_logprobs(self, steps: List[List[dict]]) -> None:
-        """The forward-only passes of passes.py over every step's micro-batches. The first
-        optimizer step's micro-batches skip the old-policy pass unless they are trained again or
-        their KL enters the rewards."""
+    def fill_logprobs(self, steps: List[List[dict]], samples: List[Sample]) -> None:
+        """The forward-only passes of passes.py over every step's micro-batches (`samples` in
+        order). The first optimizer step's micro-batches skip the old-policy pass unless they are
+        trained again or their KL enters the rewards. With --tail_logprobs the rollout batch's
+        tail passes computed some of the values during the generation: tail.py runs the rest."""
+        micro = [mb for step in steps for mb in step]
+        skip_old = 0 if self._all_old() else len(steps[0])
+        if self.tail is None:
+            fill_logprobs(micro, self.policy.chunks, self.reference, self.teacher,
+                          self.loss_settings, skip_old=skip_old, beta=self.args.grpo.beta)
+            return
+        current, self.tail = self.tail, None
+        try:
+            current.fill(micro, samples, skip_old)
+        finally:
+            current.close()
+        if self.teacher is not None:
+            self.teacher.fill_logprobs(micro, self.loss_settings)
+
+    def _all_old(self) -> bool:
+        """Whether every micro-batch needs the old policy's pass: trained again, or its KL
+        enters the rewards (else the first step's forward gives the same values)."""
         g = self.args.grpo
-        all_old = g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
-        fill_logprobs([mb for step in steps for mb in step], self.policy.chunks, self.reference,
-                      self.teacher, self.loss_settings, skip_old=0 if all_old else len(steps[0]),
-                      beta=g.beta)
+        return g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
 
     def assign_advantages(self, samples: List[Sample], micro: List[dict]) -> Dict[str, float]:
         """Advantages from every DP rank's rewards (minus beta x KL with --kl_in_reward), into
