@@ -8,7 +8,7 @@ only `--dry_run true` pays for: the full model-config check (imports torch), the
 the datasets' rows, the plugin files and reward names. Both raise UserError naming the culprit.
 """
 import os
-from typing import List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from swift_megatron.arguments import ms_swift
 from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
@@ -257,7 +257,37 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
                      f"{result['device']:.1f} GiB: lower --micro_batch_size (or set "
                      f"--max_tokens_per_micro_batch), --vllm_gpu_memory_utilization, raise "
                      f"TP/PP, or offload (--offload_model/--offload_optimizer)")
-    return lines
+    return lines + overlap_memory_lines(args, result)
+
+
+def overlap_memory_lines(args: RlhfArguments, result: Dict[str, float]) -> List[str]:
+    """What the colocated engine awake beside the trainer's passes costs, from the estimate
+    (`result`, GiB): with --async_generate in colocate mode the engine generates while the
+    trainer trains, so the peak is the engine's plus the larger of the train and logprob
+    phases (refused where it exceeds the device); with --tail_logprobs true at a sleep level,
+    the tail's passes run the logprob phase's working set beside the awake engine, without
+    the freed gradients (a warning where it exceeds the device)."""
+    r, device = args.rollout, result.get("device")
+    if r.vllm_mode != "colocate" or r.use_vllm is False:
+        return []
+    if args.grpo.async_generate:
+        peak = result["vllm"] + max(result["train"], result["logprobs"])
+        line = (f"--async_generate in colocate mode: engine {result['vllm']:.1f} GiB awake beside "
+                f"training: peak {peak:.1f} GiB")
+        if device and peak > device:
+            raise UserError(f"{line}, more than this GPU's {device:.1f} GiB: lower "
+                            f"--vllm_gpu_memory_utilization or the training's memory "
+                            f"(--max_tokens_per_micro_batch, recomputation, TP/PP), or drop "
+                            f"--async_generate")
+        return [line + (f" of {device:.1f}" if device else "")]
+    if r.tail_logprobs and r.sleep_level > 0:
+        peak = result["vllm"] + result["logprobs"] - result["gradients"]
+        line = f"--tail_logprobs: passes beside the awake engine: peak {peak:.1f} GiB"
+        if device and peak > device:
+            return [f"WARNING: {line} exceeds this GPU's {device:.1f} GiB: lower "
+                    f"--vllm_gpu_memory_utilization, or drop --tail_logprobs"]
+        return [line]
+    return []
 
 
 def _device_bytes(args: RlhfArguments) -> Optional[int]:

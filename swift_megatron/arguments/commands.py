@@ -106,19 +106,44 @@ class RlhfArguments:
                             "hold the trained vision tower")
 
     def _check_async_generate(self) -> None:
-        """--async_generate overlaps HTTP generation with training: server mode only (a
-        colocated engine shares the trainer's processes and memory), one engine call per
-        request (a multi-turn scheduler's turns depend on each other and on collectives)."""
+        """--async_generate overlaps generation with training: on the rollout servers, or on
+        the colocated vLLM engine (`_check_colocate_async`); one engine call per request (a
+        multi-turn scheduler's turns depend on each other and on collectives)."""
         g = self.grpo
         if not g.async_generate:
             return
-        if self.rollout.vllm_mode != "server" or self.rollout.use_vllm is False:
-            raise UserError("--async_generate true needs --vllm_mode server (a `megatron "
-                            "rollout` server generates the next batch while the trainer "
-                            "trains); drop --async_generate or pass --vllm_mode server")
+        if self.rollout.use_vllm is False:
+            raise UserError("--async_generate true needs vLLM (the embedded engine generates "
+                            "in the trainer's own thread): drop --async_generate or --use_vllm "
+                            "false")
         if g.multi_turn_scheduler is not None:
             raise UserError("--async_generate true does not support multi-turn rollouts (as "
                             "ms-swift): drop --async_generate or --multi_turn_scheduler")
+        if self.rollout.vllm_mode == "colocate":
+            self._check_colocate_async()
+
+    def _check_colocate_async(self) -> None:
+        """The colocated engine generates the next batch in a thread of the training process
+        while the trainer trains: both stay on the GPU the whole time, the engine never sleeps,
+        nothing is offloaded, and the engine's thread runs no collective and no RNG of the
+        trainer's (ms-swift runs async generation on servers only)."""
+        r, v = self.rollout, self.vllm
+        asked = [(r.sleep_level > 0, f"--sleep_level {r.sleep_level}", "--sleep_level 0"),
+                 (r.offload_model, "--offload_model true", "--offload_model false"),
+                 (r.offload_optimizer, "--offload_optimizer true", "--offload_optimizer false"),
+                 (v.vllm_tensor_parallel_size > 1,
+                  f"--vllm_tensor_parallel_size {v.vllm_tensor_parallel_size}",
+                  "--vllm_tensor_parallel_size 1 (the engine's collectives would run beside "
+                  "the trainer's)"),
+                 (not r.vllm_request_seeds, "--vllm_request_seeds false",
+                  "--vllm_request_seeds true (one seed per call forks the process's RNG, which "
+                  "the trainer draws from at the same time)")]
+        for wrong, given, needed in asked:
+            if wrong:
+                raise UserError(f"--async_generate true in colocate mode keeps the engine awake "
+                                f"and the training state on the GPU while the next batch "
+                                f"generates beside training: {given} cannot apply; pass "
+                                f"{needed}, or use --vllm_mode server")
 
 
     def tail_logprobs_problem(self) -> Optional[str]:

@@ -5,8 +5,10 @@
   optimizer steps of global_batch_size completions through forward_backward_func (with
   --sync_ref_model, the reference follows the policy every ref_model_sync_steps) -> weight sync
   to the engine -> metrics -> checkpoint. A frozen vision tower runs once per image of the
-  rollout batch (model/vision_cache.py). With --async_generate (server mode) the next batch's
-  generation runs in a background thread from the rollout to the weight sync (prefetch.py).
+  rollout batch (model/vision_cache.py). With --async_generate the next batch's generation
+  (rollout servers, or the colocated engine) runs in a background thread from the rollout to
+  the weight sync (prefetch.py); with --tail_logprobs the passes of the completions that
+  finished early run while the engine still decodes the others (tail.py).
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
@@ -250,15 +252,20 @@ class GRPOTrainer:
         return t
 
     def _prefetch(self) -> Optional[RolloutPrefetch]:
-        """--async_generate's background generation (server mode, single-turn: checked by the
-        arguments, and here for the servers' own multi-turn scheduler)."""
+        """--async_generate's background generation (single-turn, on vLLM: checked by the
+        arguments, and here for the servers' own multi-turn scheduler and the engine the run
+        got); the colocated engine's thread gets a CUDA stream of its own."""
         if not self.args.grpo.async_generate:
             return None
         if self.collector.multi_turn:
             raise UserError("--async_generate true does not support multi-turn rollouts, and "
                             "the rollout servers run a --multi_turn_scheduler: drop "
                             "--async_generate or restart them without it")
-        return RolloutPrefetch()
+        kind = build.engine_kind(self.args, self.state.device)
+        if kind == "hf":
+            raise UserError("--async_generate true needs vLLM, and this run generates with the "
+                            "embedded transformers engine: pass --use_vllm true (vLLM installed)")
+        return RolloutPrefetch(own_stream=kind == "colocate")
 
     def _another_batch(self) -> bool:
         """Whether a rollout batch follows the one being collected (before its steps)."""
