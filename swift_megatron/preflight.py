@@ -183,6 +183,20 @@ def note_no_colocate_engine(args: RlhfArguments) -> Optional[str]:
     return _ignored_note(args, _COLOCATE_FLAGS, COLOCATE_ENGINE) if expected else None
 
 
+def check_vllm_overlap(args: RlhfArguments, colocate: bool) -> None:
+    """--tail_logprobs true and --async_generate true need a vLLM engine, which a run left to
+    --use_vllm's default gets only on CUDA with vLLM installed (the arguments refuse the rest)."""
+    if args.rollout.vllm_mode != "colocate" or colocate:
+        return
+    for flag, asked in (("--tail_logprobs", args.rollout.tail_logprobs),
+                        ("--async_generate", args.grpo.async_generate)):
+        if asked:
+            raise UserError(f"{flag} true needs the colocated vLLM engine, and this run would "
+                            "generate with the embedded transformers engine (vLLM is used by "
+                            "default on CUDA with vLLM installed): pass --use_vllm true, or drop "
+                            f"{flag}")
+
+
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
     """The batch plan and (when readable) the model's HF config; raises UserError on any rule."""
     check_launch_env()
@@ -191,6 +205,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
     _note_ignored_flags(args, colocate)
+    check_vllm_overlap(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, files)

@@ -34,16 +34,18 @@ class GenerationTimes:
 
 
 def gpu_utilisation() -> Optional[float]:
-    """This process's GPU's utilisation in percent over NVML's last sample period, None without
-    CUDA or NVML."""
+    """This process's GPU's utilisation in percent over NVML's last sample period (torch's
+    reader, else vLLM's bundled NVML bindings), None without CUDA or NVML."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     try:
         return float(torch.cuda.utilization())
-    except Exception:   # no NVML bindings (pynvml) on this machine
-        return None
+    except Exception:   # torch's reader needs the pynvml package
+        from swift_megatron.rollout.vllm_compat import nvml_utilisation
+
+        return nvml_utilisation(torch.cuda.current_device())
 
 
 class GenerationClock:

@@ -36,6 +36,12 @@ allocated-memory counter the sleeping engine still holds (what it allocated at c
 less what a sleep took off the counter): per-phase peaks minus it are the training's own
 memory.
 
+Between vLLM's engine steps (vllm_compat.finished_requests) every call learns which requests
+finished: a GenerationClock times the call and its tail (`generation_times`, timeline.py), and
+`generate(..., on_finished=...)` hands this rank's finished completions to the trainer while
+the others still decode (--tail_logprobs, rlhf/grpo/tail.py). With --async_generate the calls
+come from the trainer's background thread (rlhf/grpo/prefetch.py).
+
     engine = ColocateEngine(ColocateSettings(model_dir, dtype="float32", ...), eos_token_ids=[...])
     engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
 

@@ -403,6 +403,28 @@ def finished_requests(llm, on_step: Callable[[List[Tuple[int, Any]]], None]):
         del engine.add_request, engine.step
 
 
+_NVML: Dict[int, Any] = {}   # physical GPU index -> NVML handle
+
+
+def nvml_utilisation(device_index: int) -> Optional[float]:
+    """The utilisation in percent of this process's CUDA device `device_index` (mapped through
+    CUDA_VISIBLE_DEVICES) by NVML, through the pynvml module both releases ship
+    (vllm/third_party/pynvml.py; torch's own reader needs a separately installed pynvml);
+    None where NVML cannot be read."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    physical = int(visible[device_index]) if device_index < len(visible) and \
+        visible[device_index].strip().isdigit() else device_index
+    try:
+        from vllm.third_party import pynvml
+
+        if physical not in _NVML:
+            pynvml.nvmlInit()
+            _NVML[physical] = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        return float(pynvml.nvmlDeviceGetUtilizationRates(_NVML[physical]).gpu)
+    except Exception:   # no NVML (a CPU machine, a container without the driver's library)
+        return None
+
+
 def is_request_error(exc: Exception) -> bool:
     """Whether vLLM rejected a request (a 4xx for the server) rather than failed."""
     import vllm.exceptions

@@ -94,3 +94,18 @@ def test_dry_run_refuses_colocate_async_that_does_not_fit(tiny_model_dir, math_d
     assert "engine 0.5 GiB awake beside training" in capsys.readouterr().out
     with pytest.raises(UserError, match="more than this GPU's 1.0 GiB"):
         run(argv + ["--vllm_gpu_memory_utilization", "0.999"])
+
+
+@pytest.mark.parametrize("flag", ["--async_generate", "--tail_logprobs"])
+def test_overlaps_without_vllm_are_refused_before_anything_loads(flag, tiny_model_dir,
+                                                                 math_dataset_path, monkeypatch):
+    """On a CPU, --use_vllm defaults to the embedded engine: asking for either overlap then
+    stops in the preflight, naming --use_vllm."""
+    for name in ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["rlhf", "--dry_run", "true", "--model", tiny_model_dir("qwen3"), "--dataset",
+            math_dataset_path, "--reward_funcs", "accuracy", "--global_batch_size", "8",
+            "--device", "cpu", flag, "true"]
+    with pytest.raises(UserError, match=f"{flag} true needs the colocated vLLM engine.*"
+                                        "pass --use_vllm true"):
+        run(argv)

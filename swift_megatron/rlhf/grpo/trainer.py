@@ -185,15 +185,19 @@ class GRPOTrainer:
 
     # ---- phases ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def generating(self):
+    def generating(self, timed: bool = False):
         """The engine awake (and, in colocate mode, the training state offloaded if asked).
         An engine whose weights a sleep discarded since the last sync (the sleep after
-        --check_weight_sync's or an evaluation's generation) gets the weights pushed again."""
+        --check_weight_sync's or an evaluation's generation) gets the weights pushed again.
+        Unless `timed` (the rollout's), the generate calls inside leave no timeline behind
+        (rollout/timeline.py: the next rollout batch logs its own)."""
         if self.engine.weights_discarded:
             self._push_weights()
         for offloader in self.offloaders:
             offloader.offload()
         self.engine.wake_up()
+        times = getattr(self.engine, "generation_times", [])
+        mark = len(times)
         try:
             yield
             # the device as the generation leaves it (engine awake), for the rollout batch's log
@@ -202,6 +206,8 @@ class GRPOTrainer:
             self.engine.sleep()
             for offloader in self.offloaders:
                 offloader.reload()
+            if not timed:
+                del times[mark:]
 
     def collect(self):
         """This rank's samples of the next rollout batch (with --async_generate, generated
@@ -211,7 +217,7 @@ class GRPOTrainer:
         self.collector.trainer_state.global_step = self.step
         seed = self.args.training.seed
         self.tail = self._tail_passes(prompts, group_ids)
-        with self.generating():
+        with self.generating(timed=True):
             samples, metrics = self.collector.collect(
                 prompts, group_ids, seed=seed, generated=pending and pending.generated,
                 on_finished=self.tail and self.tail.on_finished)
