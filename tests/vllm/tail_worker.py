@@ -5,8 +5,8 @@ way, and prints one JSON line comparing the two, per case:
 
 - `same_completions`: the batch generated again without the tail's hook (same prompts and
   seeds) has the same tokens;
-- `max_diff` per pass (old_logprobs, ref_logprobs): the largest |tail - synchronous| over every
-  micro-batch's real positions (each sample's prompt + completion - 1);
+- `max_diff` and `mean_diff` per pass (old_logprobs, ref_logprobs): |tail - synchronous| over
+  every micro-batch's real positions (each sample's prompt + completion - 1);
 - `losses`: the GRPO loss and KL of every optimizer step's micro-batches (forward only), both
   ways, after an optimizer step on the first step's (so that the policy is neither the
   reference, a whole rollout batch trained before, nor the old policy);
@@ -37,18 +37,25 @@ from swift_megatron.training.step import forward_backward  # noqa: E402
 CASES = {"micro_batch_size": (None, False), "max_tokens_packed": (48, True)}
 
 
-def max_diff(tail_micro, sync_micro, samples, kind) -> float:
-    """The largest |tail - synchronous| of `kind` over the samples' real positions."""
-    worst, start = 0.0, 0
+def diffs(tail_micro, sync_micro, samples, kind) -> list:
+    """|tail - synchronous| of `kind` at every real position of the samples."""
+    found, start = [], 0
     for a, b in zip(tail_micro, sync_micro):
         assert (kind in a) == (kind in b), kind
         rows = a["completion_mask"].shape[0]
         if kind in a:
             for row, sample in enumerate(samples[start:start + rows]):
                 n = positions(sample)
-                worst = max(worst, (a[kind][row, :n] - b[kind][row, :n]).abs().max().item())
+                found += (a[kind][row, :n] - b[kind][row, :n]).abs().float().cpu().tolist()
         start += rows
-    return worst
+    return found
+
+
+def diff_summary(tail_micro, sync_micro, samples) -> dict:
+    """max_diff and mean_diff per pass (module docstring)."""
+    found = {kind: diffs(tail_micro, sync_micro, samples, kind) for kind in (OLD, REF)}
+    return {"max_diff": {kind: max(values) for kind, values in found.items()},
+            "mean_diff": {kind: sum(values) / len(values) for kind, values in found.items()}}
 
 
 def losses(trainer, steps) -> list:
@@ -83,8 +90,7 @@ def run_case(trainer, name: str) -> dict:
     result = {"same_completions": [s.completion_ids for s in samples] ==
               [s.completion_ids for s in again],
               "lengths": [len(s.completion_ids) for s in samples],
-              "max_diff": {kind: max_diff(sum(tail_steps, []), sum(sync_steps, []), samples, kind)
-                           for kind in (OLD, REF)},
+              **diff_summary(sum(tail_steps, []), sum(sync_steps, []), samples),
               "ref_offloaded_after": trainer.reference.offloader.offloaded,
               **{key: value for key, value in metrics.items() if "tail" in key}}
     for steps in (tail_steps, sync_steps):
