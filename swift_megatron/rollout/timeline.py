@@ -33,6 +33,9 @@ class GenerationTimes:
     tail_gpu_util: Optional[float] = None
 
 
+_TORCH_NVML = [True]   # whether torch's NVML reader works here (it needs the pynvml package)
+
+
 def gpu_utilisation() -> Optional[float]:
     """This process's GPU's utilisation in percent over NVML's last sample period (torch's
     reader, else vLLM's bundled NVML bindings), None without CUDA or NVML."""
@@ -40,12 +43,14 @@ def gpu_utilisation() -> Optional[float]:
 
     if not torch.cuda.is_available():
         return None
-    try:
-        return float(torch.cuda.utilization())
-    except Exception:   # torch's reader needs the pynvml package
-        from swift_megatron.rollout.vllm_compat import nvml_utilisation
+    if _TORCH_NVML[0]:
+        try:
+            return float(torch.cuda.utilization())
+        except Exception:
+            _TORCH_NVML[0] = False
+    from swift_megatron.rollout.vllm_compat import nvml_utilisation
 
-        return nvml_utilisation(torch.cuda.current_device())
+    return nvml_utilisation(torch.cuda.current_device())
 
 
 class GenerationClock:

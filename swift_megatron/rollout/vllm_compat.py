@@ -385,6 +385,7 @@ def finished_requests(llm, on_step: Callable[[List[Tuple[int, Any]]], None]):
     engine = llm.llm_engine
     order: Dict[str, int] = {}
     add_request, step = engine.add_request, engine.step
+    own = {name: vars(engine)[name] for name in ("add_request", "step") if name in vars(engine)}
 
     def add(request_id, *args, **kwargs):
         order[request_id] = len(order)
@@ -400,7 +401,11 @@ def finished_requests(llm, on_step: Callable[[List[Tuple[int, Any]]], None]):
     try:
         yield
     finally:
-        del engine.add_request, engine.step
+        for name in ("add_request", "step"):   # the class's methods again (or the instance's)
+            if name in own:
+                setattr(engine, name, own[name])
+            else:
+                delattr(engine, name)
 
 
 _NVML: Dict[int, Any] = {}   # physical GPU index -> NVML handle
