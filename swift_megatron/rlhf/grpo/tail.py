@@ -8,7 +8,7 @@ How: the colocate engine reports, between two engine steps, the requests that fi
 step (rollout/vllm_colocate.py `on_finished`). Each finished completion becomes a sample queued
 for the passes it needs: the reference's (--beta > 0) and the old policy's where the trainer's
 passes would give it one (not the first optimizer step's completions, unless --num_iterations >
-1 or --kl_in_reward; `needs_old`). Once a queue holds a micro-batch's worth (--micro_batch_size
+1 or --kl_in_reward). Once a queue holds a micro-batch's worth (--micro_batch_size
 samples, or --max_tokens_per_micro_batch tokens), one forward-only pass runs over it (at most
 one per engine step, so decoding goes on between passes); on CUDA the passes run on a stream of
 their own, next to the engine's kernels. After the generation `fill` runs the passes the
@@ -22,8 +22,8 @@ dynamic-sampling round never takes another group's values. Positions past a samp
 in the micro-batch (the completion mask leaves them out of the loss).
 
 It needs the models resident while the engine generates and every pass local to this process
-(one process per model replica: TP, PP, CP and EP 1): arguments/commands.py and
-`tail_setting` say when it applies.
+(one process per model replica: TP, PP, CP and EP 1): arguments/commands.py
+(`tail_logprobs_problem`) and `tail_kinds` say when it applies.
 """
 import contextlib
 import time
@@ -85,6 +85,21 @@ def assemble(samples: Sequence[Sample], values: Dict[Key, torch.Tensor],
     return out
 
 
+_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream() -> Optional["torch.cuda.Stream"]:
+    """The CUDA stream of this device's tail passes (None without CUDA): one for the whole run,
+    since the memory the passes free stays cached for their stream alone and is reused by the
+    next rollout batch's passes (about one pass's working set stays reserved beside training)."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream()
+    return _STREAMS[device]
+
+
 class TailPasses:
     """One rollout batch's passes (module docstring). `passes`: kind (OLD, REF) -> the pass;
     `hold`: kind -> a context kept open from that kind's first pass until `close` (an offloaded
@@ -100,7 +115,7 @@ class TailPasses:
         self.queues: Dict[str, List[Sample]] = {kind: [] for kind in passes}
         self.requests: List[Tuple[Sample, Tuple[str, ...]]] = []
         self._held_kinds: set = set()
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.stream = side_stream()
         self.tail_passes, self.tail_seconds, self.expected = 0, 0.0, 0
 
     def expect(self, requests: Sequence[Tuple[Sample, Sequence[str]]]) -> None:
