@@ -38,6 +38,16 @@ and the device's used memory as NVML reports it, sampled every 0.2 s by this pro
 tool runs, less what was in use before it started (`device_peak_gib`: vLLM's own allocations
 included, whatever allocator made them).
 
+Both tools' phases per rollout batch, as ours logs them: the generation (`time/generate_s`, from
+the call to its last completion), its tail (`time/generate_tail_s`, from the moment 90% of the
+completions had finished to the last) and the GPU's utilisation during the tail
+(`perf/tail_gpu_util`, NVML), timed between vLLM's engine steps (rollout/timeline.py; TRL's
+`LLM.generate` wrapped the same way, `TrlPhases`), and the logprob passes (`time/logprobs_s`; TRL:
+its forward passes without gradients, between device synchronisations); ours also its train and
+sync phases and, with `--tail_logprobs`, the passes run in the tail (`time/tail_logprobs_s`,
+`rollout/tail_logprobs_fraction`); TRL the rest of its wall time (`time/train_and_rest_s`:
+training, rewards, weight sync).
+
 Each tool runs in its own process; the wall time of rollout batch k is the time between the ends
 of rollout batches k-1 and k. The averages leave out the first `--warmup_batches` batches (default
 1: the first batch holds the start-up).
@@ -58,6 +68,9 @@ line with the ratios.
     python benchmarks/trl_compare.py --nproc 2   # data parallel over 2 GPUs, twice the work
     python benchmarks/trl_compare.py --variant 8k="--max_tokens_per_micro_batch 8192" \
         --variant 16k="--max_tokens_per_micro_batch 16384"   # ours twice, TRL once
+    python benchmarks/trl_compare.py --completion_length 4096 --variable_length \
+        --eos_probability 0.002 --variant tail="--tail_logprobs true" \
+        --variant async="--async_generate true --sleep_level 0"   # reasoning lengths
 
 Each `--variant NAME="FLAGS"` runs ours once more with those flags after the shared extra flags
 (one TRL run serves them all; a summary and a ratio line per variant). For every run of ours the
@@ -255,7 +268,10 @@ def run_ours(a, model: str, task: list, label: str = "ours", extra: list = ()) -
 
 
 PHASE_KEYS = ("time/rollout_s", "time/logprobs_s", "time/train_s", "time/sync_s",
-              "time/sync_check_s", "perf/gc_pause_s", "perf/rollout_tokens_per_s",
+              "time/sync_check_s", "time/generate_s", "time/generate_tail_s",
+              "perf/tail_gpu_util", "time/tail_logprobs_s", "rollout/tail_passes",
+              "rollout/tail_logprobs_fraction", "rollout/staleness",
+              "perf/gc_pause_s", "perf/rollout_tokens_per_s",
               "perf/train_tokens_per_s",
               "perf/max_memory_allocated_gib", "rollout/logprob_abs_diff_mean",
               "sync/logprob_abs_diff_mean",
@@ -328,11 +344,16 @@ def run_trl(a, model: str, task: list, setting: str = "defaults") -> dict:
     tool = f"trl_{setting}"
     for k, (end, wall) in enumerate(zip(ends[1:], walls), start=2):
         emit(name="rollout_batch", tool=tool, batch=k, wall_s=round(wall, 3),
-             peak_gib=round(end["peak_gib"], 2), completion_length_mean=end["completion_length_mean"])
-    peak = max(s["peak_gib"] for s in ends)
-    return dict(wall_s=statistics.mean(measured(walls, a.warmup_batches)), peak_gib=peak,
-                torch_peak_gib=peak, device_peak_gib=device.peak_gib,
-                config=trl_overrides(a, setting))
+             peak_gib=round(end["peak_gib"], 2), completion_length_mean=end["completion_length_mean"],
+             **{key: round(end[key], 4) for key in PHASE_KEYS if end.get(key) is not None})
+    peak, later = max(s["peak_gib"] for s in ends), measured(ends[1:], a.warmup_batches)
+    phases = {key: statistics.mean(e[key] for e in later) for key in PHASE_KEYS
+              if later and all(e.get(key) is not None for e in later)}
+    wall = statistics.mean(measured(walls, a.warmup_batches))
+    if "time/generate_s" in phases and "time/logprobs_s" in phases:
+        phases["time/train_and_rest_s"] = wall - phases["time/generate_s"] - phases["time/logprobs_s"]
+    return dict(wall_s=wall, peak_gib=peak, torch_peak_gib=peak, device_peak_gib=device.peak_gib,
+                config=trl_overrides(a, setting), **phases)
 
 
 def trl_log(work_dir: str, setting: str) -> str:
@@ -458,6 +479,8 @@ def trl_worker(a) -> None:
 
     original_sleep = vllm.LLM.sleep   # TRL sleeps at level 2: ours and TRL's at --sleep_level
     vllm.LLM.sleep = lambda self, level=1: original_sleep(self, level=a.sleep_level)
+    phases = TrlPhases()
+    phases.install(vllm.LLM, GRPOTrainer)
     task = json.loads(a.task)
     log = trl_log(a.work_dir, a.trl_setting)
     cuda = torch.cuda.is_available()
@@ -474,9 +497,11 @@ def trl_worker(a) -> None:
                 torch.cuda.reset_peak_memory_stats()
             if not state.is_world_process_zero:
                 return
+            ends_batch = state.global_step % STEPS_PER_ROLLOUT == 0
             with open(log, "a") as f:
                 f.write(json.dumps(dict(step=state.global_step, time=time.time(), peak_gib=peak,
-                                        completion_length_mean=self.length)) + "\n")
+                                        completion_length_mean=self.length,
+                                        **(phases.take() if ends_batch else {}))) + "\n")
 
     data = trl_dataset(task)
     # as TRL loads it; a model directory without an image processor (the text Qwen3.5 presets:
@@ -494,6 +519,54 @@ def trl_worker(a) -> None:
     if not a.lora:
         freeze_tower(trainer.model)   # the tower of a vision-language model (Qwen3.5's too)
     trainer.train()
+
+
+class TrlPhases:
+    """TRL's phases as ours logs them, summed per rollout batch (`take`): its generation
+    (vLLM's `LLM.generate`, timed between vLLM's engine steps by swift-megatron's
+    GenerationClock: `time/generate_s`, `time/generate_tail_s` from 90% of the completions
+    finished to the last, `perf/tail_gpu_util`) and its logprob passes (`time/logprobs_s`: the
+    forward passes GRPOTrainer runs without gradients, the reference's and the old policy's,
+    each between two device synchronisations)."""
+
+    def __init__(self):
+        self.generations, self.logprobs_s = [], 0.0
+
+    def install(self, llm_class, trainer_class) -> None:
+        generate, logprobs = llm_class.generate, trainer_class._get_per_token_logps_and_entropies
+
+        def timed_generate(llm, prompts, *args, **kwargs):
+            from swift_megatron.rollout.timeline import GenerationClock
+            from swift_megatron.rollout.vllm_compat import finished_requests
+
+            clock = GenerationClock(len(prompts) if isinstance(prompts, list) else 1)
+            with finished_requests(llm, lambda done: clock.step(len(done))):
+                outputs = generate(llm, prompts, *args, **kwargs)
+            self.generations += [clock.times()] if clock.finishes else []
+            return outputs
+
+        def timed_logprobs(trainer, *args, **kwargs):
+            import torch
+
+            if torch.is_grad_enabled():   # the loss's own forward, not a logprob pass
+                return logprobs(trainer, *args, **kwargs)
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync()
+            start = time.perf_counter()
+            result = logprobs(trainer, *args, **kwargs)
+            sync()
+            self.logprobs_s += time.perf_counter() - start
+            return result
+
+        llm_class.generate, trainer_class._get_per_token_logps_and_entropies = \
+            timed_generate, timed_logprobs
+
+    def take(self) -> dict:
+        from swift_megatron.rollout.timeline import timing_metrics
+
+        found = dict(timing_metrics(self.generations), **{"time/logprobs_s": self.logprobs_s})
+        self.generations, self.logprobs_s = [], 0.0
+        return found
 
 
 def peft_config(rank: int):

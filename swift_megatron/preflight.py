@@ -8,7 +8,7 @@ only `--dry_run true` pays for: the full model-config check (imports torch), the
 the datasets' rows, the plugin files and reward names. Both raise UserError naming the culprit.
 """
 import os
-from typing import List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from swift_megatron.arguments import ms_swift
 from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
@@ -199,6 +199,20 @@ def note_no_colocate_engine(args: RlhfArguments) -> Optional[str]:
     return _ignored_note(args, _COLOCATE_FLAGS, COLOCATE_ENGINE) if expected else None
 
 
+def check_vllm_overlap(args: RlhfArguments, colocate: bool) -> None:
+    """--tail_logprobs true and --async_generate true need a vLLM engine, which a run left to
+    --use_vllm's default gets only on CUDA with vLLM installed (the arguments refuse the rest)."""
+    if args.rollout.vllm_mode != "colocate" or colocate:
+        return
+    for flag, asked in (("--tail_logprobs", args.rollout.tail_logprobs),
+                        ("--async_generate", args.grpo.async_generate)):
+        if asked:
+            raise UserError(f"{flag} true needs the colocated vLLM engine, and this run would "
+                            "generate with the embedded transformers engine (vLLM is used by "
+                            "default on CUDA with vLLM installed): pass --use_vllm true, or drop "
+                            f"{flag}")
+
+
 def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Optional[dict]]:
     """The batch plan and (when readable) the model's HF config; raises UserError on any rule."""
     check_launch_env()
@@ -207,6 +221,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
     experts = num_experts(hf_config) if hf_config else None
     colocate = uses_vllm(args) and args.rollout.vllm_mode == "colocate"
     _note_ignored_flags(args, colocate)
+    check_vllm_overlap(args, colocate)
     plan = make_batch_plan(batch_inputs(args, world_size, experts, colocate))
     if hf_config:
         check_model_family(hf_config, args.model.model_type, files)
@@ -273,7 +288,37 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
                      f"{result['device']:.1f} GiB: lower --micro_batch_size (or set "
                      f"--max_tokens_per_micro_batch), --vllm_gpu_memory_utilization, raise "
                      f"TP/PP, or offload (--offload_model/--offload_optimizer)")
-    return lines
+    return lines + overlap_memory_lines(args, result)
+
+
+def overlap_memory_lines(args: RlhfArguments, result: Dict[str, float]) -> List[str]:
+    """What the colocated engine awake beside the trainer's passes costs, from the estimate
+    (`result`, GiB): with --async_generate in colocate mode the engine generates while the
+    trainer trains, so the peak is the engine's plus the larger of the train and logprob
+    phases (refused where it exceeds the device); with --tail_logprobs true at a sleep level,
+    the tail's passes run the logprob phase's working set beside the awake engine, without
+    the freed gradients (a warning where it exceeds the device)."""
+    r, device = args.rollout, result.get("device")
+    if r.vllm_mode != "colocate" or r.use_vllm is False:
+        return []
+    if args.grpo.async_generate:
+        peak = result["vllm"] + max(result["train"], result["logprobs"])
+        line = (f"--async_generate in colocate mode: engine {result['vllm']:.1f} GiB awake beside "
+                f"training: peak {peak:.1f} GiB")
+        if device and peak > device:
+            raise UserError(f"{line}, more than this GPU's {device:.1f} GiB: lower "
+                            f"--vllm_gpu_memory_utilization or the training's memory "
+                            f"(--max_tokens_per_micro_batch, recomputation, TP/PP), or drop "
+                            f"--async_generate")
+        return [line + (f" of {device:.1f}" if device else "")]
+    if r.tail_logprobs and r.sleep_level > 0:
+        peak = result["vllm"] + result["logprobs"] - result["gradients"]
+        line = f"--tail_logprobs: passes beside the awake engine: peak {peak:.1f} GiB"
+        if device and peak > device:
+            return [f"WARNING: {line} exceeds this GPU's {device:.1f} GiB: lower "
+                    f"--vllm_gpu_memory_utilization, or drop --tail_logprobs"]
+        return [line]
+    return []
 
 
 def _device_bytes(args: RlhfArguments) -> Optional[int]:

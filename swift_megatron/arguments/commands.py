@@ -62,6 +62,7 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
+        self._check_tail_logprobs()
         self._check_vision_lrs()
         self._check_lora_llm()
         if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(
@@ -105,20 +106,72 @@ class RlhfArguments:
                             "hold the trained vision tower")
 
     def _check_async_generate(self) -> None:
-        """--async_generate overlaps HTTP generation with training: server mode only (a
-        colocated engine shares the trainer's processes and memory), one engine call per
-        request (a multi-turn scheduler's turns depend on each other and on collectives)."""
+        """--async_generate overlaps generation with training: on the rollout servers, or on
+        the colocated vLLM engine (`_check_colocate_async`); one engine call per request (a
+        multi-turn scheduler's turns depend on each other and on collectives)."""
         g = self.grpo
         if not g.async_generate:
             return
-        if self.rollout.vllm_mode != "server" or self.rollout.use_vllm is False:
-            raise UserError("--async_generate true needs --vllm_mode server (a `megatron "
-                            "rollout` server generates the next batch while the trainer "
-                            "trains); drop --async_generate or pass --vllm_mode server")
+        if self.rollout.use_vllm is False:
+            raise UserError("--async_generate true needs vLLM (the embedded engine generates "
+                            "in the trainer's own thread): drop --async_generate or --use_vllm "
+                            "false")
         if g.multi_turn_scheduler is not None:
             raise UserError("--async_generate true does not support multi-turn rollouts (as "
                             "ms-swift): drop --async_generate or --multi_turn_scheduler")
+        if self.rollout.vllm_mode == "colocate":
+            self._check_colocate_async()
 
+    def _check_colocate_async(self) -> None:
+        """The colocated engine generates the next batch in a thread of the training process
+        while the trainer trains: both stay on the GPU the whole time, the engine never sleeps,
+        nothing is offloaded, and the engine's thread runs no collective and no RNG of the
+        trainer's (ms-swift runs async generation on servers only)."""
+        r, v = self.rollout, self.vllm
+        asked = [(r.sleep_level > 0, f"--sleep_level {r.sleep_level}", "--sleep_level 0"),
+                 (r.offload_model, "--offload_model true", "--offload_model false"),
+                 (r.offload_optimizer, "--offload_optimizer true", "--offload_optimizer false"),
+                 (v.vllm_tensor_parallel_size > 1,
+                  f"--vllm_tensor_parallel_size {v.vllm_tensor_parallel_size}",
+                  "--vllm_tensor_parallel_size 1 (the engine's collectives would run beside "
+                  "the trainer's)"),
+                 (not r.vllm_request_seeds, "--vllm_request_seeds false",
+                  "--vllm_request_seeds true (one seed per call forks the process's RNG, which "
+                  "the trainer draws from at the same time)")]
+        for wrong, given, needed in asked:
+            if wrong:
+                raise UserError(f"--async_generate true in colocate mode keeps the engine awake "
+                                f"and the training state on the GPU while the next batch "
+                                f"generates beside training: {given} cannot apply; pass "
+                                f"{needed}, or use --vllm_mode server")
+
+
+    def tail_logprobs_problem(self) -> Optional[str]:
+        """Why the flags leave --tail_logprobs nothing to run on (rlhf/grpo/tail.py), or None:
+        its passes must run between engine steps in this process alone, with the models on
+        the GPU."""
+        p, g, r = self.parallel, self.grpo, self.rollout
+        split = [f"--{name} {getattr(p, name)}" for name in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "context_parallel_size", "expert_model_parallel_size") if getattr(p, name) > 1]
+        if r.vllm_mode != "colocate" or r.use_vllm is False:
+            return "it needs the colocated vLLM engine (--use_vllm true --vllm_mode colocate)"
+        if g.async_generate:
+            return "--async_generate generates the next batch while this one trains"
+        if g.multi_turn_scheduler is not None:
+            return "a multi-turn rollout's conversation is not done when a turn finishes"
+        if split:
+            return (f"{', '.join(split)} spread a model replica over several processes, which "
+                    "would all have to join each pass between their engines' steps")
+        if r.offload_model:
+            return "--offload_model keeps the models in host memory while vLLM generates"
+        return None
+
+    def _check_tail_logprobs(self) -> None:
+        problem = self.tail_logprobs_problem()
+        if self.rollout.tail_logprobs and problem:
+            raise UserError(f"--tail_logprobs true cannot run here: {problem}; drop "
+                            "--tail_logprobs (or pass false)")
 
     def _check_virtual_pipeline(self) -> None:
         """What the interleaved schedule (--virtual_pipeline_model_parallel_size) needs: PP > 1

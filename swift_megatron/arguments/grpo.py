@@ -194,10 +194,13 @@ class GRPOArguments:
                                       "Default: true when --gym_env is given.")
 
     # Asynchronous generation (docs/rlhf.md, "Asynchronous generation")
-    async_generate: bool = arg(False, "Server mode: generate the next rollout batch on the "
-                               "rollout servers while the trainer trains on this one (one step "
-                               "off-policy: the servers hold the weights of one update before). "
-                               "The engine's logprobs are the behaviour policy of "
+    async_generate: bool = arg(False, "Generate the next rollout batch while the trainer "
+                               "trains on this one (one step off-policy: the engine holds the "
+                               "weights of one update before): on the rollout servers, or in "
+                               "colocate mode on the colocated vLLM engine in a thread of its own "
+                               "(engine and training state both on the GPU: --sleep_level 0, no "
+                               "offloading; the dry run checks that they fit). The engine's "
+                               "logprobs are the behaviour policy of "
                                "--rollout_importance_sampling_mode; the staleness is logged as "
                                "rollout/staleness. Not with multi-turn rollouts.")
 

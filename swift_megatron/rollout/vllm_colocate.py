@@ -36,6 +36,12 @@ allocated-memory counter the sleeping engine still holds (what it allocated at c
 less what a sleep took off the counter): per-phase peaks minus it are the training's own
 memory.
 
+Between vLLM's engine steps (vllm_compat.finished_requests) every call learns which requests
+finished: a GenerationClock times the call and its tail (`generation_times`, timeline.py), and
+`generate(..., on_finished=...)` hands this rank's finished completions to the trainer while
+the others still decode (--tail_logprobs, rlhf/grpo/tail.py). With --async_generate the calls
+come from the trainer's background thread (rlhf/grpo/prefetch.py).
+
     engine = ColocateEngine(ColocateSettings(model_dir, dtype="float32", ...), eos_token_ids=[...])
     engine.update_weights(bridge.export(model)); engine.generate(prompts, sampling, seeds)
 
@@ -46,8 +52,9 @@ vLLM expands each pad itself (given our already expanded run it expands the firs
 """
 import contextlib
 import dataclasses
+import functools
 import hashlib
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,9 +65,11 @@ from swift_megatron.logging import get_logger
 from swift_megatron.model.config import load_hf_config
 from swift_megatron.rollout import vllm_compat
 from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
+from swift_megatron.rollout.timeline import GenerationClock, GenerationTimes
 from swift_megatron.rollout.weight_sync import WORKER_EXTENSION, iter_buckets
 
 logger = get_logger(__name__)
+OnFinished = Callable[[List[Tuple[int, Completion]]], None]   # see ColocateEngine._step_report
 
 
 @dataclasses.dataclass
@@ -135,6 +144,7 @@ class ColocateEngine:
         self.image_token_id = load_hf_config(settings.model_dir).get("image_token_id")
         self._asleep: List[str] = []  # memory kinds released by sleep(): "weights", "kv_cache"
         self.weights_discarded = False  # a discarding sleep since the last update_weights
+        self.generation_times: List[GenerationTimes] = []   # per generate call (timeline.py)
 
     def _build(self):
         s = self.settings
@@ -156,7 +166,10 @@ class ColocateEngine:
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  seeds: Optional[Sequence[int]] = None,
-                 images: Optional[Sequence[Optional[dict]]] = None) -> List[Completion]:
+                 images: Optional[Sequence[Optional[dict]]] = None,
+                 on_finished: Optional[OnFinished] = None) -> List[Completion]:
+        """RolloutEngine.generate; `on_finished` (see `_step_report`) hears, between engine
+        steps, of this rank's requests that finished."""
         seeds = list(seeds) if seeds is not None else default_seeds(sampling, len(prompts))
         pictures = [None if i is None else i["images"] for i in images or [None] * len(prompts)]
         all_prompts, all_seeds, all_pictures, mine = self._gather(list(map(list, prompts)), seeds,
@@ -174,10 +187,32 @@ class ColocateEngine:
                 request["prompt_token_ids"] = one_pad_per_image(request["prompt_token_ids"],
                                                                 self.image_token_id)
                 request["multi_modal_data"] = {"image": picture}
-        with contextlib.nullcontext() if per_request else seeded_rng(batch_seed(all_seeds)):
+        clock = GenerationClock(len(inputs))
+        report = functools.partial(self._step_report, clock, mine, on_finished)
+        with contextlib.nullcontext() if per_request else seeded_rng(batch_seed(all_seeds)), \
+                vllm_compat.finished_requests(self.llm, report):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [Completion(*vllm_compat.completion_fields(out), self.weight_version)
-                for out in outputs[mine]]
+        self.generation_times += [clock.times()] if clock.finishes else []
+        return [self._completion(out) for out in outputs[mine]]
+
+    def _completion(self, output) -> Completion:
+        return Completion(*vllm_compat.completion_fields(output), self.weight_version)
+
+    def _step_report(self, clock: GenerationClock, mine: slice, on_finished: Optional[OnFinished],
+                     done: List[Tuple[int, Any]]) -> None:
+        """After each engine step: the clock learns how many requests finished (the whole vLLM
+        TP group's), and `on_finished` gets [(index among this rank's prompts, Completion)] of
+        its own that finished in the step (possibly none): it runs between two engine steps
+        (rlhf/grpo/tail.py uses it)."""
+        clock.step(len(done))
+        if on_finished is not None:
+            on_finished([(index - mine.start, self._completion(out)) for index, out in done
+                         if mine.start <= index < mine.stop])
+
+    def take_generation_times(self) -> List[GenerationTimes]:
+        """The times of the generate calls since the last take (timeline.py)."""
+        times, self.generation_times = self.generation_times, []
+        return times
 
     def _gather(self, prompts: List[List[int]], seeds: List[int], pictures: List
                 ) -> Tuple[List[List[int]], List[int], List, slice]:

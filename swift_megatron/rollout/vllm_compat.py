@@ -43,6 +43,13 @@ What differs, and how it is handled here:
 - Qwen3.5 checkpoints are vision-language models; their vLLM engines start with
   `language_model_only` (`model_defaults`) unless images are wanted (rollout/factory.py
   `vision_engine_kwargs` then sets it False).
+- Requests finishing during a generate call (`finished_requests`): `LLM.generate` adds its
+  requests with `llm_engine.add_request(request_id, ...)` and then loops
+  `while llm_engine.has_unfinished_requests(): llm_engine.step()` (0.26's offline_utils.py and
+  0.32's common/offline.py alike; finished outputs carry their request id). For one call,
+  `finished_requests` wraps those two methods of that engine object (instance attributes,
+  removed after the call): the request ids in the order they were added, and after each step
+  the requests that finished in it, while generation itself stays vLLM's own.
 - Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
 - Closing: vLLM keeps its model-parallel groups and its world group (its own process groups
   over torch.distributed's world) in module state after an `LLM` is dropped; `release_engine`
@@ -58,7 +65,7 @@ import gc
 import json
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
@@ -367,6 +374,60 @@ def completion_fields(output) -> Tuple[List[int], Optional[List[float]], str]:
             raise RuntimeError(f"vLLM returned {len(logprobs)} logprobs for {len(tokens)} tokens")
     reason = "length" if sample.finish_reason == "length" else "stop"
     return tokens, logprobs, reason
+
+
+@contextlib.contextmanager
+def finished_requests(llm, on_step: Callable[[List[Tuple[int, Any]]], None]):
+    """Inside the block, one `llm.generate` call reports after every engine step: on_step([(index
+    of the request in the call, its finished RequestOutput), ...]) for the requests that
+    finished in that step (an empty list after a step that finished none). See the module
+    docstring; the engine's own methods are back after the block."""
+    engine = llm.llm_engine
+    order: Dict[str, int] = {}
+    add_request, step = engine.add_request, engine.step
+    own = {name: vars(engine)[name] for name in ("add_request", "step") if name in vars(engine)}
+
+    def add(request_id, *args, **kwargs):
+        order[request_id] = len(order)
+        return add_request(request_id, *args, **kwargs)
+
+    def stepped():
+        outputs = step()
+        on_step([(order[out.request_id], out) for out in outputs
+                 if out.finished and out.request_id in order])
+        return outputs
+
+    engine.add_request, engine.step = add, stepped
+    try:
+        yield
+    finally:
+        for name in ("add_request", "step"):   # the class's methods again (or the instance's)
+            if name in own:
+                setattr(engine, name, own[name])
+            else:
+                delattr(engine, name)
+
+
+_NVML: Dict[int, Any] = {}   # physical GPU index -> NVML handle
+
+
+def nvml_utilisation(device_index: int) -> Optional[float]:
+    """The utilisation in percent of this process's CUDA device `device_index` (mapped through
+    CUDA_VISIBLE_DEVICES) by NVML, through the pynvml module both releases ship
+    (vllm/third_party/pynvml.py; torch's own reader needs a separately installed pynvml);
+    None where NVML cannot be read."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    physical = int(visible[device_index]) if device_index < len(visible) and \
+        visible[device_index].strip().isdigit() else device_index
+    try:
+        from vllm.third_party import pynvml
+
+        if physical not in _NVML:
+            pynvml.nvmlInit()
+            _NVML[physical] = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        return float(pynvml.nvmlDeviceGetUtilizationRates(_NVML[physical]).gpu)
+    except Exception:   # no NVML (a CPU machine, a container without the driver's library)
+        return None
 
 
 def is_request_error(exc: Exception) -> bool:

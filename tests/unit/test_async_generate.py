@@ -107,7 +107,7 @@ def test_staleness_metrics():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--async_generate", "true"], "--async_generate true needs --vllm_mode server"),
+    (["--async_generate", "true", "--use_vllm", "false"], "--async_generate true needs vLLM"),
     (["--async_generate", "true", "--vllm_mode", "server", "--vllm_server_host", "h",
       "--multi_turn_scheduler", "calculator"],
      "drop --async_generate or --multi_turn_scheduler"),

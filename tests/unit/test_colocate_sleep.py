@@ -7,6 +7,8 @@ refusing to wake until the next update. Which seeds its requests carry: one per 
 default, none with `--vllm_request_seeds false`, whose generate call runs with torch's RNG seeded
 from the call's seeds and restored after. A real engine through the same cycles:
 tests/vllm/test_colocate.py."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -71,6 +73,8 @@ def test_request_seeds_flag(build, monkeypatch, flags, per_request):
     calls = []   # (each request's seed, a draw from torch's RNG inside the call)
 
     class StandIn:
+        llm_engine = SimpleNamespace(add_request=None, step=None)   # the step hook's target
+
         def generate(self, inputs, params, use_tqdm):
             calls.append(([p.seed for p in params], torch.rand(1).item()))
             return [None] * len(inputs)

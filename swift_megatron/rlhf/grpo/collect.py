@@ -90,16 +90,18 @@ class RolloutCollector:
 
     def generate_and_score(self, prompts: Sequence[Prompt], group_ids: Sequence[int],
                            seed: int, num_generations: Optional[int] = None,
-                           generated: Optional[Future] = None) -> List[Sample]:
+                           generated: Optional[Future] = None,
+                           on_finished: Optional[Callable] = None) -> List[Sample]:
         """num_generations (default: the training setting) scored samples per prompt, identical
         on every rank of the replica and independent of the parallel layout (per-request
         seeds). `generated`: this rank's completions of the same call, started earlier by
-        start_generation (--async_generate)."""
+        start_generation (--async_generate). `on_finished`: the colocate engine's report of
+        finished requests between its steps (rlhf/grpo/tail.py), single-turn."""
         mine, seeds = self._requests(prompts, group_ids, seed, num_generations)
         requested = [prompts[i] for i, _ in mine]
         inputs = self.image_inputs(requested)
         completions = generated.result() if generated is not None \
-            else self._generate(requested, seeds, inputs)
+            else self._generate(requested, seeds, inputs, on_finished)
         local = self._score(requested, [group_ids[i] for i, _ in mine], completions, inputs)
         parts: List[List[Sample]] = [None] * dist.get_world_size(self.mp_group)
         dist.all_gather_object(parts, local, group=self.mp_group)
@@ -140,7 +142,8 @@ class RolloutCollector:
         return [encoded.get(id(p)) for p in prompts]
 
     def _generate(self, prompts: List[Prompt], seeds: List[int],
-                  inputs: Optional[List[Optional[dict]]] = None) -> list:
+                  inputs: Optional[List[Optional[dict]]] = None,
+                  on_finished: Optional[Callable] = None) -> list:
         """One completion per prompt: a single engine call, or with a scheduler one multi-turn
         Trajectory each (every rank runs the same number of turns: the engines are
         collective), or the servers' trajectories. `inputs`: image_inputs(prompts)."""
@@ -149,6 +152,7 @@ class RolloutCollector:
                                        self.settings.multi_turn)
         if self.scheduler is None:
             extra = {} if inputs is None else {"images": inputs}
+            extra.update({} if on_finished is None else {"on_finished": on_finished})
             return self.engine.generate([p.input_ids for p in prompts], self.settings.sampling,
                                         seeds, **extra)
         return run_episodes(self.engine, self.tokenizer, self.scheduler, prompts,
@@ -231,10 +235,13 @@ class RolloutCollector:
                                 s.reward_error_policy == "skip")
 
     def collect(self, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
-                generated: Optional[Future] = None) -> Tuple[List[Sample], Dict[str, float]]:
+                generated: Optional[Future] = None, on_finished: Optional[Callable] = None
+                ) -> Tuple[List[Sample], Dict[str, float]]:
         """This DP rank's scored samples (group ids: unique per prompt slot over the run),
-        advantages not yet assigned (assign_advantages). `generated`: see generate_and_score."""
-        samples = self.generate_and_score(prompts, group_ids, seed, generated=generated)
+        advantages not yet assigned (assign_advantages). `generated`, `on_finished`: see
+        generate_and_score (the first generation only, not dynamic-sampling rounds)."""
+        samples = self.generate_and_score(prompts, group_ids, seed, generated=generated,
+                                          on_finished=on_finished)
         unresolved = 0
         if self.settings.dynamic_sample:
             samples, unresolved = self.resample_zero_std_groups(samples, seed)

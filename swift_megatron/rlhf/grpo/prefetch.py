@@ -6,12 +6,19 @@ The trainer draws the next batch's prompts from the sampler as soon as it has th
 samples, and `RolloutPrefetch.start` hands their generation to one worker thread (the engine
 call only: scoring, resampling and every collective of the training groups stay on the main
 thread). Before the weight sync the trainer calls `wait`: no generation request is in flight
-while the servers load new weights, so the prefetched batch was generated entirely by the
+while the engine loads new weights, so the prefetched batch was generated entirely by the
 weights of one update before (one step off-policy). `take` returns it at the next rollout.
+The engine is the rollout servers' (HTTP) or, in colocate mode, the process's own vLLM engine:
+on CUDA its thread then runs on a CUDA stream of its own (`own_stream`), so that its kernels
+run beside the trainer's instead of queueing behind them, and waits for that stream before it
+returns.
 """
+import contextlib
 import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
 
 from swift_megatron.data import Prompt
 from swift_megatron.rlhf.grpo.batch import Sample
@@ -29,14 +36,33 @@ class Prefetched:
     sampler_state: Dict[str, Any]
 
 
+class _OnStream:
+    """An executor whose calls run on `stream` (and wait for its work before returning)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, stream: Optional["torch.cuda.Stream"]):
+        self.pool, self.stream = pool, stream
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        return self.pool.submit(self._run, fn, *args, **kwargs)
+
+    def _run(self, fn: Callable, *args, **kwargs):
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            result = fn(*args, **kwargs)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return result
+
+
 class RolloutPrefetch:
-    def __init__(self):
+    def __init__(self, own_stream: bool = False):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="async_generate")
+        stream = torch.cuda.Stream() if own_stream and torch.cuda.is_available() else None
+        self._executor = _OnStream(self._pool, stream)
         self.pending: Optional[Prefetched] = None
 
     def start(self, collector, prompts: Sequence[Prompt], group_ids: Sequence[int], seed: int,
               sampler_state: Dict[str, Any]) -> None:
-        future = collector.start_generation(prompts, group_ids, seed, self._pool)
+        future = collector.start_generation(prompts, group_ids, seed, self._executor)
         self.pending = Prefetched(list(prompts), list(group_ids), future, sampler_state)
 
     def wait(self) -> None:

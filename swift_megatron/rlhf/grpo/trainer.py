@@ -5,8 +5,10 @@
   optimizer steps of global_batch_size completions through forward_backward_func (with
   --sync_ref_model, the reference follows the policy every ref_model_sync_steps) -> weight sync
   to the engine -> metrics -> checkpoint. A frozen vision tower runs once per image of the
-  rollout batch (model/vision_cache.py). With --async_generate (server mode) the next batch's
-  generation runs in a background thread from the rollout to the weight sync (prefetch.py).
+  rollout batch (model/vision_cache.py). With --async_generate the next batch's generation
+  (rollout servers, or the colocated engine) runs in a background thread from the rollout to
+  the weight sync (prefetch.py); with --tail_logprobs the passes of the completions that
+  finished early run while the engine still decodes the others (tail.py).
 
 Run it with `megatron rlhf --rlhf_type grpo ...` (cli/rlhf.py) or `run_grpo(args, plan)`.
 """
@@ -47,8 +49,10 @@ from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
+from swift_megatron.rlhf.grpo import tail
 from swift_megatron.rlhf.grpo.step_metrics import step_metrics
 from swift_megatron.rollout.engine import SamplingConfig
+from swift_megatron.rollout.timeline import timing_metrics
 from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
@@ -96,6 +100,10 @@ class GRPOTrainer:
         self.collector = build.collector(args, self.state, self.engine, self.tokenizer,
                                          self.reward_funcs, fresh, hf_config, images)
         self.collector.trainer_state.max_steps = self.train_iters
+        self.tail_kinds = tail.tail_kinds(args, plan.steps_per_generation,
+                                          build.engine_kind(args, self.state.device) == "colocate",
+                                          any(p.images for p in self.train_prompts))
+        self.tail: Optional[tail.TailPasses] = None   # the rollout batch's, until fill_logprobs
         self.loss_settings = build.loss_settings(args, self.policy)
         self.metrics_log, self.completions_log = build.loggers(args, self.state, self.output_dir,
                                                                {"plan": vars(plan)})
@@ -167,7 +175,7 @@ class GRPOTrainer:
         # a frozen vision tower runs once per image of the rollout batch (vision_cache.py)
         with frozen_tower_cache(self.policy.chunks, self.reference.frozen):
             with measure_phase("logprobs", timings, device):
-                self.fill_logprobs(steps)
+                self.fill_logprobs(steps, samples)
             metrics.update(self.assign_advantages(samples, [mb for step in steps for mb in step]))
             with measure_phase("train", timings, device):
                 train_metrics = [self.optimizer_step(micro)
@@ -189,15 +197,19 @@ class GRPOTrainer:
 
     # ---- phases ----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def generating(self):
+    def generating(self, timed: bool = False):
         """The engine awake (and, in colocate mode, the training state offloaded if asked).
         An engine whose weights a sleep discarded since the last sync (the sleep after
-        --check_weight_sync's or an evaluation's generation) gets the weights pushed again."""
+        --check_weight_sync's or an evaluation's generation) gets the weights pushed again.
+        Unless `timed` (the rollout's), the generate calls inside leave no timeline behind
+        (rollout/timeline.py: the next rollout batch logs its own)."""
         if self.engine.weights_discarded:
             self._push_weights()
         for offloader in self.offloaders:
             offloader.offload()
         self.engine.wake_up()
+        times = getattr(self.engine, "generation_times", [])
+        mark = len(times)
         try:
             yield
             # the device as the generation leaves it (engine awake), for the rollout batch's log
@@ -206,6 +218,8 @@ class GRPOTrainer:
             self.engine.sleep()
             for offloader in self.offloaders:
                 offloader.reload()
+            if not timed:
+                del times[mark:]
 
     def collect(self):
         """This rank's samples of the next rollout batch (with --async_generate, generated
@@ -214,9 +228,14 @@ class GRPOTrainer:
         group_ids, prompts = (pending.group_ids, pending.prompts) if pending else self._draw()
         self.collector.trainer_state.global_step = self.step
         seed = self.args.training.seed
-        with self.generating():
-            samples, metrics = self.collector.collect(prompts, group_ids, seed=seed,
-                                                      generated=pending and pending.generated)
+        self.tail = self._tail_passes(prompts, group_ids)
+        with self.generating(timed=True):
+            samples, metrics = self.collector.collect(
+                prompts, group_ids, seed=seed, generated=pending and pending.generated,
+                on_finished=self.tail and self.tail.on_finished)
+        if self.tail:
+            metrics.update(self.tail.generation_done())
+        metrics.update(timing_metrics(getattr(self.engine, "take_generation_times", list)()))
         if self.prefetch:
             metrics.update(staleness_metrics(samples, self.engine.weight_version))
             if self._another_batch():
@@ -230,16 +249,41 @@ class GRPOTrainer:
         group_ids = self.sampler.batch_sample_ids()
         return group_ids, [self.train_prompts[i] for i in next(self.sampler)]
 
+    def _tail_passes(self, prompts, group_ids) -> Optional[tail.TailPasses]:
+        """--tail_logprobs: the rollout batch's passes in the generation's tail (tail.py), told
+        which requests come (this rank generates all of its prompts' requests: one process per
+        model replica) and which of them the old policy's pass needs (after the first step's)."""
+        if not self.tail_kinds:
+            return None
+        t = tail.build(self.tail_kinds, self.policy.chunks, self.reference, self.loss_settings,
+                       lambda group: self.micro_batches(group, micro_batch_size=len(group))[0],
+                       self.plan.micro_batch_size, self.args.batch.max_tokens_per_micro_batch)
+        g = self.args.grpo.num_generations
+        first_step = len(prompts) * g // self.plan.steps_per_generation
+        all_old = self._all_old()
+        t.expect([(Sample(group_id=group_id, prompt_id=prompt.prompt_id,
+                          prompt_ids=list(prompt.input_ids), completion_ids=[],
+                          rollout_logprobs=None, finish_reason="", rewards=[]),
+                   (tail.REF,) + (tail.OLD,) * (all_old or i * g + k >= first_step))
+                  for i, (prompt, group_id) in enumerate(zip(prompts, group_ids))
+                  for k in range(g)])
+        return t
+
     def _prefetch(self) -> Optional[RolloutPrefetch]:
-        """--async_generate's background generation (server mode, single-turn: checked by the
-        arguments, and here for the servers' own multi-turn scheduler)."""
+        """--async_generate's background generation (single-turn, on vLLM: checked by the
+        arguments, and here for the servers' own multi-turn scheduler and the engine the run
+        got); the colocated engine's thread gets a CUDA stream of its own."""
         if not self.args.grpo.async_generate:
             return None
         if self.collector.multi_turn:
             raise UserError("--async_generate true does not support multi-turn rollouts, and "
                             "the rollout servers run a --multi_turn_scheduler: drop "
                             "--async_generate or restart them without it")
-        return RolloutPrefetch()
+        kind = build.engine_kind(self.args, self.state.device)
+        if kind == "hf":
+            raise UserError("--async_generate true needs vLLM, and this run generates with the "
+                            "embedded transformers engine: pass --use_vllm true (vLLM installed)")
+        return RolloutPrefetch(own_stream=kind == "colocate")
 
     def _another_batch(self) -> bool:
         """Whether a rollout batch follows the one being collected (before its steps)."""
@@ -278,15 +322,30 @@ class GRPOTrainer:
                                     packed=self.args.kernels.padding_free)
         return [to_device(mb, self.state.device) for mb in micro]
 
-    def fill_logprobs(self, steps: List[List[dict]]) -> None:
-        """The forward-only passes of passes.py over every step's micro-batches. The first
-        optimizer step's micro-batches skip the old-policy pass unless they are trained again or
-        their KL enters the rewards."""
+    def fill_logprobs(self, steps: List[List[dict]], samples: List[Sample]) -> None:
+        """The forward-only passes of passes.py over every step's micro-batches (`samples` in
+        order). The first optimizer step's micro-batches skip the old-policy pass unless they are
+        trained again or their KL enters the rewards. With --tail_logprobs the rollout batch's
+        tail passes computed some of the values during the generation: tail.py runs the rest."""
+        micro = [mb for step in steps for mb in step]
+        skip_old = 0 if self._all_old() else len(steps[0])
+        if self.tail is None:
+            fill_logprobs(micro, self.policy.chunks, self.reference, self.teacher,
+                          self.loss_settings, skip_old=skip_old, beta=self.args.grpo.beta)
+            return
+        current, self.tail = self.tail, None
+        try:
+            current.fill(micro, samples, skip_old)
+        finally:
+            current.close()
+        if self.teacher is not None:
+            self.teacher.fill_logprobs(micro, self.loss_settings)
+
+    def _all_old(self) -> bool:
+        """Whether every micro-batch needs the old policy's pass: trained again, or its KL
+        enters the rewards (else the first step's forward gives the same values)."""
         g = self.args.grpo
-        all_old = g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
-        fill_logprobs([mb for step in steps for mb in step], self.policy.chunks, self.reference,
-                      self.teacher, self.loss_settings, skip_old=0 if all_old else len(steps[0]),
-                      beta=g.beta)
+        return g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
 
     def assign_advantages(self, samples: List[Sample], micro: List[dict]) -> Dict[str, float]:
         """Advantages from every DP rank's rewards (minus beta x KL with --kl_in_reward), into
