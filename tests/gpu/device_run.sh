@@ -42,6 +42,8 @@ BOTH="--offload_ref_model true --recompute_granularity full --recompute_method b
 LEAST="--offload_ref_model true --recompute_granularity full --recompute_method uniform \
 --recompute_num_layers 1"    # the least memory at a token budget
 REASONING="--completion_length 4096 --variable_length --eos_probability 0.002"  # long tail
+TAIL="--tail_logprobs true"   # the reference and old-policy passes in the generation's tail
+ASYNC="--async_generate true --sleep_level 0 --rollout_importance_sampling_mode token_truncate"
 NO_TP="--tensor_model_parallel_size 1 --sequence_parallel false"
 # the trainer of an 8B model alone on one GPU: its optimizer on the CPU (--auto_parallel's choice)
 SERVER_8B="--optimizer_cpu_offload true --use_precision_aware_optimizer true \
@@ -141,11 +143,12 @@ phase() {
         trl_fastest_sweep) trl_sweep ;;
         trl_both)          trl_workload $STEADY -- $B8K $BOTH ;;
         trl_fast)          TRL_SETTINGS=fastest trl_workload $STEADY --variant 16k="--max_tokens_per_micro_batch 16384" -- $B8K ;;
-        trl_reasoning)     trl_workload $STEADY $REASONING -- $B8K $BOTH ;;
-        trl_lora8b)        trl_workload --preset qwen3-8b --lora 16 $STEADY -- $B8K ;;
+        trl_reasoning)     trl_workload $STEADY $REASONING --variant tail="$TAIL" --variant async="$ASYNC" -- $B8K $BOTH ;;
+        trl_reasoning16k)  TRL_SETTINGS=fastest trl_workload $STEADY ${REASONING/4096/16384} --variant tail="$TAIL" -- $B8K $BOTH ;;
+        trl_lora8b)        trl_workload --preset qwen3-8b --lora 16 $STEADY --variant tail="$TAIL" -- $B8K ;;
         trl_vl)            trl_workload --preset qwen2.5-vl-3b $STEADY -- $B8K ;;
-        trl_qwen3_5)       trl_workload --preset qwen3.5-9b-4l $STEADY -- $B8K ;;
-        trl_qwen3_5_lora)  trl_workload --preset qwen3.5-9b --lora 16 $STEADY -- $B8K ;;
+        trl_qwen3_5)       trl_workload --preset qwen3.5-9b-4l $STEADY --variant tail="$TAIL" -- $B8K ;;
+        trl_qwen3_5_lora)  trl_workload --preset qwen3.5-9b --lora 16 $STEADY --variant tail="$TAIL" -- $B8K ;;
         profile_workload)  SWIFT_MEGATRON_PROFILE=$OUT/profile_${PROFILE_PRESET:-qwen2.5-1.5b} $OURS --preset ${PROFILE_PRESET:-qwen2.5-1.5b} --rollout_batches 3 ${PROFILE_ARGS:-} -- $B8K ${PROFILE_FLAGS:-} ;;
         # --- "Memory and the dry run's estimate" (ours alone)
         head_block)        $OURS $FOUR --variant block="$BOTH" -- $B8K ;;
