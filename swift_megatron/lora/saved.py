@@ -136,7 +136,7 @@ def saved_tensors(model: torch.nn.Module, names: Sequence[str], bridge) -> Dict[
         return {}
     tensors = {n: t.detach().cpu() for n, t in bridge.export(model, _global_names(model, names))}
     if model.share_embeddings_and_output_weights:
-        tensors[HEAD] = tensors[_hf_embedding(bridge)]
+        tensors[HEAD] = tensors[_hf_embedding(bridge)].clone()
     return tensors
 
 
