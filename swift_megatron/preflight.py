@@ -313,6 +313,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         image_patches=max(1, tokens // longest) * image_patches(args, hf_config),
         frozen_parameters=frozen_parameters(args, hf_config),
         saved_parameters=saved_parameters(args, hf_config),
+        embedding_trains=embedding_trains(args, hf_config),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))
@@ -340,6 +341,22 @@ def saved_parameters(args: RlhfArguments, hf_config: dict) -> int:
     p = args.parallel
     return saved_on_first_stage(hf_config, [saved_module(n) for n in args.lora.modules_to_save],
                                 p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+
+
+def embedding_trains(args: RlhfArguments, hf_config: dict) -> Optional[bool]:
+    """Whether the word embedding trains, when the freeze flags or --modules_to_save decide it
+    (None: the estimate's default, with full training and not with LoRA)."""
+    from swift_megatron.arguments.lora import EMBEDDING, OUTPUT_LAYER, saved_module
+    from swift_megatron.model.trainable import FreezeRules
+    from swift_megatron.model.trainable import embedding_trains as trains
+
+    if args.training.train_type == "full" and args.freeze.active:
+        return trains(hf_config, FreezeRules.from_arguments(args.freeze))
+    if args.training.uses_lora and args.lora.modules_to_save:
+        saved = {saved_module(n) for n in args.lora.modules_to_save}
+        tied = bool(text_config(hf_config).get("tie_word_embeddings"))
+        return EMBEDDING in saved or (tied and OUTPUT_LAYER in saved)
+    return None
 
 
 def image_patches(args: RlhfArguments, hf_config: Mapping) -> int:

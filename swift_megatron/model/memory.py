@@ -9,7 +9,8 @@ Per rank, in bytes:
   each; LoRA: the adapters only, every expert's in MoE layers, plus --modules_to_save's
   modules, whose base copy also counts as weights; a frozen vision tower, ms-swift's default,
   and what the --freeze_parameters* flags freeze have none);
-- embedding_grad (full training, train phase): the dense bf16 gradient of the word embedding
+- embedding_grad (full training, or LoRA training the embedding in full; train phase; none when
+  the freeze flags freeze the embedding): the dense bf16 gradient of the word embedding
   that autograd makes before DDP adds it into its main gradient (2 bytes x vocab x hidden / TP;
   inferred, with the output layer's block, from the 5% by which the Qwen3.5-9B shape's measured
   training memory exceeded the estimate without them; not measured alone);
@@ -100,6 +101,7 @@ class RunShape:
     image_patches: int = 0               # vision patches of one micro-batch (VL; 0: not counted)
     frozen_parameters: int = 0           # full: this rank's parameters the freeze flags freeze
     saved_parameters: int = 0            # LoRA: this rank's --modules_to_save parameters
+    embedding_trains: Optional[bool] = None  # None: with full training, not with LoRA
 
 
 def _attention_parameters(hf: Mapping) -> int:
@@ -302,7 +304,8 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
                  teacher=run.teacher_parameters * width,
                  activations=activation_bytes(hf, run) + tower_activations,
                  head=_head_bytes(hf, run),
-                 embedding_grad=0 if run.lora else 2 * hf["vocab_size"] * hf["hidden_size"] / run.tp)
+                 embedding_grad=2 * hf["vocab_size"] * hf["hidden_size"] / run.tp * (
+                     not run.lora if run.embedding_trains is None else run.embedding_trains))
     train = sum(parts.values())
     # a colocated engine generates with the gradients freed (training/offload.py, grad_dropper)
     gradients = parts["gradients"] * (run.vllm_fraction == 0)

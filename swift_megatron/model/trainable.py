@@ -177,3 +177,10 @@ def saved_on_first_stage(hf: dict, modules: Sequence[str], tp: int, pp: int) -> 
     embedding = EMBEDDING in names or (tied and OUTPUT in names)
     head = OUTPUT in names and not tied and pp == 1
     return (counts["embedding"] * embedding + counts["head"] * head) // tp
+
+
+def embedding_trains(hf: dict, rules: FreezeRules) -> bool:
+    """Whether the word embedding trains under the freeze rules (full training)."""
+    table = estimated_table(hf)
+    tied = bool(text_config(hf).get("tie_word_embeddings"))
+    return EMBEDDING in trainable_names(table, {n for n, _ in table}, rules, tied, strict=False)

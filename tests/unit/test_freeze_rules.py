@@ -124,6 +124,10 @@ def test_frozen_parameters_have_no_gradient_or_optimizer_state():
     assert (base["gradients"] - less["gradients"]) * (1 << 30) == pytest.approx(4 * 64000)
     assert (base["optimizer"] - less["optimizer"]) * (1 << 30) == pytest.approx(12 * 64000 / 2)
     assert less["weights"] == base["weights"]
+    # nor the embedding's dense bf16 gradient of the backward
+    frozen_embedding = estimate(HF, RunShape(micro_batch_tokens=64, embedding_trains=False))
+    assert base["embedding_grad"] * (1 << 30) == pytest.approx(2 * 64000)
+    assert frozen_embedding["embedding_grad"] == 0
 
 
 def test_modules_to_save_train_in_full_beside_the_adapters():
@@ -141,7 +145,7 @@ def test_modules_to_save_train_in_full_beside_the_adapters():
 
 
 def test_the_dry_run_counts_them_from_the_flags():
-    from swift_megatron.preflight import frozen_parameters, saved_parameters
+    from swift_megatron.preflight import embedding_trains, frozen_parameters, saved_parameters
 
     args = parse("--freeze_parameters", "embedding.", "--tensor_model_parallel_size", 2)
     assert frozen_parameters(args, HF) == 32000
@@ -149,3 +153,8 @@ def test_the_dry_run_counts_them_from_the_flags():
                              HF) == 0
     lora = parse("--train_type", "lora", "--modules_to_save", "embed_tokens")
     assert saved_parameters(lora, HF) == 64000 and saved_parameters(parse(), HF) == 0
+    assert [embedding_trains(a, HF) for a in (parse(), args, lora)] == [None, False, True]
+    assert embedding_trains(parse("--freeze_parameters", "decoder."), HF) is True
+    head_only = parse("--train_type", "lora", "--modules_to_save", "lm_head")
+    assert embedding_trains(head_only, HF) is False
+    assert embedding_trains(head_only, dict(HF, tie_word_embeddings=True)) is True
