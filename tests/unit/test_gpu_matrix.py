@@ -51,7 +51,7 @@ def _parsed(case):
                                               colocate_vllm=not case.server))
 
 
-@pytest.mark.parametrize("part", ["matrix", "matrix_2gpu", "matrix_4gpu"])
+@pytest.mark.parametrize("part", ["matrix", "matrix_2gpu", "matrix_4gpu", "what_trains"])
 def test_commands_pass_the_argument_checks(part):
     """Each case's flags parse and satisfy the batch rules on its GPUs (the CLI's parser, no
     model): 64 completions per rollout batch and data-parallel rank, the weight-sync check."""
@@ -305,3 +305,8 @@ def test_background_runs_outlast_the_call(tmp_path):
     assert waited.splitlines() == ["finished", "qwen2_full pass 1.0 s"]
     run("collect")
     assert (tmp_path / "out" / "background_logs.tgz").stat().st_size > 0
+
+
+def test_optional_parts_stay_out_of_the_gate():
+    gate = {c.name for c in matrix.all_cases("all")}
+    assert gate and not gate & {c.name for c in matrix.all_cases("what_trains")}
