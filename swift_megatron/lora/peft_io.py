@@ -179,11 +179,13 @@ def read_adapter_config(adapter_dir: str) -> LoraConfig:
 
 
 def _is_saved(name: str, config: LoraConfig) -> bool:
-    """Whether `name` is the weight of one of the adapter's modules trained in full."""
+    """Whether `name` is the weight of a module an adapter with modules_to_save trains in full
+    (the embedding or lm_head: peft's ensure_weight_tying writes both for either)."""
     if not (config.modules_to_save and name.endswith(".weight")):
         return False
     try:
-        return saved_module(name[:-len(".weight")]) in config.modules_to_save
+        saved_module(name[:-len(".weight")])
+        return True
     except UserError:
         return False
 

@@ -106,6 +106,14 @@ def test_peft_loads_it_and_merges_as_we_do(checks, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_we_load_what_peft_saves_with_the_same_logits(checks, family):
+    diff, effect = (checks[family]["peft_made"][k] for k in ("max_abs_diff", "effect"))
+    print(f"{family}: peft-made adapter with modules_to_save, logits max abs diff {diff:.1e} "
+          f"(it moves them by {effect:.2f})")
+    assert diff <= LOGITS_ATOL and effect > 0.1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_loaded_back_and_resumed_exactly(checks, family):
     saved, checkpoint = checks[family]["saved"], checks[family]["checkpoint"]
     assert saved["round_trip"] == 0.0 and saved["round_trip_disabled_is_base"]

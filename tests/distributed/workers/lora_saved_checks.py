@@ -12,6 +12,8 @@ training would):
                 merge_adapter_into_hf against peft's merge_and_unload, and load_adapter back
     checkpoint  a distributed checkpoint of the LoRA model: a LoRA model loads it whole (trained
                 weights and base copies), a model without adapters loads its base
+    peft_made   an adapter peft creates with modules_to_save (tied: ensure_weight_tying) loads
+                with peft's logits
     regex       (qwen3) target_regex in HF names and in Megatron names: the adapted modules,
                 adapter_config.json's target_modules, peft's logits, load_adapter back
 """
@@ -106,6 +108,33 @@ def check_checkpoint(family, hf_dir, state, tokens, work):
             "plain_loads_base": bool((mcore_logits(plain, tokens, state) == base_logits).all())}
 
 
+def check_peft_made(family, hf_dir, state, tokens, work):
+    """An adapter peft creates with modules_to_save (its B and modules moved by seeded noise;
+    tied: with ensure_weight_tying) loads into ours with peft's logits."""
+    import peft
+    import torch
+
+    from swift_megatron.export import mcore_logits
+    from swift_megatron.lora import load_adapter
+
+    tied = family == "qwen3"
+    model = peft.get_peft_model(hf_model(hf_dir), peft.LoraConfig(
+        r=R, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+        modules_to_save=["embed_tokens"] if tied else ["embed_tokens", "lm_head"],
+        ensure_weight_tying=tied))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(seeded_normal(param.shape, SEED, name, 0.05))
+    adapter = os.path.join(work, "peft_made")
+    model.save_pretrained(adapter)
+    loaded = mcore(hf_dir, state)
+    load_adapter(loaded.model, adapter, loaded.bridge)
+    ours = mcore_logits(loaded, tokens, state)
+    return {"max_abs_diff": max_abs(ours, hf_logits(model.eval(), tokens)),
+            "effect": max_abs(ours, hf_logits(hf_model(hf_dir), tokens))}
+
+
 REGEXES = {"hf": r".*layers\.[01]\.self_attn\.(q|v)_proj",
            "megatron": r"decoder\.layers\.2\.(self_attention\.linear_qkv|mlp\.linear_fc2)"}
 
@@ -142,7 +171,8 @@ def run_family(family, root, out, state):
     tokens = random_tokens(500, 64, "cpu")
     result = {"saved": check_saved(family, hf_dir, state, tokens, os.path.join(work, "saved")),
               "checkpoint": check_checkpoint(family, hf_dir, state, tokens,
-                                             os.path.join(work, "ckpt"))}
+                                             os.path.join(work, "ckpt")),
+              "peft_made": check_peft_made(family, hf_dir, state, tokens, work)}
     if family == "qwen3":
         result["regex"] = {name: check_regex(hf_dir, state, tokens, os.path.join(work, name), rx)
                            for name, rx in REGEXES.items()}
