@@ -64,7 +64,8 @@ def model_order(local_names: Sequence[str]) -> Callable[[str], tuple]:
         layer, expert = _LAYER.match(name), _EXPERT.search(name)
         if layer is None:
             return position, 0, 0, -1, name
-        return layers_at, int(layer.group(1)), position, int(expert.group(1)) if expert else -1, name
+        number = int(expert.group(1)) if expert else -1
+        return layers_at, int(layer.group(1)), position, number, name
     return key
 
 

@@ -29,7 +29,8 @@ SINGLE = {"rules": ("qwen3", RULES, {}), "ratio": ("qwen3", RATIO, {}),
           "moe_ratio": ("qwen3_moe", {"freeze_parameters_ratio": 0.5}, {})}
 # layout -> (its one-process job, layout)
 LAYOUTS = {"ratio_tp2": ("ratio", dict(tp=2)), "ratio_dp2_dist_opt": ("ratio", dict(dist_opt=1)),
-           "tied_output_pp2": ("tied_output", dict(pp=2)), "moe_ratio_ep2": ("moe_ratio", dict(ep=2))}
+           "tied_output_pp2": ("tied_output", dict(pp=2)),
+           "moe_ratio_ep2": ("moe_ratio", dict(ep=2))}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from swift_megatron.model.trainable import (FreezeRules, estimated_table, frozen
 
 EMB, OUT = "embedding.word_embeddings.weight", "output_layer.weight"
 TABLE = [(EMB, 100), ("decoder.layers.0.input_layernorm.weight", 10),
-         ("decoder.layers.0.mlp.linear_fc1.weight", 40), ("decoder.layers.1.input_layernorm.weight", 10),
+         ("decoder.layers.0.mlp.linear_fc1.weight", 40),
+         ("decoder.layers.1.input_layernorm.weight", 10),
          ("decoder.layers.1.mlp.linear_fc1.weight", 40), ("decoder.final_layernorm.weight", 10),
          (OUT, 100)]
 ALL = {n for n, _ in TABLE}
@@ -138,7 +139,8 @@ def test_modules_to_save_train_in_full_beside_the_adapters():
     assert saved_on_first_stage(HF, ["output_layer"], tp=1, pp=2) == 0
     assert saved_on_first_stage(dict(HF, tie_word_embeddings=True), ["output_layer"], 1, 2) == 64000
     run = dict(lora=True, micro_batch_tokens=64, distributed_optimizer=False)
-    base, more = estimate(HF, RunShape(**run)), estimate(HF, RunShape(**run, saved_parameters=64000))
+    base = estimate(HF, RunShape(**run))
+    more = estimate(HF, RunShape(**run, saved_parameters=64000))
     assert (more["gradients"] - base["gradients"]) * (1 << 30) == pytest.approx(4 * 64000)
     assert (more["optimizer"] - base["optimizer"]) * (1 << 30) == pytest.approx(12 * 64000)
     assert (more["weights"] - base["weights"]) * (1 << 30) == pytest.approx(2 * 64000)

@@ -16,8 +16,9 @@ LOGITS_ATOL = 1e-4
 # ---- names and configs ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, module", [
-    ("word_embeddings", "embedding.word_embeddings"), ("embed_tokens", "embedding.word_embeddings"),
-    ("all-embedding", "embedding.word_embeddings"), ("model.embed_tokens", "embedding.word_embeddings"),
+    ("word_embeddings", "embedding.word_embeddings"),
+    ("embed_tokens", "embedding.word_embeddings"), ("all-embedding", "embedding.word_embeddings"),
+    ("model.embed_tokens", "embedding.word_embeddings"),
     ("output_layer", "output_layer"), ("lm_head", "output_layer")])
 def test_ms_swift_and_hf_names_select_the_module(name, module):
     assert saved_module(name) == module
@@ -49,7 +50,8 @@ def test_target_regex_replaces_target_modules_as_ms_swift():
 def test_peft_configs_with_modules_to_save_and_regexes_read():
     data = peft_config_dict(LoraConfig(), ["model.layers.0.self_attn.q_proj"], "b",
                             ["lm_head", "model.embed_tokens"], tied=True)
-    assert data["ensure_weight_tying"] and data["modules_to_save"] == ["lm_head", "model.embed_tokens"]
+    assert data["ensure_weight_tying"]
+    assert data["modules_to_save"] == ["lm_head", "model.embed_tokens"]
     back = config_from_peft(data, "x")
     assert back.modules_to_save == ("embedding.word_embeddings", "output_layer")
     select = back.selector()   # full names: peft's rule, the name or a suffix after a dot
