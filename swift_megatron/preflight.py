@@ -161,8 +161,11 @@ def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool)
                         f"{problem} (or --use_vllm false for the embedded engine)")
 
 
-_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora")
-_FREEZE_FLAGS = ("freeze_vit", "freeze_aligner", "freeze_llm")   # LoRA: components.py decides
+_LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora",
+               "target_regex", "modules_to_save")
+_FREEZE_FLAGS = ("freeze_vit", "freeze_aligner", "freeze_llm",   # LoRA: components.py decides
+                 "freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio",
+                 "trainable_parameters", "trainable_parameters_regex")
 _SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
                  "vllm_server_timeout", "vllm_server_api_key")
 _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
@@ -369,9 +372,52 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         vision_trainable=t.train_type == "full" and not (args.model.freeze_vit
                                                           and args.model.freeze_aligner),
         image_patches=max(1, tokens // longest) * image_patches(args, hf_config),
+        frozen_parameters=frozen_parameters(args, hf_config),
+        saved_parameters=saved_parameters(args, hf_config),
+        embedding_trains=embedding_trains(args, hf_config),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))
+
+
+def frozen_parameters(args: RlhfArguments, hf_config: dict) -> int:
+    """Full training: the parameters the freeze flags freeze on the counted rank."""
+    if args.training.train_type != "full" or not args.freeze.active:
+        return 0
+    from swift_megatron.model.trainable import FreezeRules, frozen_on_first_stage
+
+    p = args.parallel
+    return frozen_on_first_stage(hf_config, FreezeRules.from_arguments(args.freeze),
+                                 p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                 p.expert_model_parallel_size)
+
+
+def saved_parameters(args: RlhfArguments, hf_config: dict) -> int:
+    """LoRA: the parameters of --modules_to_save's modules on the counted rank."""
+    if not (args.training.uses_lora and args.lora.modules_to_save):
+        return 0
+    from swift_megatron.arguments.lora import saved_module
+    from swift_megatron.model.trainable import saved_on_first_stage
+
+    p = args.parallel
+    return saved_on_first_stage(hf_config, [saved_module(n) for n in args.lora.modules_to_save],
+                                p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+
+
+def embedding_trains(args: RlhfArguments, hf_config: dict) -> Optional[bool]:
+    """Whether the word embedding trains, when the freeze flags or --modules_to_save decide it
+    (None: the estimate's default, with full training and not with LoRA)."""
+    from swift_megatron.arguments.lora import EMBEDDING, OUTPUT_LAYER, saved_module
+    from swift_megatron.model.trainable import FreezeRules
+    from swift_megatron.model.trainable import embedding_trains as trains
+
+    if args.training.train_type == "full" and args.freeze.active:
+        return trains(hf_config, FreezeRules.from_arguments(args.freeze))
+    if args.training.uses_lora and args.lora.modules_to_save:
+        saved = {saved_module(n) for n in args.lora.modules_to_save}
+        tied = bool(text_config(hf_config).get("tie_word_embeddings"))
+        return EMBEDDING in saved or (tied and OUTPUT_LAYER in saved)
+    return None
 
 
 def image_patches(args: RlhfArguments, hf_config: Mapping) -> int:

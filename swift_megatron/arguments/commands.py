@@ -10,6 +10,7 @@ from typing import Dict, FrozenSet, Optional
 from swift_megatron.arguments.batch_plan import BatchInputs
 from swift_megatron.arguments.data import DataArguments
 from swift_megatron.arguments.export import ExportArguments
+from swift_megatron.arguments.freeze import FreezeArguments
 from swift_megatron.arguments.grpo import GRPOArguments
 from swift_megatron.arguments.kernels import KernelArguments
 from swift_megatron.arguments.lora import LoraArguments
@@ -35,6 +36,7 @@ class RlhfArguments:
     rollout: RolloutArguments
     vllm: VllmEngineArguments
     lora: LoraArguments
+    freeze: FreezeArguments
     kernels: KernelArguments
     planning: PlanningArguments
     # the flag names the user set (command line or config file); filled in by parse_command
@@ -65,6 +67,7 @@ class RlhfArguments:
         self._check_tail_logprobs()
         self._check_vision_lrs()
         self._check_lora_llm()
+        self._check_freeze_ratio()
         if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(
                 t.train_type == "lora"):
             raise UserError("--offload_ref_model true: there is no reference model to offload "
@@ -87,6 +90,16 @@ class RlhfArguments:
                                 "fully, or drop the flag")
             raise UserError(f"--{name} sets the learning rate of the {what}, which {flag} "
                             f"true (the default) freezes: pass {flag} false, or drop --{name}")
+
+    def _check_freeze_ratio(self) -> None:
+        """ms-swift's rule: a freeze ratio other than 0 or 1 would cut each pipeline stage's
+        parameters at another point."""
+        ratio = self.freeze.freeze_parameters_ratio
+        if 0 < ratio < 1 and self.parallel.pipeline_model_parallel_size > 1:
+            raise UserError(f"--freeze_parameters_ratio {ratio} is not supported with "
+                            "--pipeline_model_parallel_size > 1 (as ms-swift): name what to freeze "
+                            "with --freeze_parameters (e.g. decoder.layers.0. decoder.layers.1.) "
+                            "or --freeze_parameters_regex")
 
     def _check_lora_llm(self) -> None:
         """--train_type lora_llm trains the vision tower in full beside the adapters: a LoRA

@@ -11,7 +11,7 @@ rank's place in the TP/PP/EP grid and offers:
   (Qwen3.5's MTP head), copied unchanged.
 The mapping classes (mapping.py) own every scatter/gather; bridge/ never imports rollout/.
 """
-from typing import Iterator, Optional, Tuple
+from typing import Collection, Iterator, Optional, Tuple
 
 import torch
 
@@ -57,11 +57,15 @@ class Bridge:
             load_hf_weights(chunk, hf_dir, self.mappings, self.dims, pos,
                             aliases_for(self.shape.model_type))
 
-    def export(self, model) -> Iterator[Tuple[str, torch.Tensor]]:
+    def export(self, model, only: Optional[Collection[str]] = None
+               ) -> Iterator[Tuple[str, torch.Tensor]]:
+        """`only`: the global Megatron names to export (e.g. a LoRA adapter's modules trained
+        in full), default all."""
         parts = self._parts(model)
         if self._plan is None:
             self._plan = build_plan(parts, self.mappings, self.dims)
-        return export_hf_weights(parts, self.mappings, self.dims, self._plan)
+        plan = self._plan if only is None else [i for i in self._plan if i.global_name in only]
+        return export_hf_weights(parts, self.mappings, self.dims, plan)
 
     def num_exported(self, model) -> int:
         if self._plan is None:

@@ -3,7 +3,8 @@
 `HFReader` opens a single `model.safetensors` or a sharded checkpoint with its index json and
 reads only the requested slice of a tensor (safetensors maps the file; nothing else is read).
 Its `aliases` ((prefix, alternative) pairs) let one name find a tensor stored under another
-prefix (Qwen3.5's `model.language_model.` text stack saved as `model.`).
+prefix (Qwen3.5's `model.language_model.` text stack saved as `model.`). `TensorReader`
+reads tensors already in memory the same way.
 `HFWriter` takes (name, tensor) pairs one at a time, flushes a shard whenever it reaches
 `max_shard_size`, and writes the index json at the end, so peak memory is about one shard.
 """
@@ -78,6 +79,28 @@ class HFReader:
         index = [slice(None)] * len(sliced.get_shape())
         index[dim] = slice(start, stop)
         return sliced[tuple(index)]
+
+
+class TensorReader:
+    """Tensors in memory (e.g. read from a PEFT adapter file) read as HFReader reads a checkpoint,
+    so that a mapping's `load` takes its slice of them."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> List[int]:
+        return list(self.tensors[name].shape)
+
+    def read(self, name: str, dim: Optional[int] = None, start: int = 0,
+             stop: Optional[int] = None) -> torch.Tensor:
+        tensor = self.tensors[name]
+        if dim is None:
+            return tensor
+        stop = tensor.shape[dim] if stop is None else stop
+        return tensor.narrow(dim, start, stop - start)
 
 
 def parse_size(text: str) -> int:

@@ -10,7 +10,7 @@ the trainer.
 import os
 import queue
 import shutil
-from typing import Sequence
+from typing import Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -89,13 +89,40 @@ def _first_failure(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0][:300]
 
 
+def stored_keys(iter_dir: str) -> Set[str]:
+    """The keys of every tensor in a torch_dist checkpoint (from its .metadata file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(iter_dir).read_metadata().state_dict_metadata)
+
+
+def _base_of_modules_to_save(chunks: Sequence[torch.nn.Module], directory: str) -> dict:
+    """The sharded state dict to load. A LoRA checkpoint keeps the base weight of a module
+    trained in full beside the trained one (`<module>.lora_base_weight`, lora/saved.py): a model
+    that trains no module in full (one without adapters, loading the checkpoint's base) loads
+    that base as the module's weight."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from swift_megatron.lora.saved import BASE, saved_modules
+
+    sharded = sharded_state_dict(chunks)
+    if any(saved_modules(unwrap(chunk)) for chunk in chunks):
+        return sharded
+    stored = stored_keys(directory)
+    for tensor in nested_values(sharded):
+        key = getattr(tensor, "key", "")
+        if key.endswith(".weight") and key[:-len("weight")] + BASE in stored:
+            tensor.key = key[:-len("weight")] + BASE
+    return sharded
+
+
 def load_model(chunks: Sequence[torch.nn.Module], directory: str) -> None:
     """Load weights saved by save_model (with any parallel layout) into this model."""
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         raise UserError(f"{directory} is not a megatron distributed checkpoint "
                         "(no metadata.json)")
     try:
-        state = dist_checkpointing.load(sharded_state_dict(chunks), directory)
+        state = dist_checkpointing.load(_base_of_modules_to_save(chunks, directory), directory)
     except (CheckpointingException, CheckpointException) as exc:   # another model's weights
         raise UserError(f"{directory} holds another model than the one built here (from --model's "
                         f"config.json and the flags): {_first_failure(exc)}; give the checkpoint "

@@ -56,5 +56,5 @@ def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
     if adapter_dir is not None:
         from swift_megatron.lora import load_adapter
 
-        load_adapter(model, adapter_dir, bridge.mappings)
+        load_adapter(model, adapter_dir, bridge)
     return LoadedModel(model.eval(), bridge, shape, dtype)

@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Set
 
 import torch
 
+from swift_megatron.checkpoint.dist import stored_keys
 from swift_megatron.errors import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -163,13 +164,6 @@ def read_ms_swift_checkpoint(path: str) -> MsSwiftCheckpoint:
 
 
 # ---- loading the sharded tensors ------------------------------------------------------------
-
-def stored_keys(iter_dir: str) -> Set[str]:
-    """The keys of every tensor in a torch_dist checkpoint (from its .metadata file)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return set(FileSystemReader(iter_dir).read_metadata().state_dict_metadata)
-
 
 def candidate_keys(key: str) -> List[str]:
     """Our storage key, then the Transformer Engine name of the same tensor (if it differs)."""

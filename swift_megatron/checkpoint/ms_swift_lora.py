@@ -47,7 +47,12 @@ PEFT_PREFIX = "base_model.model."
 
 def adapter_keys(checkpoint: MsSwiftCheckpoint) -> List[str]:
     """The LoRA tensor keys of the distributed checkpoint; UserError for adapters on modules we
-    do not adapt (e.g. the router)."""
+    do not adapt (e.g. the router) and for modules trained in full (not converted)."""
+    if checkpoint.args.get("modules_to_save"):
+        raise UserError(f"{checkpoint.directory}: its modules_to_save "
+                        f"{checkpoint.args['modules_to_save']} are not read from an ms-swift "
+                        "distributed checkpoint: save the adapter with ms-swift in PEFT format "
+                        "(--save_safetensors true) and pass that directory")
     keys = sorted(k for k in stored_keys(checkpoint.iter_dir) if _KEY.match(k))
     unknown = sorted({_KEY.match(k).group("module") for k in keys} - set(PROJECTIONS))
     if unknown:

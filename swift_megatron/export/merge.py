@@ -39,6 +39,6 @@ def merge_adapter_into_hf(base_hf_dir: str, adapter_dir: str, out_dir: str,
                         f"dtype ({', '.join(DTYPES)})")
     dtype = dtype or DTYPES[shape.torch_dtype]
     loaded = load_mcore_model(hf_config, shape.model_type, dtype, state, hf_dir=base_hf_dir)
-    load_adapter(loaded.model, adapter_dir, loaded.bridge.mappings)
+    load_adapter(loaded.model, adapter_dir, loaded.bridge)
     loaded.bridge.save_hf(loaded.model, out_dir, source_dir=base_hf_dir, dtype=dtype,
                           max_shard_size=max_shard_size, exist_ok=exist_ok)

@@ -37,7 +37,8 @@ def save_model_dir(loaded: LoadedModel, out_dir: str, hf_source_dir: str,
     with staged(out_dir, state) as tmp:
         write_model_dir([loaded.model], tmp, hf_source_dir=hf_source_dir, meta=meta)
         if lora is not None:
-            save_adapter(loaded.model, os.path.join(tmp, OUR_ADAPTER), base_name, lora)
+            save_adapter(loaded.model, os.path.join(tmp, OUR_ADAPTER), base_name, lora,
+                         loaded.bridge)
 
 
 def save_peft_dir(loaded: LoadedModel, out_dir: str, base_name: str, lora: "LoraConfig",
@@ -46,7 +47,7 @@ def save_peft_dir(loaded: LoadedModel, out_dir: str, base_name: str, lora: "Lora
     from swift_megatron.lora import save_adapter
 
     with staged(out_dir, state) as tmp:
-        save_adapter(loaded.model, tmp, base_name, lora)
+        save_adapter(loaded.model, tmp, base_name, lora, loaded.bridge)
 
 
 def as_peft(inputs: ExportInputs, tmp_dir: str) -> ExportInputs:

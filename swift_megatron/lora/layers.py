@@ -69,6 +69,7 @@ from swift_megatron.bridge import dims_of
 from swift_megatron.bridge.mapping import Mapping
 from swift_megatron.errors import UserError
 from swift_megatron.lora.branch import AdapterBranch, AdapterLayout, FrozenLinearWithAdapter
+from swift_megatron.lora.saved import base_weights, train_in_full, unload
 from swift_megatron.lora.targets import (LoraConfig, LoraTarget, find_targets, rows_on,
                                          split_index)
 
@@ -366,15 +367,18 @@ def _check_model(model: torch.nn.Module) -> None:
 def apply_lora(model: torch.nn.Module, config: LoraConfig,
                mappings: Optional[List[Mapping]] = None) -> List[torch.nn.Module]:
     """Add adapters to the targeted linears of this stage's GPTModel (before DDP wrapping) and
-    freeze every other parameter. `mappings`: the bridge's family table (default: the shared
-    decoder table). Returns the adapted modules."""
+    freeze every other parameter but those of `config.modules_to_save` (lora/saved.py).
+    `mappings`: the bridge's family table (default: the shared decoder table). Returns the
+    adapted modules."""
     _check_model(model)
     targets = find_targets(model, config, mappings)
     if not targets:
-        raise UserError(f"LoRA target_modules {list(config.target_modules)} match no linear "
-                        "layer of this model")
+        chosen = (f"target_regex {config.target_regex!r}" if config.target_regex is not None
+                  else f"target_modules {list(config.target_modules)}")
+        raise UserError(f"LoRA {chosen} match no linear layer of this model")
     for param in model.parameters():
         param.requires_grad_(False)
+    train_in_full(model, config.modules_to_save)
     adapted = []
     for target in targets:
         module = model.get_submodule(target.module_name)
@@ -385,7 +389,8 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig,
 
 
 def adapter_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
-    """{name: parameter} of every adapter tensor (the trainable parameters of a LoRA model)."""
+    """{name: parameter} of every adapter tensor (with the weights of modules_to_save, the
+    trainable parameters of a LoRA model)."""
     return {name: param for name, param in model.named_parameters()
             if getattr(param, "bridge_skip", False)}
 
@@ -393,8 +398,10 @@ def adapter_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
 @torch.no_grad()
 def merge_and_unload(model: torch.nn.Module) -> None:
     """Fold every adapter into its base weight (W + scale * B A, in float32, rounded once to the
-    weight's dtype) and turn the LoRA linears back into megatron's: afterwards the model, its
-    state dict and its sharded state dict are those of a plain GPTModel with merged weights."""
+    weight's dtype), keep the modules trained in full as trained, and turn the LoRA linears back
+    into megatron's: afterwards the model, its state dict and its sharded state dict are those of
+    a plain GPTModel with merged weights."""
+    unload(model)
     plain = {lora: base for base, lora in LORA_CLASSES.items()}
     for module in lora_modules(model):
         module.weight.copy_(module.merged_weight())
@@ -407,14 +414,16 @@ def merge_and_unload(model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def disabled(model: torch.nn.Module) -> Iterator[None]:
-    """Adapters off inside the block: forward (and the bridge's export) give the base model,
-    e.g. for GRPO reference logprobs."""
+    """Adapters off inside the block, and the modules trained in full back to their base
+    weights: forward (and the bridge's export) give the base model, e.g. for GRPO reference
+    logprobs."""
     modules = lora_modules(model)
     previous = [m.lora_enabled for m in modules]
     for module in modules:
         module.lora_enabled = False
     try:
-        yield
+        with base_weights(model):
+            yield
     finally:
         for module, enabled in zip(modules, previous):
             module.lora_enabled = enabled

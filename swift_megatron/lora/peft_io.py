@@ -2,29 +2,38 @@
 loads what we train and we load what peft trains.
 
     adapter_config.json        peft LoraConfig fields (peft_type LORA, task_type CAUSAL_LM, r,
-                               lora_alpha, lora_dropout, target_modules as HF names, use_rslora,
-                               bias none, base_model_name_or_path)
+                               lora_alpha, lora_dropout, target_modules as HF names (with a
+                               target_regex: the full names of the modules it selected),
+                               modules_to_save as HF module names, use_rslora, bias none,
+                               base_model_name_or_path)
     adapter_model.safetensors  base_model.model.<HF module>.lora_A.weight [r, in] and
-                               .lora_B.weight [out, r], full (unsharded) tensors
+                               .lora_B.weight [out, r], full (unsharded) tensors; the modules
+                               trained in full under their HF names
+                               (base_model.model.model.embed_tokens.weight, lora/saved.py)
 
 MoE experts are written per expert (`...mlp.experts.<E>.gate_proj.lora_A.weight`), the hub
 layout peft converts on load for transformers 5's fused experts. Adapters peft itself creates on
 transformers 5 fused experts (`target_parameters`) are not readable here (UserError).
 
-`save_adapter` and `load_adapter` are collective: every rank of every parallel group calls them.
+peft's target_modules given as a regular expression, or as full module names, read as a
+target_regex (matched against the HF module names, with peft's suffix rule for names).
+
+`save_adapter` and `load_adapter` are collective: every rank of every parallel group calls them;
+they take the model's bridge (bridge/) when the adapter has modules trained in full.
 """
 import json
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from swift_megatron.bridge.mapping import Mapping
+from swift_megatron.arguments.lora import saved_module
 from swift_megatron.errors import UserError
 from swift_megatron.lora.layers import apply_lora, lora_modules
+from swift_megatron.lora.saved import load_saved, modules_on_stage, saved_modules, saved_tensors
 from swift_megatron.lora.targets import LoraConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -33,22 +42,40 @@ PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_[AB]\.weight$")
 # peft options we do not implement: each must be absent or empty/false in a config we read
 _UNSUPPORTED = ("use_dora", "target_parameters", "rank_pattern", "alpha_pattern",
-                "modules_to_save", "layers_to_transform", "layer_replication", "fan_in_fan_out",
+                "layers_to_transform", "layer_replication", "fan_in_fan_out",
                 "lora_bias", "exclude_modules", "trainable_token_indices", "use_qalora")
 
 
 # ---- config ---------------------------------------------------------------------------------
 
 def peft_config_dict(config: LoraConfig, target_modules: List[str],
-                     base_model_name_or_path: str) -> dict:
-    """adapter_config.json for `config`, targeting the given HF module names."""
+                     base_model_name_or_path: str, modules_to_save: Sequence[str] = (),
+                     tied: bool = False) -> dict:
+    """adapter_config.json for `config`, targeting the given HF module names, with the HF
+    modules trained in full (`tied`: the embedding and lm_head, one matrix)."""
     alpha = config.lora_alpha
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.r,
+    data = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.r,
             "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
             "lora_dropout": config.lora_dropout, "target_modules": sorted(target_modules),
             "use_rslora": config.use_rslora, "bias": "none", "fan_in_fan_out": False,
-            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": sorted(modules_to_save) or None,
             "base_model_name_or_path": base_model_name_or_path}
+    if tied and modules_to_save:
+        data["ensure_weight_tying"] = True
+    return data
+
+
+def _target_fields(targets) -> dict:
+    """LoraConfig's target fields from peft's target_modules: projection names as they are; a
+    regular expression (peft's string form) or full module names (what a target_regex run
+    writes) as a target_regex, with peft's rule for names (the name, or a suffix after a dot)."""
+    if isinstance(targets, str):
+        return {"target_regex": targets}
+    targets = list(targets or [])
+    if targets and all("." in t for t in targets):
+        return {"target_regex": r"(?:.*\.)?(?:" + "|".join(map(re.escape, targets)) + ")"}
+    return {"target_modules": tuple(targets)}
 
 
 def config_from_peft(data: dict, path: str) -> LoraConfig:
@@ -60,12 +87,12 @@ def config_from_peft(data: dict, path: str) -> LoraConfig:
         used.append(f"bias={data['bias']}")
     if used:
         raise UserError(f"{path}: peft options not supported: {', '.join(used)}")
-    targets = data.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
     try:
         return LoraConfig(r=data["r"], lora_alpha=data["lora_alpha"],
-                          lora_dropout=data.get("lora_dropout", 0.0), target_modules=tuple(targets),
-                          use_rslora=bool(data.get("use_rslora", False)))
+                          lora_dropout=data.get("lora_dropout", 0.0),
+                          use_rslora=bool(data.get("use_rslora", False)),
+                          modules_to_save=tuple(data.get("modules_to_save") or ()),
+                          **_target_fields(data.get("target_modules")))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
 
@@ -101,19 +128,35 @@ def _module_of(key: str) -> str:
     return _KEY.match(key[len(PREFIX):]).group("module")
 
 
+def _written_config(model: torch.nn.Module, state: Dict[str, torch.Tensor],
+                    saved: Dict[str, torch.Tensor], config: LoraConfig, base: str) -> dict:
+    """adapter_config.json of a model's adapter: its projection names (a target_regex: the full
+    names of the modules it adapted) and the HF modules it trains in full."""
+    modules = {_module_of(key) for key in state}
+    targets = modules if config.target_regex is not None else \
+        {m.rsplit(".", 1)[-1] for m in modules}
+    return peft_config_dict(config, sorted(targets), base,
+                            [name[:-len(".weight")] for name in saved],
+                            tied=bool(model.share_embeddings_and_output_weights))
+
+
 def save_adapter(model: torch.nn.Module, out_dir: str, base_model_name_or_path: str,
-                 config: LoraConfig) -> None:
-    """Write the adapters of a LoRA model as a PEFT adapter directory (global rank 0 writes;
+                 config: LoraConfig, bridge=None) -> None:
+    """Write the adapters of a LoRA model, and the modules it trains in full (through `bridge`,
+    the model's; needed when it has some), as a PEFT adapter directory (global rank 0 writes;
     each file is written under a temporary name and renamed). Collective."""
+    if config.modules_to_save and bridge is None:
+        raise ValueError("save_adapter: an adapter with modules_to_save needs the model's bridge")
     state = adapter_state_dict(model)
+    saved = saved_tensors(model, config.modules_to_save, bridge)
     if state is not None:
-        targets = {_module_of(key).rsplit(".", 1)[-1] for key in state}
+        tensors = {**state, **{PREFIX + name: t for name, t in saved.items()}}
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, f".tmp-{os.getpid()}-")
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp + ADAPTER_WEIGHTS,
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp + ADAPTER_WEIGHTS,
                   metadata={"format": "pt"})
         with open(tmp + ADAPTER_CONFIG, "w") as f:
-            json.dump(peft_config_dict(config, sorted(targets), base_model_name_or_path), f,
+            json.dump(_written_config(model, state, saved, config, base_model_name_or_path), f,
                       indent=2)
         for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
             os.replace(tmp + name, os.path.join(out_dir, name))
@@ -135,23 +178,43 @@ def read_adapter_config(adapter_dir: str) -> LoraConfig:
         return config_from_peft(json.load(f), config_path)
 
 
+def _is_saved(name: str, config: LoraConfig) -> bool:
+    """Whether `name` is the weight of a module an adapter with modules_to_save trains in full
+    (the embedding or lm_head: peft's ensure_weight_tying writes both for either)."""
+    if not (config.modules_to_save and name.endswith(".weight")):
+        return False
+    try:
+        saved_module(name[:-len(".weight")])
+        return True
+    except UserError:
+        return False
+
+
 def read_adapter(adapter_dir: str) -> Tuple[LoraConfig, Dict[str, torch.Tensor]]:
-    """(config, {"<HF module>.lora_A.weight": tensor, ...}) of a PEFT adapter directory."""
+    """(config, {"<HF module>.lora_A.weight": tensor, ..., "<HF module>.weight": tensor of a
+    module trained in full}) of a PEFT adapter directory."""
     config = read_adapter_config(adapter_dir)
     weights_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     tensors = {}
     for key, tensor in load_file(weights_path).items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-        if not _KEY.match(name):
-            raise UserError(f"{weights_path}: tensor {key!r} is not a LoRA A/B weight")
+        if not (_KEY.match(name) or _is_saved(name, config)):
+            raise UserError(f"{weights_path}: tensor {key!r} is neither a LoRA A/B weight nor "
+                            "the weight of one of its modules_to_save")
         tensors[name] = tensor
     return config, tensors
 
 
-def _check_modules(modules, config: LoraConfig) -> List[str]:
-    return [f"the model's adapters have rank {m.lora_r} and scale {m.lora_scale:g}, the file's "
-            f"rank {config.r} and scale {config.scale:g}" for m in modules[:1]
-            if (m.lora_r, m.lora_scale) != (config.r, config.scale)]
+def _check_modules(model: torch.nn.Module, modules, config: LoraConfig) -> List[str]:
+    problems = [f"the model's adapters have rank {m.lora_r} and scale {m.lora_scale:g}, the "
+                f"file's rank {config.r} and scale {config.scale:g}" for m in modules[:1]
+                if (m.lora_r, m.lora_scale) != (config.r, config.scale)]
+    ours = sorted(m.lora_saved_name for m in saved_modules(model))
+    theirs = sorted(modules_on_stage(model, config.modules_to_save))
+    if ours != theirs:
+        problems.append(f"the model trains {ours or 'no module'} in full, the file "
+                        f"{theirs or 'none'} (modules_to_save)")
+    return problems
 
 
 def _fill(modules, tensors: Dict[str, torch.Tensor], problems: List[str]) -> None:
@@ -176,18 +239,25 @@ def _raise_collectively(adapter_dir: str, problems: List[str]) -> None:
         raise UserError(f"adapter {adapter_dir} does not fit the model: {shown}")
 
 
-def load_adapter(model: torch.nn.Module, adapter_dir: str,
-                 mappings: Optional[List[Mapping]] = None) -> LoraConfig:
+def load_adapter(model: torch.nn.Module, adapter_dir: str, bridge=None) -> LoraConfig:
     """Load a PEFT adapter into this stage's GPTModel, first adding adapters with the file's
-    config when the model has none (before DDP wrapping). UserError, on every rank, when files
-    are missing, a tensor is missing or has the wrong shape (e.g. another rank), or the file
-    holds adapters for modules the model does not adapt. Collective."""
+    config when the model has none (before DDP wrapping); `bridge`: the model's (its family
+    table; default the shared decoder table), needed for an adapter with modules_to_save.
+    UserError, on every rank, when files are missing, a tensor is missing or has the wrong
+    shape (e.g. another rank), or the file holds adapters for modules the model does not
+    adapt. Collective."""
     config, tensors = read_adapter(adapter_dir)
+    if config.modules_to_save and bridge is None:
+        raise ValueError("load_adapter: an adapter with modules_to_save needs the model's bridge")
+    mappings = bridge.mappings if bridge is not None else None
     modules = lora_modules(model) or apply_lora(model, config, mappings)
-    problems = _check_modules(modules, config)
+    problems = _check_modules(model, modules, config)
     if not problems:
         _fill(modules, tensors, problems)
+        problems += load_saved(model, tensors, bridge, adapter_dir) if config.modules_to_save \
+            else []
     used = {key for module in modules for key in module.expected_shapes()}
+    used |= {name for name in tensors if _is_saved(name, config)}
     everyone: List[Optional[set]] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, used)
     unknown = sorted(set(tensors) - set().union(*everyone))

@@ -6,9 +6,11 @@ Per rank, in bytes:
   Gated DeltaNet and full-attention layers each counted as they are; the vision tower and
   its mergers, replicated over TP, on the first stage) x dtype bytes;
 - gradients: megatron's DDP keeps float32 main gradients of the trainable parameters (4 bytes
-  each; LoRA: the adapters only, every expert's in MoE layers; a frozen vision tower, ms-swift's
-  default, has none);
-- embedding_grad (full training, train phase): the dense bf16 gradient of the word embedding
+  each; LoRA: the adapters only, every expert's in MoE layers, plus --modules_to_save's
+  modules, whose base copy also counts as weights; a frozen vision tower, ms-swift's default,
+  and what the --freeze_parameters* flags freeze have none);
+- embedding_grad (full training, or LoRA training the embedding in full; train phase; none when
+  the freeze flags freeze the embedding): the dense bf16 gradient of the word embedding
   that autograd makes before DDP adds it into its main gradient (2 bytes x vocab x hidden / TP;
   inferred, with the output layer's block, from the 5% by which the Qwen3.5-9B shape's measured
   training memory exceeded the estimate without them; not measured alone);
@@ -97,6 +99,9 @@ class RunShape:
     teacher_parameters: int = 0          # --teacher_model's parameters on this rank (0: none)
     vision_trainable: bool = False       # full training with --freeze_vit / --freeze_aligner false
     image_patches: int = 0               # vision patches of one micro-batch (VL; 0: not counted)
+    frozen_parameters: int = 0           # full: this rank's parameters the freeze flags freeze
+    saved_parameters: int = 0            # LoRA: this rank's --modules_to_save parameters
+    embedding_trains: Optional[bool] = None  # None: with full training, not with LoRA
 
 
 def _attention_parameters(hf: Mapping) -> int:
@@ -183,11 +188,12 @@ def rank_parameters(hf: Mapping, run: RunShape) -> int:
 
 
 def _trainable(hf: Mapping, run: RunShape, params: int, vision: int) -> int:
-    """Every parameter but a frozen vision tower's (`vision` of them), or with LoRA the adapters
-    of the 7 linears of each layer: A [r, in] and B [out, r] of q, k, v, o, gate, up, down =
-    r (10 hidden + 3 ffn + 2 kv) per layer."""
+    """Every parameter but a frozen vision tower's (`vision` of them) and those the freeze flags
+    freeze, or with LoRA the adapters of the 7 linears of each layer: A [r, in] and B [out, r]
+    of q, k, v, o, gate, up, down = r (10 hidden + 3 ffn + 2 kv) per layer, and the
+    --modules_to_save modules."""
     if not run.lora:
-        return params - (0 if run.vision_trainable else vision)
+        return params - (0 if run.vision_trainable else vision) - run.frozen_parameters
     hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
     kv = (hf.get("num_key_value_heads") or heads) * (hf.get("head_dim") or hidden // heads)
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
@@ -198,7 +204,7 @@ def _trainable(hf: Mapping, run: RunShape, params: int, vision: int) -> int:
     else:
         mlp = 3 * hidden + 3 * hf["intermediate_size"]
     per_layer = run.lora_rank * (6 * hidden + 2 * kv + mlp)
-    return per_layer * (hf["num_hidden_layers"] // run.pp) // run.tp
+    return per_layer * (hf["num_hidden_layers"] // run.pp) // run.tp + run.saved_parameters
 
 
 def activation_bytes(hf: Mapping, run: RunShape) -> int:
@@ -292,12 +298,14 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     trainable = _trainable(hf, run, params, vision)
     optimizer = 0 if run.optimizer_cpu_offload else 12 * trainable / (
         run.dp if run.distributed_optimizer else 1)
-    parts = dict(weights=params * width, gradients=4 * trainable, optimizer=optimizer,
+    parts = dict(weights=(params + run.saved_parameters) * width, gradients=4 * trainable,
+                 optimizer=optimizer,
                  reference=params * width if run.reference_copy else 0,
                  teacher=run.teacher_parameters * width,
                  activations=activation_bytes(hf, run) + tower_activations,
                  head=_head_bytes(hf, run),
-                 embedding_grad=0 if run.lora else 2 * hf["vocab_size"] * hf["hidden_size"] / run.tp)
+                 embedding_grad=2 * hf["vocab_size"] * hf["hidden_size"] / run.tp * (
+                     not run.lora if run.embedding_trains is None else run.embedding_trains))
     train = sum(parts.values())
     # a colocated engine generates with the gradients freed (training/offload.py, grad_dropper)
     gradients = parts["gradients"] * (run.vllm_fraction == 0)

@@ -2,7 +2,8 @@
 two gloo processes, ~40 s): 3 Adam steps (lr 1e-2, clipping at 1.0) of cross-entropy on a tiny
 Qwen3 with TP=2, TP=2 + sequence parallelism and PP=2, and a tiny Qwen3-MoE with TP=2 x ETP=2 +
 sequence parallelism (megatron requires it for MoE with TP in training) and with EP=2, against
-TP=1 (DP=2).
+TP=1 (DP=2); and with the tied embedding trained in full beside the adapters (--modules_to_save)
+at TP=2 and PP=2 (the embedding on the first stage, its output-layer copy on the last).
 
 Checked: losses and grad norms (rel 1e-6 at step 0, 2e-5 after Adam updates), the step-0
 adapter gradients in HF layout, the saved PEFT adapters (bit-exact before training; after it,
@@ -22,19 +23,22 @@ from tests.distributed.launch import run_workers
 
 pytestmark = pytest.mark.slow
 
+SAVED = dict(modules_to_save=["embed_tokens"])   # the tied embedding trained in full
 LAYOUTS = {"tp2": ("tp1", dict(tp=2)), "tp2_sp": ("tp1", dict(tp=2, sp=1)),
            "pp2": ("tp1", dict(pp=2)), "moe_tp2_etp2_sp": ("moe_tp1", dict(tp=2, etp=2, sp=1)),
-           "moe_ep2": ("moe_tp1", dict(ep=2))}
+           "moe_ep2": ("moe_tp1", dict(ep=2)), "saved_tp2": ("saved_tp1", dict(tp=2, **SAVED)),
+           "saved_pp2": ("saved_tp1", dict(pp=2, **SAVED))}
 MOE = {"moe_tp1", "moe_tp2_etp2_sp", "moe_ep2"}
+REFERENCES = {"tp1": {}, "moe_tp1": {}, "saved_tp1": SAVED}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_tp")
     checkpoint = str(out / "tp2_checkpoint")
-    names = ["tp1", "moe_tp1", *LAYOUTS]
+    names = [*REFERENCES, *LAYOUTS]
     jobs = [dict(name=n, hf_dir=tiny_model_dir("qwen3_moe" if n in MOE else "qwen3"),
-                 **(LAYOUTS[n][1] if n in LAYOUTS else {})) for n in names]
+                 **(LAYOUTS[n][1] if n in LAYOUTS else REFERENCES[n])) for n in names]
     jobs[names.index("tp2")]["save_model_dir"] = checkpoint
     jobs.append(dict(name="tp1_from_tp2_checkpoint", hf_dir=tiny_model_dir("qwen3"),
                      load_model_dir=checkpoint))

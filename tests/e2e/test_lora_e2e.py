@@ -1,6 +1,7 @@
-"""LoRA GRPO through the CLI: a few steps train only adapters, the PEFT adapter it writes loads
-in peft and reproduces the merged HF export, and both merge commands give that same merged
-checkpoint bit for bit."""
+"""LoRA GRPO through the CLI: a few steps train only adapters and the embedding
+(--modules_to_save, tied to the output layer), the weight syncs hold them (--check_weight_sync),
+the PEFT adapter it writes loads in peft and reproduces the merged HF export, and both merge
+commands give that same merged checkpoint bit for bit."""
 import os
 
 import pytest
@@ -29,11 +30,12 @@ def run(tiny_model_dir, math_dataset_path, tmp_path_factory):
              "--reward_funcs", "digit_ratio", "--num_generations", 4, "--global_batch_size", 16,
              "--micro_batch_size", 4, "--max_completion_length", 16, "--train_iters", 2,
              "--beta", 0.04, "--lr", 5e-3, "--report_to", "none", "--add_version", "false",
+             "--modules_to_save", "embed_tokens", "--check_weight_sync", "true",
              "--save", root / "ckpt", "--output_dir", root / "out")
     return model, root
 
 
-def test_only_adapters_trained_and_peft_loads_them(run):
+def test_only_adapters_and_the_embedding_trained_and_peft_loads_them(run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +43,8 @@ def test_only_adapters_trained_and_peft_loads_them(run):
     merged = safetensors_of(root / "out" / "final_hf")
     base = safetensors_of(model)
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
-    assert changed and all(k.endswith("_proj.weight") for k in changed)  # only adapted linears
+    assert "model.embed_tokens.weight" in changed   # trained in full (tied: also the head)
+    assert all(k.endswith("_proj.weight") for k in changed - {"model.embed_tokens.weight"})
     tokens = torch.tensor([[5, 60, 200, 17, 3, 99]])
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model),
                                            root / "out" / "final_adapter").eval()

@@ -5,6 +5,7 @@ GPUs; one log per case and one summary table.
     python tests/gpu/matrix.py                        # part "matrix": the one-GPU cases
     python tests/gpu/matrix.py --part matrix_2gpu     # server mode, TP, PP, EP, CP on 2 GPUs
     python tests/gpu/matrix.py --part matrix_4gpu     # TP=2 x DP=2 and EP=4 on Qwen3.5-MoE
+    python tests/gpu/matrix.py --part what_trains     # freeze flags, modules_to_save, target_regex
     python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl_lora   # families or case names
     python tests/gpu/matrix.py --part all --list      # the cases, no GPU needed
 
@@ -145,13 +146,33 @@ PARTS: Dict[str, List[Case]] = {
         _layout("cp2", "qwen3", 2, 1, *CP2), _layout("cp2", "qwen3_moe", 2, 1, *CP2)],
     "matrix_4gpu": [_layout("tp2dp2", "qwen3_5_moe", 4, 2, *MOE_TP2),
                     _layout("ep4", "qwen3_5_moe", 4, 4, "--expert_model_parallel_size", "4")],
+    # what trains: ms-swift's freeze flags (full training) and LoRA's --modules_to_save and
+    # --target_regex, tied (qwen2, qwen3, llama3) and untied (qwen3_moe) embeddings; one and
+    # two GPUs (PP=2: the tied embedding's two copies). Not part of "all" (the gate).
+    "what_trains": [
+        Case("freeze_qwen3", "qwen3", flags=("--freeze_parameters", "embedding.",
+                                             "decoder.layers.0.", "--freeze_parameters_regex",
+                                             "final_layernorm")),
+        Case("freeze_ratio_llama3", "llama3", flags=("--freeze_parameters_ratio", "0.5")),
+        Case("saved_qwen3_lora", "qwen3", "lora",
+             flags=("--train_type", "lora", "--modules_to_save", "embed_tokens")),
+        Case("saved_qwen3_moe_lora", "qwen3_moe", "lora",
+             flags=("--train_type", "lora", "--modules_to_save", "word_embeddings",
+                    "output_layer")),
+        Case("regex_qwen2_lora", "qwen2", "lora",
+             flags=("--train_type", "lora", "--target_regex", r".*\.(q_proj|v_proj|down_proj)")),
+        _layout("pp2_freeze_output", "qwen2", 2, 1, *PP2, "--freeze_parameters", "output_layer"),
+        Case("pp2_saved_qwen3_lora", "qwen3", "lora", gpus=2,
+             flags=(*PP2, "--train_type", "lora", "--modules_to_save", "embed_tokens"))],
 }
+OPTIONAL_PARTS = {"what_trains"}   # run by name only
 
 
 def all_cases(part: str = "matrix") -> List[Case]:
-    """The cases of `part`; "all": every part's, the largest first (they wait for GPUs to free
-    together, the one-GPU cases fill the gaps and the end)."""
-    cases = [c for name, cases in PARTS.items() if part in (name, "all") for c in cases]
+    """The cases of `part`; "all": every gate part's (not OPTIONAL_PARTS), the largest first
+    (they wait for GPUs to free together, the one-GPU cases fill the gaps and the end)."""
+    cases = [c for name, cases in PARTS.items()
+             if part == name or (part == "all" and name not in OPTIONAL_PARTS) for c in cases]
     return sorted(cases, key=lambda c: -c.gpus) if part == "all" else cases
 
 

@@ -51,7 +51,7 @@ def _parsed(case):
                                               colocate_vllm=not case.server))
 
 
-@pytest.mark.parametrize("part", ["matrix", "matrix_2gpu", "matrix_4gpu"])
+@pytest.mark.parametrize("part", ["matrix", "matrix_2gpu", "matrix_4gpu", "what_trains"])
 def test_commands_pass_the_argument_checks(part):
     """Each case's flags parse and satisfy the batch rules on its GPUs (the CLI's parser, no
     model): 64 completions per rollout batch and data-parallel rank, the weight-sync check."""
@@ -406,3 +406,8 @@ def test_the_dry_runs_run_in_one_process_and_are_kept(tiny_model_dir, math_datas
     assert found[1] == {}
     monkeypatch.setattr(subprocess, "run", None)   # nothing runs the second time
     assert matrix.estimates(cases, inputs, str(tmp_path)) == found
+
+
+def test_optional_parts_stay_out_of_the_gate():
+    gate = {c.name for c in matrix.all_cases("all")}
+    assert gate and not gate & {c.name for c in matrix.all_cases("what_trains")}

@@ -35,6 +35,7 @@ from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
 from swift_megatron.model.layout import check_layout, num_experts
 from swift_megatron.model.text_config import text_config
+from swift_megatron.model.trainable import FreezeRules
 from swift_megatron.model.vision import freeze, has_vision, takes_images, vision_part
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.preflight import (check_reward_sources, check_vision_flags,
@@ -49,6 +50,7 @@ from swift_megatron.rlhf.grpo.references import Reference
 from swift_megatron.rlhf.grpo.teacher import Teacher, check_same_tokenizer
 from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.factory import build_engine, engine_kind
+from swift_megatron.training.freeze import apply_freeze
 from swift_megatron.training.offload import grad_dropper, model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
                                            check_settings, wrap_ddp)
@@ -127,7 +129,7 @@ def _load_base(chunks, model_dir: str, weights: Optional[WeightsSource], bridge:
 def _load_adapter(model, adapter: AdapterSource, hf_config: dict, bridge: Bridge) -> LoraConfig:
     """Load `adapter` (PEFT, or an ms-swift one converted to PEFT in a temporary directory)."""
     with tempfile.TemporaryDirectory(prefix="swift_megatron_adapter_") as tmp:
-        return load_adapter(model, peft_dir_of(adapter, hf_config, tmp), bridge.mappings)
+        return load_adapter(model, peft_dir_of(adapter, hf_config, tmp), bridge)
 
 
 def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
@@ -199,6 +201,8 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
     elif args.model.freeze_llm and lora is None:
         raise UserError("--freeze_llm true leaves nothing to train: this model has no vision "
                         "tower")
+    if args.training.train_type == "full" and args.freeze.active:
+        apply_freeze(chunks, FreezeRules.from_arguments(args.freeze))
     ddp = [wrap_ddp(chunk, config, args.parallel.use_distributed_optimizer) for chunk in chunks]
     optimizer = build_optimizer(ddp, config, settings)
     scheduler = build_scheduler(optimizer, settings)

@@ -614,7 +614,7 @@ class GRPOTrainer:
                 pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
                 return
             if self._adapter_alone:
-                save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
+                save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora, pol.bridge)
             if self.args.training.merge_lora:
                 pol.bridge.save_hf(chunk, merged, source_dir=pol.model_dir, exist_ok=True)
 
@@ -672,7 +672,7 @@ class GRPOTrainer:
             self.reference.save(directory)
         if self._adapter_alone:
             save_adapter(unwrap(pol.chunks[0]), os.path.join(directory, "adapter"),
-                         pol.model_dir, pol.lora)
+                         pol.model_dir, pol.lora, pol.bridge)
 
     def export_final(self) -> None:
         """The trained policy as an HF checkpoint: {output_dir}/final_hf (adapters merged), and
@@ -699,7 +699,8 @@ class GRPOTrainer:
         if self._saved_step == self.step and os.path.isdir(adapter):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(adapter, final_adapter))
         else:
-            save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora)
+            save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora,
+                         pol.bridge)
 
     def close(self) -> None:
         if self.prefetch:

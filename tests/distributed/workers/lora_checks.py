@@ -199,7 +199,7 @@ def check_round_trip(loaded, hf_dir, state, lora, tokens, out_dir):
 
     save_adapter(loaded.model, out_dir, hf_dir, lora)
     fresh = mcore(hf_dir, state)
-    load_adapter(fresh.model, out_dir, fresh.bridge.mappings)
+    load_adapter(fresh.model, out_dir, fresh.bridge)
     before, after = adapter_state_dict(loaded.model), adapter_state_dict(fresh.model)
     with open(os.path.join(out_dir, "adapter_config.json")) as f:
         saved_config = json.load(f)
@@ -246,7 +246,7 @@ def check_ours_reads_peft(hf_dir, state, tokens, out_dir, target_modules):
 
     peft_model = make_peft_adapter(hf_dir, out_dir, target_modules, use_rslora=True)
     loaded = mcore(hf_dir, state)
-    config = load_adapter(loaded.model, out_dir, loaded.bridge.mappings)
+    config = load_adapter(loaded.model, out_dir, loaded.bridge)
     ours = mcore_logits(loaded, tokens, state)
     return {"max_abs_diff": max_abs(ours, hf_logits(peft_model, tokens)),
             "loaded_targets": list(config.projections()), "use_rslora": config.use_rslora}
@@ -477,7 +477,7 @@ def check_peft_fused_experts(hf_dir, state, out_dir):
         from swift_megatron.lora import load_adapter
 
         loaded = mcore(hf_dir, state)
-        load_adapter(loaded.model, out_dir, loaded.bridge.mappings)
+        load_adapter(loaded.model, out_dir, loaded.bridge)
     return {"error": _user_error(run),
             "target_parameters": sorted(saved.get("target_parameters") or [])}
 

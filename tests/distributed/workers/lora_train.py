@@ -6,7 +6,8 @@ group, for tests/distributed/test_lora_tp.py. Writes {out_dir}/rank{R}.json: {jo
 
 A job loads the tiny HF checkpoint `hf_dir` through the bridge in layout tp/pp/ep/etp, with
 sequence parallelism when `sp` (the other ranks are data parallel), adds adapters (seeded, layout
-independent, B set to seeded nonzero values) and runs STEPS Adam steps of next-token cross-entropy
+independent, B set to seeded nonzero values; the job's `modules_to_save` trained in full beside
+them) and runs STEPS Adam steps of next-token cross-entropy
 on fixed batches through megatron's DDP, optimizer and forward_backward. It records losses and
 grad norms, writes the step-0 adapter gradients ({out_dir}/{name}.grads.pt) and the adapters
 before and after training ({out_dir}/{name}.init, .final; PEFT format). `save_model_dir` also
@@ -46,10 +47,11 @@ def build(job, state):
                                        sequence_parallel=bool(job.get("sp")))
     bridge = Bridge(hf_config, shape, config)
     bridge.load(model, job["hf_dir"])
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, seed=3)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, seed=3,
+                      modules_to_save=tuple(job.get("modules_to_save", ())))
     apply_lora(model, lora, bridge.mappings)
     randomize_b(model, seed=9)
-    return model.train(), shape.vocab_size, lora
+    return model.train(), shape.vocab_size, lora, bridge
 
 
 def train(job, state, model, vocab, out_dir):
@@ -99,15 +101,15 @@ def run_job(job, out_dir):
 
     state = ParallelState.initialize(tp=job.get("tp", 1), pp=job.get("pp", 1), ep=job.get("ep", 1),
                                      etp=job.get("etp", 1), device="cpu", seed=0)
-    model, vocab, lora = build(job, state)
+    model, vocab, lora, bridge = build(job, state)
     prefix = os.path.join(out_dir, job["name"])
-    save_adapter(model, prefix + ".init", job["hf_dir"], lora)
+    save_adapter(model, prefix + ".init", job["hf_dir"], lora, bridge)
     result = {}
     if job.get("load_model_dir"):
         load_model([model], job["load_model_dir"])
     else:
         result = train(job, state, model, vocab, out_dir)
-    save_adapter(model, prefix + ".final", job["hf_dir"], lora)
+    save_adapter(model, prefix + ".final", job["hf_dir"], lora, bridge)
     if job.get("save_model_dir"):
         save_model([model], job["save_model_dir"])
     return result
