@@ -14,6 +14,7 @@ from swift_megatron.arguments.grpo import GRPOArguments
 from swift_megatron.arguments.kernels import KernelArguments
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.model import ModelArguments
+from swift_megatron.arguments.moe import MoeArguments
 from swift_megatron.arguments.parallel import ParallelArguments
 from swift_megatron.arguments.planning import PlanningArguments
 from swift_megatron.arguments.rollout import (RolloutArguments, ServeArguments,
@@ -36,6 +37,7 @@ class RlhfArguments:
     vllm: VllmEngineArguments
     lora: LoraArguments
     kernels: KernelArguments
+    moe: MoeArguments
     planning: PlanningArguments
     # the flag names the user set (command line or config file); filled in by parse_command
     explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
@@ -62,6 +64,10 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
+        if self.moe.router_replay_mode == "R3" and g.multi_turn_scheduler is not None:
+            raise UserError("--router_replay_mode R3 replays the routes of one generation per "
+                            "completion; a multi-turn conversation's turns are generated "
+                            "apart (not supported): drop --multi_turn_scheduler or use R2")
         self._check_vision_lrs()
         self._check_lora_llm()
         if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(

@@ -7,9 +7,10 @@ embeddings):
   llama / mistral  optional attention bias; llama3 rope scaling (factor, low/high freq)
   qwen2            q/k/v bias
   qwen3            q/k RMSNorm per head
-  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); with
-                   --moe_expert_capacity_factor, megatron's token dropping (a components.py
-                   override; dense models reject it)
+  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); the MoE
+                   flags (arguments/moe.py: load balancing, aux and z losses, router dtype,
+                   token dropping) arrive as overrides (components.py; dense models reject
+                   them)
   qwen3_5          hybrid: `layer_types` mixes Gated DeltaNet linear attention (mcore
                    GatedDeltaNet, `linear_*` sizes) and full attention with an output gate,
                    partial rotary (`partial_rotary_factor`) and zero-centred q/k norms; every
@@ -188,7 +189,8 @@ def _moe_kwargs(hf: Mapping, model_type: str, ep: int, etp: int) -> Dict[str, An
         # the same as mcore's softmax over the top-k logits (pre_softmax=False).
         moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
         moe_router_score_function="softmax", moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        # ms-swift's defaults (its model config's "aux_loss", at coefficient 0: no loss)
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
         moe_permute_fusion=False, moe_router_fusion=False,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)

@@ -48,6 +48,7 @@ from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
+from swift_megatron.training.moe_losses import moe_loss_metrics
 from swift_megatron.training.profile import device_memory, maybe_profile, measure_phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
@@ -292,6 +293,7 @@ class GRPOTrainer:
         zero_grads(pol.chunks, pol.optimizer)
         outputs = forward_backward(pol.chunks, micro, partial(grpo_loss, self.loss_settings, constants))
         metrics = step_metrics(outputs, self.state)
+        metrics.update(moe_loss_metrics(pol.config, len(micro), self.state.device))
         if self.numerics_pending:
             metrics.update(self.numerics_gate(metrics))
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
