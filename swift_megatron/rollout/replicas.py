@@ -40,7 +40,9 @@ class ReplicaEngine:
                 request["multi_modal_data"] = {"image": pictures}
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         fields = [vllm_compat.completion_fields(out) for out in outputs]
-        return [{"token_ids": t, "logprobs": lp, "finish_reason": r} for t, lp, r in fields]
+        return [{"token_ids": t, "logprobs": lp, "finish_reason": r,
+                 "routed_experts": vllm_compat.routed_experts(out)}
+                for (t, lp, r), out in zip(fields, outputs)]
 
     def open_communicator(self, **kwargs) -> None:
         self.llm.collective_rpc("weight_sync_open", kwargs=kwargs)

@@ -12,12 +12,16 @@ examples):
     GET  /health              {"status": "ok", "world_size", "weight_version",
                               "weight_sync_error", "communicator" (null, or whether it is
                               joined and the seconds left on its lease), "multi_turn_scheduler",
-                              "use_gym_env"} (503 once a replica process exited)
+                              "use_gym_env", "routed_experts"} (503 once a replica process
+                              exited)
     GET  /get_world_size      {"world_size": T x D}
     POST /generate            prompts (token ids or text), per-request seeds, sampling params,
                               optionally per-request images (base64 image files; the prompt
                               holds one image pad per image, vLLM expands it)
-                              -> token ids, logprobs, finish reasons
+                              -> token ids, logprobs, finish reasons; with
+                              "return_routed_experts": true (engines started with
+                              --vllm_engine_kwargs '{"enable_return_routed_experts": true}')
+                              each completion's routed experts, base64 int16 with their shape
     POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token",
                               "lease_s"}: reserves the weight-sync communicator for this client
                               (the replicas do nothing yet, so generation never waits on it)
@@ -62,6 +66,7 @@ from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Unio
 from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
+from swift_megatron.rollout.engine import encode_routes
 from swift_megatron.rollout.replicas import (STOP_GRACE_S, Replica, ReplicaError,
                                              spawn_replicas, start_engines, stop_all)
 
@@ -93,6 +98,7 @@ class ServerState:
     # kept their previous weights), until an update completes; /health reports it
     update_error: Optional[str] = None
     multi_turn: Optional["MultiTurnService"] = None   # --multi_turn_scheduler
+    routed_experts: bool = False     # the engines return routed experts (--vllm_engine_kwargs)
 
     @property
     def world_size(self) -> int:
@@ -137,6 +143,7 @@ def _models():
         stop_token_ids: List[Annotated[StrictInt, Field(ge=0)]] = []
         logprobs: StrictBool = True
         images: Optional[List[Optional[List[StrictStr]]]] = None   # base64 image files
+        return_routed_experts: StrictBool = False   # each completion's routed experts
 
     class InitCommunicatorRequest(Strict):
         port: Optional[StrictInt] = Field(None, gt=0, lt=65536)
@@ -260,11 +267,21 @@ def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str,
 
 
 def _generate(state: ServerState, request) -> dict:
+    from fastapi import HTTPException
+
     _check_generate(request, state.vocab_size)
+    if request.return_routed_experts and not state.routed_experts:
+        raise HTTPException(400, "return_routed_experts: this server's engines return none; "
+                                 "start `megatron rollout` with --vllm_engine_kwargs "
+                                 f"'{{\"{vllm_compat.ROUTES_KEY}\": true}}'")
     seeds = request.seeds or [None] * len(request.prompts)
     completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
                                         request.stop_token_ids, request.logprobs,
                                         _decode_images(request))
+    for completion in completions:   # numpy from the replicas: JSON when asked for, else gone
+        routes = completion.pop("routed_experts", None)
+        if request.return_routed_experts:
+            completion["routed_experts"] = None if routes is None else encode_routes(routes)
     return {"completions": completions, "weight_version": state.weight_version}
 
 
@@ -608,7 +625,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
                 "weight_version": state.weight_version, "weight_sync_error": state.update_error,
                 "communicator": _communicator_health(state),
                 "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None,
-                "use_gym_env": bool(state.multi_turn and state.multi_turn.use_gym_env)}
+                "use_gym_env": bool(state.multi_turn and state.multi_turn.use_gym_env),
+                "routed_experts": state.routed_experts}
 
     @app.get("/get_world_size")
     def get_world_size():
@@ -777,7 +795,7 @@ def serve(args) -> None:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
                             serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl",
                             serve_args.communicator_timeout, serve_args.communicator_lease,
-                            multi_turn=multi_turn)
+                            multi_turn=multi_turn, routed_experts=settings.returns_routes)
         logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
                     f"on http://{serve_args.host}:{serve_args.port}")
         app = build_app(state, serve_args.api_key, serve_args.enable_docs)

@@ -77,6 +77,7 @@ class ColocateSettings:
     sleep_level: int = 0
     full_syncs: bool = False   # every update_weights sends every weight (module docstring)
     request_seeds: bool = True  # one vLLM seed per request, else one per call (module docstring)
+    routed_experts: bool = False   # each completion carries its routed experts (R3)
     bucket_bytes: int = 512 << 20
     engine_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -145,7 +146,8 @@ class ColocateEngine:
             max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager,
             enable_prefix_caching=s.enable_prefix_caching, sleep_level=s.sleep_level,
             load_format="dummy", external_launcher=dist.is_initialized(),
-            worker_extension_cls=WORKER_EXTENSION, extra=dict(s.engine_kwargs))
+            worker_extension_cls=WORKER_EXTENSION, routed_experts=s.routed_experts,
+            extra=dict(s.engine_kwargs))
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):  # vLLM seeds the global RNGs
             llm = vllm_compat.create_llm(engine)
@@ -176,8 +178,21 @@ class ColocateEngine:
                 request["multi_modal_data"] = {"image": picture}
         with contextlib.nullcontext() if per_request else seeded_rng(batch_seed(all_seeds)):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [Completion(*vllm_compat.completion_fields(out), self.weight_version)
-                for out in outputs[mine]]
+        routes = self._routes(outputs)
+        return [Completion(*vllm_compat.completion_fields(out), self.weight_version, route)
+                for out, route in zip(outputs[mine], routes[mine])]
+
+    def _routes(self, outputs) -> list:
+        """Each output's routed experts (None unless asked for); vLLM hands them to the first
+        rank of its TP group only, which sends them to the others."""
+        routes = [vllm_compat.routed_experts(out) if self.settings.routed_experts else None
+                  for out in outputs]
+        if self.settings.routed_experts and self.group is not None:
+            box = [routes]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
+                                       group=self.group)
+            routes = box[0]
+        return routes
 
     def _gather(self, prompts: List[List[int]], seeds: List[int], pictures: List
                 ) -> Tuple[List[List[int]], List[int], List, slice]:

@@ -275,7 +275,7 @@ class GRPOTrainer:
         all_old = g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
         fill_logprobs([mb for step in steps for mb in step], self.policy.chunks, self.reference,
                       self.teacher, self.loss_settings, skip_old=0 if all_old else len(steps[0]),
-                      beta=g.beta)
+                      beta=g.beta, record_routes=self.args.moe.router_replay_mode == "R2")
 
     def assign_advantages(self, samples: List[Sample], micro: List[dict]) -> Dict[str, float]:
         """Advantages from every DP rank's rewards (minus beta x KL with --kl_in_reward), into
@@ -414,7 +414,8 @@ class GRPOTrainer:
         samples = [attach_images(Sample(group_id=i, prompt_id=p.prompt_id,
                                         prompt_ids=list(p.input_ids), completion_ids=c.token_ids,
                                         rollout_logprobs=c.logprobs, finish_reason=c.finish_reason,
-                                        rewards=[]), None if inputs is None else inputs[i])
+                                        rewards=[], routed_experts=c.routed_experts),
+                                 None if inputs is None else inputs[i])
                    for i, (p, c) in enumerate(zip(prompts, completions))]
         micro = self.micro_batches(samples, micro_batch_size=len(samples))
         settings = dataclasses.replace(self.loss_settings, temperature=1.0)
