@@ -3,7 +3,7 @@
 
 - R3: micro-batches whose samples carry forced routes (distinct random experts) give, packed
   and padded, the logprobs of transformers' model whose routers are forced to the same experts
-  (and not the model's own), and full recomputation replays them in the backward pass (same
+  (and not the model's own), also on the hybrid Qwen3.5-MoE, and full recomputation replays them in the backward pass (same
   gradients as without it); the routers' queues are empty after every pass;
 - R2: the old-policy pass records the experts the policy chose; after the router weights move,
   a training forward replays them (the logprobs of replaying those routes as R3 would, not the
@@ -64,6 +64,21 @@ def test_r3_replays_the_given_experts(moe, cpu_state, padding_free):
     own = worker.logprobs(chunks, {k: v for k, v in micro.items() if k != ROUTES}, settings)
     assert _gap(own, reference) > 100 * LOGPROB_ATOL     # the forced experts matter
     assert worker.queued(chunks) == 0
+
+
+def test_r3_replays_the_given_experts_of_the_hybrid_model(tiny_model_dir, cpu_state):
+    """Qwen3.5-MoE: Gated DeltaNet and attention layers, each with routed experts and a shared
+    expert (packed micro-batches)."""
+    from swift_megatron.model.config import load_hf_config
+
+    model_dir = tiny_model_dir("qwen3_5_moe")
+    samples = worker.forced_samples(load_hf_config(model_dir))
+    reference = worker.hf_forced_logprobs(model_dir, samples)
+    args, chunks, settings = _policy(model_dir, cpu_state)
+    micro = worker.micro_batch(args, cpu_state, samples)
+    assert _gap(worker.logprobs(chunks, micro, settings), reference) < LOGPROB_ATOL
+    own = worker.logprobs(chunks, {k: v for k, v in micro.items() if k != ROUTES}, settings)
+    assert _gap(own, reference) > 100 * LOGPROB_ATOL
 
 
 def test_full_recomputation_replays_in_the_backward(moe, cpu_state):

@@ -40,11 +40,13 @@ LAYOUTS = {
 def forced_samples(hf_config: dict, seed: int = 0) -> list:
     """Three completions with random tokens and, at each of the positions the model reads,
     top_k distinct random experts per layer."""
+    from swift_megatron.model.text_config import text_config
     from swift_megatron.rlhf.grpo.batch import Sample
 
     gen = torch.Generator().manual_seed(seed)
-    layers, experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
-    top_k = hf_config["num_experts_per_tok"]
+    text = text_config(hf_config)
+    layers, experts, top_k = (text["num_hidden_layers"], text["num_experts"],
+                              text["num_experts_per_tok"])
     samples = []
     for index, length in enumerate(LENGTHS):
         tokens = torch.randint(10, 400, (length,), generator=gen).tolist()
