@@ -104,6 +104,12 @@ def _targets(routers, micro_batch: dict, share,
     return [local[:, layer].long() for layer, _ in routers]
 
 
+def without_routes(micro_batch: dict) -> dict:
+    """The micro-batch without its routes (a shallow copy): the routers of a forward of it
+    route themselves (the LoRA policy's reference pass, as ms-swift's)."""
+    return {k: v for k, v in micro_batch.items() if k not in (ROUTES, RECORDED)}
+
+
 def end_pass(chunks) -> None:
     """After a pass over micro-batches: every router's queued targets dropped, actions
     cleared."""

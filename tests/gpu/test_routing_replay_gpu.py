@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
 
 def test_r3_replay_closes_the_engine_trainer_gap(setup):
     from swift_megatron.model.config import load_hf_config
-    from swift_megatron.model.routing_replay import ROUTES
+    from swift_megatron.model.routing_replay import without_routes
     from swift_megatron.rlhf.grpo import components
     from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches, to_device
     from swift_megatron.rlhf.grpo.objective import collect_logprobs
@@ -90,7 +90,7 @@ def test_r3_replay_closes_the_engine_trainer_gap(setup):
         return gap / sum(float(mb["completion_mask"].sum()) for mb in batches)
 
     replayed = mean_gap(micro)
-    own = mean_gap([{k: v for k, v in mb.items() if k != ROUTES} for mb in micro])
+    own = mean_gap([without_routes(mb) for mb in micro])
     print(json.dumps({"name": "routing_replay_gap", "preset": "qwen3-moe-4l",
                       "gap_own_routing": own, "gap_replayed": replayed}))
     assert replayed < own

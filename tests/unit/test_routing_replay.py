@@ -7,7 +7,7 @@
   gradients as without it); the routers' queues are empty after every pass;
 - R2: the old-policy pass records the experts the policy chose; after the router weights move,
   a training forward replays them (the logprobs of replaying those routes as R3 would, not the
-  moved router's own);
+  moved router's own); the reference routes itself;
 - the embedded engine (rollout/hf.py) returns the routes it generated with: replaying them,
   the trainer's logprobs match a bfloat16 engine's better than routing itself;
 - micro-batch layout of routes (batch.py): aligned with the tokens, an engine's extra last row
@@ -19,7 +19,7 @@ from functools import partial
 import pytest
 import torch
 
-from swift_megatron.model.routing_replay import RECORDED, ROUTES, replay_routers
+from swift_megatron.model.routing_replay import RECORDED, ROUTES, replay_routers, without_routes
 from swift_megatron.rlhf.grpo.batch import Sample, split_micro_batches
 from tests.distributed.workers import routing_replay as worker
 
@@ -61,7 +61,7 @@ def test_r3_replays_the_given_experts(moe, cpu_state, padding_free):
     assert micro[ROUTES].shape[:2] == micro["tokens"].shape
     replayed = worker.logprobs(chunks, micro, settings)
     assert _gap(replayed, reference) < LOGPROB_ATOL
-    own = worker.logprobs(chunks, {k: v for k, v in micro.items() if k != ROUTES}, settings)
+    own = worker.logprobs(chunks, without_routes(micro), settings)
     assert _gap(own, reference) > 100 * LOGPROB_ATOL     # the forced experts matter
     assert worker.queued(chunks) == 0
 
@@ -77,7 +77,7 @@ def test_r3_replays_the_given_experts_of_the_hybrid_model(tiny_model_dir, cpu_st
     args, chunks, settings = _policy(model_dir, cpu_state)
     micro = worker.micro_batch(args, cpu_state, samples)
     assert _gap(worker.logprobs(chunks, micro, settings), reference) < LOGPROB_ATOL
-    own = worker.logprobs(chunks, {k: v for k, v in micro.items() if k != ROUTES}, settings)
+    own = worker.logprobs(chunks, without_routes(micro), settings)
     assert _gap(own, reference) > 100 * LOGPROB_ATOL
 
 
@@ -92,7 +92,7 @@ def test_full_recomputation_replays_in_the_backward(moe, cpu_state):
     assert plain.keys() == recomputed.keys()
     worst = max(float((plain[n] - recomputed[n]).abs().max()) for n in plain)
     assert worst < 1e-6 and worker.queued(chunks) == worker.queued(recomputing) == 0
-    own = worker.grads(chunks, {k: v for k, v in micro.items() if k != ROUTES}, settings)
+    own = worker.grads(chunks, without_routes(micro), settings)
     assert max(float((own[n] - plain[n]).abs().max()) for n in plain) > 1e-3
 
 
@@ -109,12 +109,25 @@ def test_r2_records_the_old_pass_and_replays_it(moe, cpu_state):
     with torch.no_grad():   # the update moves every router
         for layer in chunks[0].decoder.layers:
             layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
-    moved = worker.logprobs(chunks, {k: v for k, v in micro.items() if k != RECORDED}, settings)
+    moved = worker.logprobs(chunks, without_routes(micro), settings)
     replayed = worker.logprobs(chunks, micro, settings)
-    as_r3 = {k: v for k, v in micro.items() if k != RECORDED}
+    as_r3 = without_routes(micro)
     as_r3[ROUTES] = torch.stack([micro[RECORDED][layer] for layer in layers], dim=1)[None]
     assert replayed == worker.logprobs(chunks, as_r3, settings)
     assert _gap(replayed, [torch.tensor(m) for m in moved]) > 100 * LOGPROB_ATOL
+
+
+def test_the_reference_routes_itself(moe, cpu_state):
+    """The LoRA policy's reference pass (adapters off) does not replay, as ms-swift's."""
+    from swift_megatron.rlhf.grpo.objective import collect_logprobs
+    from swift_megatron.rlhf.grpo.references import Reference
+
+    model_dir, samples, _ = moe
+    args, chunks, settings = _policy(model_dir, cpu_state)
+    micro = worker.micro_batch(args, cpu_state, samples)
+    [out] = Reference(None, chunks).logprobs([micro], partial(collect_logprobs, settings))
+    own = worker.logprobs(chunks, without_routes(micro), settings)
+    assert [row[:n - 1].tolist() for row, n in zip(out["logprobs"], worker.LENGTHS)] == own
 
 
 def test_the_embedded_engine_returns_the_routes_it_generated_with(tmp_path, cpu_state):
@@ -153,7 +166,7 @@ def test_the_embedded_engine_returns_the_routes_it_generated_with(tmp_path, cpu_
         return float(((out["logprobs"] - mb["rollout_logprobs"]).abs() * mask).sum() / mask.sum())
 
     replayed = mean_gap(micro)
-    own = mean_gap({k: v for k, v in micro.items() if k != ROUTES})
+    own = mean_gap(without_routes(micro))
     print(f"engine-vs-trainer mean gap: {own:.4f} routing itself, {replayed:.4f} replayed")
     assert replayed < 0.5 * own
 
