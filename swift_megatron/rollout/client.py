@@ -314,8 +314,11 @@ class ServerEngine:
         if self.routed_experts:
             payload["return_routed_experts"] = True
         answer = server.request("/generate", payload)
+        if self.routed_experts and not all(c.get("routed_experts") for c in answer["completions"]):
+            raise RuntimeError(f"rollout server {server.address} returned completions without "
+                               "their routed experts (--router_replay_mode R3)")
         return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], self.weight_version,
-                           decode_routes(c["routed_experts"]) if c.get("routed_experts") else None)
+                           decode_routes(c["routed_experts"]) if self.routed_experts else None)
                 for c in answer["completions"]]
 
     def _request_rollout(self, server: ServerConnection, prompts: List[Prompt], seeds,

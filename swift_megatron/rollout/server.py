@@ -12,16 +12,12 @@ examples):
     GET  /health              {"status": "ok", "world_size", "weight_version",
                               "weight_sync_error", "communicator" (null, or whether it is
                               joined and the seconds left on its lease), "multi_turn_scheduler",
-                              "use_gym_env", "routed_experts"} (503 once a replica process
-                              exited)
+                              "use_gym_env", "routed_experts"} (503 once a replica exited)
     GET  /get_world_size      {"world_size": T x D}
     POST /generate            prompts (token ids or text), per-request seeds, sampling params,
                               optionally per-request images (base64 image files; the prompt
                               holds one image pad per image, vLLM expands it)
-                              -> token ids, logprobs, finish reasons; with
-                              "return_routed_experts": true (engines started with
-                              --vllm_engine_kwargs '{"enable_return_routed_experts": true}')
-                              each completion's routed experts, base64 int16 with their shape
+                              -> token ids, logprobs, finish reasons (routed experts on request)
     POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token",
                               "lease_s"}: reserves the weight-sync communicator for this client
                               (the replicas do nothing yet, so generation never waits on it)
@@ -66,7 +62,6 @@ from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Unio
 from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
-from swift_megatron.rollout.engine import encode_routes
 from swift_megatron.rollout.replicas import (STOP_GRACE_S, Replica, ReplicaError,
                                              spawn_replicas, start_engines, stop_all)
 
@@ -247,9 +242,9 @@ def _sampling(request) -> Dict[str, Any]:
 
 def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str, Any],
                           seeds: list, stop_token_ids: List[int], logprobs: bool,
-                          images: Optional[list] = None) -> List[dict]:
+                          images: Optional[list] = None, routes: bool = False) -> List[dict]:
     """`prompts` (and their `images`) split over the replicas, generated concurrently, in
-    order."""
+    order; `routes`: with each completion's routed experts (null where the engine has none)."""
     from fastapi import HTTPException
 
     slices = _split(len(prompts), len(state.replicas))
@@ -257,7 +252,7 @@ def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str,
     with ThreadPoolExecutor(max(len(parts), 1)) as pool:
         futures = [pool.submit(replica.call, "generate", prompts=prompts[s], sampling=sampling,
                                seeds=seeds[s], stop_token_ids=stop_token_ids, logprobs=logprobs,
-                               images=None if images is None else images[s])
+                               images=None if images is None else images[s], routes=routes)
                    for replica, s in parts]
         try:
             results = [f.result() for f in futures]
@@ -267,21 +262,11 @@ def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str,
 
 
 def _generate(state: ServerState, request) -> dict:
-    from fastapi import HTTPException
-
     _check_generate(request, state.vocab_size)
-    if request.return_routed_experts and not state.routed_experts:
-        raise HTTPException(400, "return_routed_experts: this server's engines return none; "
-                                 "start `megatron rollout` with --vllm_engine_kwargs "
-                                 f"'{{\"{vllm_compat.ROUTES_KEY}\": true}}'")
     seeds = request.seeds or [None] * len(request.prompts)
     completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
                                         request.stop_token_ids, request.logprobs,
-                                        _decode_images(request))
-    for completion in completions:   # numpy from the replicas: JSON when asked for, else gone
-        routes = completion.pop("routed_experts", None)
-        if request.return_routed_experts:
-            completion["routed_experts"] = None if routes is None else encode_routes(routes)
+                                        _decode_images(request), request.return_routed_experts)
     return {"completions": completions, "weight_version": state.weight_version}
 
 
