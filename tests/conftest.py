@@ -36,6 +36,8 @@ NOT_QUICK = frozenset({
     "tests/unit/test_cuda_paths.py::test_cuda_paths_give_the_cpu_defaults_grpo_step",
     "tests/unit/test_export_cli.py::test_nproc_per_node_relaunches_under_torchrun",
     "tests/unit/test_cli.py::test_dry_run_checks_the_model",
+    "tests/unit/test_moe_flags.py::cpu_state",         # tiny MoE models trained in-process
+    "tests/unit/test_routing_replay.py::cpu_state",    # and replayed, against transformers
 })
 
 

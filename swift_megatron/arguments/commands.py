@@ -15,6 +15,7 @@ from swift_megatron.arguments.grpo import GRPOArguments
 from swift_megatron.arguments.kernels import KernelArguments
 from swift_megatron.arguments.lora import LoraArguments
 from swift_megatron.arguments.model import ModelArguments
+from swift_megatron.arguments.moe import MoeArguments
 from swift_megatron.arguments.parallel import ParallelArguments
 from swift_megatron.arguments.planning import PlanningArguments
 from swift_megatron.arguments.rollout import (RolloutArguments, ServeArguments,
@@ -38,6 +39,7 @@ class RlhfArguments:
     lora: LoraArguments
     freeze: FreezeArguments
     kernels: KernelArguments
+    moe: MoeArguments
     planning: PlanningArguments
     # the flag names the user set (command line or config file); filled in by parse_command
     explicit: FrozenSet[str] = field(default=frozenset(), init=False, repr=False)
@@ -65,6 +67,10 @@ class RlhfArguments:
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
         self._check_tail_logprobs()
+        if self.moe.router_replay_mode == "R3" and g.multi_turn_scheduler is not None:
+            raise UserError("--router_replay_mode R3 replays the routes of one generation per "
+                            "completion; a multi-turn conversation's turns are generated "
+                            "apart (not supported): drop --multi_turn_scheduler or use R2")
         self._check_vision_lrs()
         self._check_lora_llm()
         self._check_freeze_ratio()
@@ -178,6 +184,9 @@ class RlhfArguments:
                     "would all have to join each pass between their engines' steps")
         if r.offload_model:
             return "--offload_model keeps the models in host memory while vLLM generates"
+        if self.moe.router_replay_mode != "disabled":
+            return (f"--router_replay_mode {self.moe.router_replay_mode}: the tail's passes "
+                    "neither record nor replay routes")
         return None
 
     def _check_tail_logprobs(self) -> None:

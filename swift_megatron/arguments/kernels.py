@@ -28,4 +28,3 @@ class KernelArguments:
     cross_entropy_loss_fusion: bool = arg(True, "Fused cross entropy.",
                                           no_effect="logprobs come from our own vocab-parallel "
                                                     "log-softmax")
-    moe_permute_fusion: bool = arg(False, "Fused MoE token permutation.", no_effect=_TE_FUSION)

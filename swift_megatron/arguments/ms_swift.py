@@ -49,7 +49,6 @@ NOT_SUPPORTED: Dict[str, str] = {
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
                "--vllm_mode colocate (colocate_groups) or server (a `megatron rollout` server)",
     "colocate_groups": "a Ray launcher setting (see use_ray)",
-    "router_replay_mode": "MoE router replay is not supported",
     "bridge_backend": "swift-megatron has its own bridge (swift_megatron/bridge)",
     "optimizer": "only Adam(W) is supported",
     "use_megatron_fsdp": "Megatron-FSDP is not supported: use --use_distributed_optimizer",

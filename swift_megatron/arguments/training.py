@@ -78,9 +78,6 @@ class TrainingArguments:
                                               "optimizer instead of the model. Works together "
                                               "with --optimizer_cpu_offload true (alone it needs "
                                               "Transformer Engine's FusedAdam).")
-    moe_expert_capacity_factor: Optional[float] = arg(
-        None, "MoE: capacity of each expert as a multiple of its even share of the tokens; tokens "
-        "past it are dropped (lowest router probability first). Default: no dropping.")
     # Length of the run
     train_iters: Optional[int] = arg(None, "Optimizer steps to run. Default: --num_train_epochs "
                                      "passes over the prompts.")
@@ -163,9 +160,6 @@ class TrainingArguments:
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
             raise UserError("--lr_decay_style WSD needs --lr_wsd_decay_iters (the steps of the "
                             "final decay)")
-        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
-            raise UserError(f"--moe_expert_capacity_factor must be > 0, got "
-                            f"{self.moe_expert_capacity_factor}")
         if not 0 < self.optimizer_offload_fraction <= 1:
             raise UserError(f"--optimizer_offload_fraction must be in (0, 1], got "
                             f"{self.optimizer_offload_fraction}")

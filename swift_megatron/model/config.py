@@ -7,9 +7,10 @@ embeddings):
   llama / mistral  optional attention bias; llama3 rope scaling (factor, low/high freq)
   qwen2            q/k/v bias
   qwen3            q/k RMSNorm per head
-  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); with
-                   --moe_expert_capacity_factor, megatron's token dropping (a components.py
-                   override; dense models reject it)
+  qwen3_moe        q/k norm, routed experts (top-k softmax router, norm_topk_prob); the MoE
+                   flags (arguments/moe.py: load balancing, aux and z losses, router dtype,
+                   token dropping) arrive as overrides (components.py; dense models reject
+                   them)
   qwen3_5          hybrid: `layer_types` mixes Gated DeltaNet linear attention (mcore
                    GatedDeltaNet, `linear_*` sizes) and full attention with an output gate,
                    partial rotary (`partial_rotary_factor`) and zero-centred q/k norms; every

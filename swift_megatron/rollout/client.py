@@ -15,6 +15,8 @@ Only global rank 0 talks to the servers:
   trainer holds nothing on the servers (the trainer's own checks run before it), and from then
   on a background thread renews the communicators' leases (server.py) until `close`, which
   the trainer calls on every exit path.
+- routed experts (--router_replay_mode R3): every /generate asks for them; the servers must
+  have been started returning them (their /health says so, checked at connection).
 - rollout (servers started with --multi_turn_scheduler, named by their /health): whole
   multi-turn episodes instead of single generations, gathered and split back the same way;
   the servers run the scheduler (rollout/multi_turn) and answer with trajectories.
@@ -40,8 +42,10 @@ from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.data import Prompt
 from swift_megatron.data.images import one_pad_per_image, png_base64
-from swift_megatron.rollout.engine import Completion, SamplingConfig, default_seeds
+from swift_megatron.rollout.engine import (Completion, SamplingConfig, decode_routes,
+                                           default_seeds)
 from swift_megatron.rollout.multi_turn import MultiTurnSettings, Trajectory
+from swift_megatron.rollout.vllm_compat import ROUTES_KEY
 from swift_megatron.rollout.weight_sync import iter_buckets, open_communicator, pack
 
 logger = get_logger(__name__)
@@ -132,6 +136,20 @@ class ServerConnection:
                 time.sleep(min(next(delays), max(deadline - time.monotonic(), 0.0)))
 
 
+def _check_routes(servers: Sequence["ServerConnection"], healths: Sequence[dict]) -> None:
+    """--router_replay_mode R3: every server returns routed experts and runs no multi-turn
+    scheduler (whose turns are generated apart)."""
+    for server, health in zip(servers, healths):
+        if health.get("multi_turn_scheduler"):
+            raise UserError(f"--router_replay_mode R3: rollout server {server.address} runs the "
+                            f"multi-turn scheduler {health['multi_turn_scheduler']}, whose "
+                            "turns are generated apart (not supported): use R2")
+        if not health.get("routed_experts"):
+            raise UserError(f"--router_replay_mode R3 replays the experts vLLM chose, and rollout "
+                            f"server {server.address} does not return them: restart it with "
+                            f"--vllm_engine_kwargs '{{\"{ROUTES_KEY}\": true}}'")
+
+
 def _proportional_split(count: int, weights: Sequence[int]) -> List[slice]:
     """Contiguous slices of `count` requests in proportion to `weights`."""
     total, bounds, start = sum(weights), [], 0
@@ -148,8 +166,10 @@ class ServerEngine:
 
     def __init__(self, addresses: Sequence[str], eos_token_ids: Sequence[int], *,
                  timeout: float, bucket_bytes: int, device: torch.device,
-                 api_key: Optional[str] = None, image_token_id: Optional[int] = None):
+                 api_key: Optional[str] = None, image_token_id: Optional[int] = None,
+                 routed_experts: bool = False):
         self.eos = list(eos_token_ids)
+        self.routed_experts = routed_experts
         self.image_token_id = image_token_id
         self.bucket_bytes = bucket_bytes
         self.device = device
@@ -178,6 +198,8 @@ class ServerEngine:
         self.servers = [ServerConnection(a, timeout, api_key=api_key) for a in addresses]
         healths = [s.wait_healthy(timeout) for s in self.servers]
         self.world_sizes = [int(h["world_size"]) for h in healths]
+        if self.routed_experts:
+            _check_routes(self.servers, healths)
         offers = {(h.get("multi_turn_scheduler"), bool(h.get("use_gym_env"))) for h in healths}
         if len(offers) > 1:
             raise UserError("the rollout servers run different multi-turn settings (" + ", ".join(
@@ -289,8 +311,14 @@ class ServerEngine:
                        stop_token_ids=self.eos)
         if any(pictures for _, pictures in prompts):
             payload["images"] = [pictures for _, pictures in prompts]
+        if self.routed_experts:
+            payload["return_routed_experts"] = True
         answer = server.request("/generate", payload)
-        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], self.weight_version)
+        if self.routed_experts and not all(c.get("routed_experts") for c in answer["completions"]):
+            raise RuntimeError(f"rollout server {server.address} returned completions without "
+                               "their routed experts (--router_replay_mode R3)")
+        return [Completion(c["token_ids"], c["logprobs"], c["finish_reason"], self.weight_version,
+                           decode_routes(c["routed_experts"]) if self.routed_experts else None)
                 for c in answer["completions"]]
 
     def _request_rollout(self, server: ServerConnection, prompts: List[Prompt], seeds,

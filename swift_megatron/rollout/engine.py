@@ -7,7 +7,7 @@ streams the new weights with `update_weights((hf_name, tensor), ...)`; `weight_v
 those updates and travels with each completion.
 """
 import dataclasses
-from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -28,16 +28,41 @@ class SamplingConfig:
 class Completion:
     """One sampled continuation. `logprobs[i]` is log p(token_ids[i]) under the engine's
     softmax(logits / temperature); finish_reason is "stop" (an EOS token, included in
-    token_ids) or "length" (max_tokens reached: truncated)."""
+    token_ids) or "length" (max_tokens reached: truncated). `routed_experts` (an engine asked
+    for them, --router_replay_mode R3): the experts the engine's MoE routers chose for every
+    token it ran, prompt then completion but the last completion token ([prompt + completion
+    - 1 (or prompt + completion), layers, top_k] int16 numpy), else None."""
 
     token_ids: List[int]
     logprobs: Optional[List[float]]
     finish_reason: str
     weight_version: int = 0
+    routed_experts: Optional[Any] = None
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+
+def encode_routes(routes) -> dict:
+    """A completion's routed experts (int16 numpy [tokens, layers, top_k]) as JSON: the shape
+    and the little-endian int16 bytes in base64 (what /generate answers)."""
+    import base64
+
+    import numpy
+
+    array = numpy.ascontiguousarray(routes, dtype="<i2")
+    return {"shape": list(array.shape), "data": base64.b64encode(array.tobytes()).decode()}
+
+
+def decode_routes(encoded: dict):
+    """encode_routes' inverse: an int16 numpy array."""
+    import base64
+
+    import numpy
+
+    data = numpy.frombuffer(base64.b64decode(encoded["data"]), dtype="<i2")
+    return data.reshape(encoded["shape"]).astype(numpy.int16)
 
 
 def default_seeds(sampling: SamplingConfig, count: int) -> List[int]:

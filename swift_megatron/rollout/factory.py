@@ -6,7 +6,9 @@
                           pad_token_id=...)
 
 Every training rank calls it at the same point (the vLLM engines create process groups).
-Whether vLLM is used: `--use_vllm`, by default true in server mode and, in colocate mode, when
+With --router_replay_mode R3 every engine returns each completion's routed experts (a rollout
+server must have been started returning them: rollout/client.py checks). Whether vLLM is
+used: `--use_vllm`, by default true in server mode and, in colocate mode, when
 vLLM is installed and training runs on CUDA (on a CPU, vLLM is opt-in with `--use_vllm true`).
 """
 from typing import Any, Dict, Optional, Sequence
@@ -68,10 +70,12 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
     weights at a level-1 sleep too, vllm_colocate.py)."""
     kind = engine_kind(args, device)
     bucket_bytes = args.rollout.weight_sync_bucket_mb << 20
+    routes = args.moe.router_replay_mode == "R3"   # completions carry their routed experts
     if kind == "hf":
         from swift_megatron.rollout.hf import HFEngine
 
-        return HFEngine(model_dir, device, dtype, eos_token_ids, pad_token_id)
+        return HFEngine(model_dir, device, dtype, eos_token_ids, pad_token_id,
+                        routed_experts=routes)
     if kind == "server":
         from swift_megatron.rollout.client import ServerEngine
 
@@ -80,7 +84,8 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         return ServerEngine(args.rollout.server_addresses(), eos_token_ids,
                             timeout=args.rollout.vllm_server_timeout, bucket_bytes=bucket_bytes,
                             device=device, api_key=args.rollout.vllm_server_api_key,
-                            image_token_id=load_hf_config(model_dir).get("image_token_id"))
+                            image_token_id=load_hf_config(model_dir).get("image_token_id"),
+                            routed_experts=routes)
     from swift_megatron.rollout.vllm_colocate import ColocateEngine, ColocateSettings
 
     v = args.vllm
@@ -100,5 +105,5 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         max_num_seqs=v.vllm_max_num_seqs, enforce_eager=v.vllm_enforce_eager,
         enable_prefix_caching=v.vllm_enable_prefix_caching, sleep_level=args.rollout.sleep_level,
         full_syncs=full_syncs, request_seeds=args.rollout.vllm_request_seeds,
-        bucket_bytes=bucket_bytes, engine_kwargs=engine_kwargs)
+        routed_experts=routes, bucket_bytes=bucket_bytes, engine_kwargs=engine_kwargs)
     return ColocateEngine(settings, eos_token_ids)

@@ -13,6 +13,10 @@ A vision-language model (Qwen2.5-VL, Qwen3.5 with its vision tower) takes images
 `generate(..., images=[...])` gives each request None or its prompt's `pixel_values` /
 `image_grid_thw` (data/images.py `ImageEncoder.encode`), and transformers computes the 3-D
 positions itself.
+
+With `routed_experts` (--router_replay_mode R3) each completion carries the experts its MoE
+routers chose while generating it (forward hooks on transformers' top-k routers: the prompt's
+rows of the prefill, then one row per decoding step), as vLLM returns them.
 """
 import re
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -58,11 +62,49 @@ def _processors(sampling: SamplingConfig, seeds: Sequence[int], device: torch.de
     return LogitsProcessorList(chain)
 
 
+class _RouteRecorder:
+    """The experts each MoE router of a transformers model chose during one `generate` call of
+    a left-padded batch (forward hooks on the routers; their outputs are (logits, weights,
+    indices), the indices [rows, top_k] of the batch's rows flattened per position)."""
+
+    def __init__(self, model: torch.nn.Module):
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not routers:
+            raise ValueError("routed experts asked of a model without MoE routers")
+        self.calls: List[List[torch.Tensor]] = [[] for _ in routers]
+        self.handles = [router.register_forward_hook(self._hook(layer))
+                        for layer, router in enumerate(routers)]
+
+    def _hook(self, layer: int):
+        def record(module, args, output):
+            self.calls[layer].append(output[2].to(torch.int16).cpu())
+        return record
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def rows(self, width: int, prompt_lengths: Sequence[int],
+             completion_lengths: Sequence[int]) -> list:
+        """Per row: [prompt + completion - 1, layers, top_k] int16 numpy (the prefill's rows of
+        its prompt, then its decoding steps but the last token's, which never ran)."""
+        batch = len(prompt_lengths)
+        layers = []
+        for calls in self.calls:
+            steps = [c.view(batch, 1, -1) for c in calls[1:]]
+            layers.append((calls[0].view(batch, width, -1),
+                           torch.cat(steps, dim=1) if steps else calls[0].new_zeros(batch, 0, 1)))
+        return [torch.stack([torch.cat([prefill[r, width - p:], decoded[r, :c - 1]])
+                             for prefill, decoded in layers], dim=1).numpy()
+                for r, (p, c) in enumerate(zip(prompt_lengths, completion_lengths))]
+
+
 class HFEngine:
     """A transformers causal LM that generates for this process's share of the requests."""
 
     def __init__(self, hf_dir: str, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 64):
+                 eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 64,
+                 routed_experts: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = AutoConfig.from_pretrained(hf_dir)
@@ -75,6 +117,7 @@ class HFEngine:
         self.eos = list(eos_token_ids)
         self.pad = pad_token_id
         self.max_batch_size = max_batch_size
+        self.routed_experts = routed_experts
         self.weight_version = 0
         self.weights_discarded = False
         self.sync_position = "loading the weights into the embedded transformers engine"
@@ -119,16 +162,27 @@ class HFEngine:
                                   eos_token_id=self.eos, pad_token_id=self.pad,
                                   return_dict_in_generate=True, output_logits=True)
         ids = ids.to(self.device)
-        out = self.model.generate(input_ids=ids, attention_mask=mask.to(self.device),
-                                  generation_config=config,
-                                  logits_processor=_processors(sampling, seeds, self.device),
-                                  **self._image_kwargs(ids, images))
+        recorder = _RouteRecorder(self.model) if self.routed_experts else None
+        try:
+            out = self.model.generate(input_ids=ids, attention_mask=mask.to(self.device),
+                                      generation_config=config,
+                                      logits_processor=_processors(sampling, seeds, self.device),
+                                      **self._image_kwargs(ids, images))
+        finally:
+            if recorder is not None:
+                recorder.close()
         new_tokens = out.sequences[:, width:].cpu()
         steps = torch.stack(out.logits, dim=1).float() / sampling.temperature  # [B, T, V]
         logprobs = torch.log_softmax(steps, dim=-1).gather(
             -1, new_tokens.to(steps.device).unsqueeze(-1)).squeeze(-1).cpu()
-        return [self._completion(new_tokens[row], logprobs[row])
-                for row in range(len(prompts))]
+        completions = [self._completion(new_tokens[row], logprobs[row])
+                       for row in range(len(prompts))]
+        if recorder is not None:
+            routes = recorder.rows(width, [len(p) for p in prompts],
+                                   [len(c.token_ids) for c in completions])
+            for completion, route in zip(completions, routes):
+                completion.routed_experts = route
+        return completions
 
     def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Completion:
         tokens = tokens.tolist()

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
+from swift_megatron.rollout.engine import encode_routes
 
 logger = get_logger(__name__)
 STOP_GRACE_S = 10.0   # how long stopping waits for the replicas before terminating them
@@ -30,8 +31,10 @@ class ReplicaEngine:
 
     def generate(self, prompts: List, sampling: Dict[str, Any], seeds: List[Optional[int]],
                  stop_token_ids: List[int], logprobs: bool,
-                 images: Optional[List[Optional[list]]] = None) -> List[dict]:
-        """`images`: per prompt None or its PIL images (`multi_modal_data`)."""
+                 images: Optional[List[Optional[list]]] = None, routes: bool = False) -> List[dict]:
+        """`images`: per prompt None or its PIL images (`multi_modal_data`); `routes`: each
+        completion also carries its routed experts (rollout/engine.py `encode_routes`; None
+        when the engine returns none)."""
         params = [vllm_compat.sampling_params(seed=seed, stop_token_ids=stop_token_ids,
                                               logprobs=logprobs, **sampling) for seed in seeds]
         inputs = vllm_compat.prompt_inputs(prompts)
@@ -40,7 +43,11 @@ class ReplicaEngine:
                 request["multi_modal_data"] = {"image": pictures}
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         fields = [vllm_compat.completion_fields(out) for out in outputs]
-        return [{"token_ids": t, "logprobs": lp, "finish_reason": r} for t, lp, r in fields]
+        answers = [{"token_ids": t, "logprobs": lp, "finish_reason": r} for t, lp, r in fields]
+        for answer, out in zip(answers if routes else [], outputs):
+            found = vllm_compat.routed_experts(out)
+            answer["routed_experts"] = None if found is None else encode_routes(found)
+        return answers
 
     def open_communicator(self, **kwargs) -> None:
         self.llm.collective_rpc("weight_sync_open", kwargs=kwargs)

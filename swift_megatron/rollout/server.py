@@ -12,12 +12,12 @@ examples):
     GET  /health              {"status": "ok", "world_size", "weight_version",
                               "weight_sync_error", "communicator" (null, or whether it is
                               joined and the seconds left on its lease), "multi_turn_scheduler",
-                              "use_gym_env"} (503 once a replica process exited)
+                              "use_gym_env", "routed_experts"} (503 once a replica exited)
     GET  /get_world_size      {"world_size": T x D}
     POST /generate            prompts (token ids or text), per-request seeds, sampling params,
                               optionally per-request images (base64 image files; the prompt
                               holds one image pad per image, vLLM expands it)
-                              -> token ids, logprobs, finish reasons
+                              -> token ids, logprobs, finish reasons (routed experts on request)
     POST /init_communicator   -> {"port", "world_size", "client_rank", "backend", "token",
                               "lease_s"}: reserves the weight-sync communicator for this client
                               (the replicas do nothing yet, so generation never waits on it)
@@ -93,6 +93,7 @@ class ServerState:
     # kept their previous weights), until an update completes; /health reports it
     update_error: Optional[str] = None
     multi_turn: Optional["MultiTurnService"] = None   # --multi_turn_scheduler
+    routed_experts: bool = False     # the engines return routed experts (--vllm_engine_kwargs)
 
     @property
     def world_size(self) -> int:
@@ -137,6 +138,7 @@ def _models():
         stop_token_ids: List[Annotated[StrictInt, Field(ge=0)]] = []
         logprobs: StrictBool = True
         images: Optional[List[Optional[List[StrictStr]]]] = None   # base64 image files
+        return_routed_experts: StrictBool = False   # each completion's routed experts
 
     class InitCommunicatorRequest(Strict):
         port: Optional[StrictInt] = Field(None, gt=0, lt=65536)
@@ -240,9 +242,9 @@ def _sampling(request) -> Dict[str, Any]:
 
 def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str, Any],
                           seeds: list, stop_token_ids: List[int], logprobs: bool,
-                          images: Optional[list] = None) -> List[dict]:
+                          images: Optional[list] = None, routes: bool = False) -> List[dict]:
     """`prompts` (and their `images`) split over the replicas, generated concurrently, in
-    order."""
+    order; `routes`: with each completion's routed experts (null where the engine has none)."""
     from fastapi import HTTPException
 
     slices = _split(len(prompts), len(state.replicas))
@@ -250,7 +252,7 @@ def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str,
     with ThreadPoolExecutor(max(len(parts), 1)) as pool:
         futures = [pool.submit(replica.call, "generate", prompts=prompts[s], sampling=sampling,
                                seeds=seeds[s], stop_token_ids=stop_token_ids, logprobs=logprobs,
-                               images=None if images is None else images[s])
+                               images=None if images is None else images[s], routes=routes)
                    for replica, s in parts]
         try:
             results = [f.result() for f in futures]
@@ -264,7 +266,7 @@ def _generate(state: ServerState, request) -> dict:
     seeds = request.seeds or [None] * len(request.prompts)
     completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
                                         request.stop_token_ids, request.logprobs,
-                                        _decode_images(request))
+                                        _decode_images(request), request.return_routed_experts)
     return {"completions": completions, "weight_version": state.weight_version}
 
 
@@ -608,7 +610,8 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
                 "weight_version": state.weight_version, "weight_sync_error": state.update_error,
                 "communicator": _communicator_health(state),
                 "multi_turn_scheduler": state.multi_turn.name if state.multi_turn else None,
-                "use_gym_env": bool(state.multi_turn and state.multi_turn.use_gym_env)}
+                "use_gym_env": bool(state.multi_turn and state.multi_turn.use_gym_env),
+                "routed_experts": state.routed_experts}
 
     @app.get("/get_world_size")
     def get_world_size():
@@ -777,7 +780,7 @@ def serve(args) -> None:
         state = ServerState(replicas, engine.vllm_tensor_parallel_size, _vocab_size(model_dir),
                             serve_args.host, "gloo" if vllm_compat.on_cpu() else "nccl",
                             serve_args.communicator_timeout, serve_args.communicator_lease,
-                            multi_turn=multi_turn)
+                            multi_turn=multi_turn, routed_experts=settings.returns_routes)
         logger.info(f"rollout server: {len(replicas)} replica(s) x TP {state.tensor_parallel_size} "
                     f"on http://{serve_args.host}:{serve_args.port}")
         app = build_app(state, serve_args.api_key, serve_args.enable_docs)

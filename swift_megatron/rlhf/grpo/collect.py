@@ -185,7 +185,8 @@ class RolloutCollector:
                 reward_raised=failed if any(failed) else None,
                 weight_version=completion.weight_version, completion_text=texts[row],
                 loss_mask=completion.loss_mask if multi else None,
-                rollout_infos=completion.rollout_infos if multi else None))
+                rollout_infos=completion.rollout_infos if multi else None,
+                routed_experts=None if multi else completion.routed_experts))
             attach_images(samples[-1], None if inputs is None else inputs[row])
         return samples
 

@@ -34,6 +34,7 @@ from swift_megatron.model.config import DTYPES, load_hf_config
 from swift_megatron.model.files import check_model_dir
 from swift_megatron.model.hub import resolve_model_dir
 from swift_megatron.model.layout import check_layout, num_experts
+from swift_megatron.model.routing_replay import replay_settings
 from swift_megatron.model.text_config import text_config
 from swift_megatron.model.trainable import FreezeRules
 from swift_megatron.model.vision import freeze, has_vision, takes_images, vision_part
@@ -89,21 +90,20 @@ def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -
     return DTYPES.get(name, torch.bfloat16)
 
 
-def _config_overrides(args: RlhfArguments) -> dict:
-    """TransformerConfig settings from the flags, the same for the policy and the reference."""
+def _config_overrides(args: RlhfArguments, hf_config: dict) -> dict:
+    """TransformerConfig settings from the flags, the same for the policy and the reference
+    (and a teacher): the MoE flags (arguments/moe.py) for a model with experts."""
     from megatron.core.transformer.enums import AttnBackend
 
-    p, capacity = args.parallel, args.training.moe_expert_capacity_factor
+    p = args.parallel
     overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
     if p.recompute_granularity:
         overrides.update(recompute_granularity=p.recompute_granularity,
                          recompute_method=p.recompute_method,
                          recompute_num_layers=p.recompute_num_layers,
                          recompute_modules=p.selective_recompute)
-    if capacity is not None:
-        # tokens past an expert's capacity are dropped, lowest router probability first (the
-        # drop policy ms-swift and megatron default to)
-        overrides.update(moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
+    if num_experts(hf_config):
+        overrides.update(args.moe.config_overrides())
     return overrides
 
 
@@ -113,7 +113,8 @@ def _load_model(args, state: ParallelState, model_dir: str, hf_config: dict, dty
     LoRA checkpoint's base) or else from the HF checkpoint at `model_dir` through the bridge."""
     chunks, config, shape = build_chunks(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
-        model_type=args.model.model_type, random_init=False, **_config_overrides(args))
+        model_type=args.model.model_type, random_init=False,
+        **_config_overrides(args, hf_config), **replay_settings(args.moe.replays_routes))
     bridge = Bridge(hf_config, shape, config)
     _load_base(chunks, model_dir, weights, bridge)
     return chunks, config, bridge
@@ -234,7 +235,7 @@ def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtyp
         raise UserError(f"{flag} {model_dir}: {error}") from None
     chunks, config, shape = build_chunks(
         hf_config, dtype, state.device, sequence_parallel=args.parallel.sequence_parallel,
-        model_type=model_type, random_init=False, **_config_overrides(args))
+        model_type=model_type, random_init=False, **_config_overrides(args, hf_config))
     bridge = Bridge(hf_config, shape, config)
     _load_base(chunks, model_dir, weights, bridge)
     if adapter is not None:

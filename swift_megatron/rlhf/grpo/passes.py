@@ -5,6 +5,8 @@ advantages that depend on them.
 - old_logprobs: the policy before any update. The first optimizer step's micro-batches need no
   pass (their forward in the step computes the same values, taken detached by the loss) unless
   they are trained again (--num_iterations > 1) or their KL enters the rewards (--kl_in_reward).
+  With --router_replay_mode R2 this pass records the experts the policy's routers choose, which
+  the micro-batch's training forwards then replay (model/routing_replay.py).
 - ref_logprobs (--beta > 0) and teacher_logprobs (--teacher_model).
 - --kl_in_reward: each completion's KL to the reference, computed on the last stage and sent to
   the other stages, so every rank of a replica holds it for the advantages.
@@ -16,6 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from swift_megatron.model.routing_replay import RECORDED
 from swift_megatron.rlhf.grpo.batch import Sample
 from swift_megatron.rlhf.grpo.losses import sequence_kl
 from swift_megatron.rlhf.grpo.objective import LossSettings, collect_logprobs
@@ -27,11 +30,14 @@ from swift_megatron.training.step import forward_backward
 @torch.no_grad()
 def fill_logprobs(micro: List[dict], policy_chunks, reference: Reference,
                   teacher: Optional[Teacher], settings: LossSettings, *,
-                  skip_old: int, beta: float) -> None:
-    """old_logprobs for micro[skip_old:], ref_logprobs when beta > 0, teacher_logprobs with a
-    teacher (each [B, S], on the last stage)."""
+                  skip_old: int, beta: float, record_routes: bool = False) -> None:
+    """old_logprobs for micro[skip_old:] (with `record_routes`, their routes recorded),
+    ref_logprobs when beta > 0, teacher_logprobs with a teacher (each [B, S], on the last
+    stage)."""
     collect = partial(collect_logprobs, settings)
     later = micro[skip_old:]
+    for mb in later if record_routes else []:
+        mb[RECORDED] = {}
     if later:
         for mb, out in zip(later, forward_backward(policy_chunks, later, collect, True)):
             mb["old_logprobs"] = out["logprobs"]

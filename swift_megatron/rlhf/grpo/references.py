@@ -12,7 +12,8 @@
 --ref_model_sync_steps optimizer steps, ref = alpha * policy + (1 - alpha) * ref; those weights
 are part of the training state: each checkpoint saves them under ref_model/ and resume loads them.
 --offload_ref_model keeps a frozen reference in host memory except while it is used (its
-logprob pass, a sync, a save or a load).
+logprob pass, a sync, a save or a load). The reference never replays routes (--router_replay_mode):
+its MoE routers route themselves, as ms-swift's.
 """
 import os
 from typing import ContextManager, List, Optional
@@ -22,6 +23,7 @@ import torch
 from swift_megatron.checkpoint.dist import load_model, save_model
 from swift_megatron.errors import UserError
 from swift_megatron.lora import disabled
+from swift_megatron.model.routing_replay import without_routes
 from swift_megatron.model.wrappers import unwrap
 from swift_megatron.training.offload import model_offloader, resident
 from swift_megatron.training.step import forward_backward
@@ -50,8 +52,9 @@ class Reference:
         if self.frozen is not None:
             with self.resident(read_only=True):
                 return forward_backward(self.frozen, micro, collect, True)
-        with disabled(unwrap(self.policy_chunks[0])):
-            return forward_backward(self.policy_chunks, micro, collect, True)
+        with disabled(unwrap(self.policy_chunks[0])):   # the reference routes itself
+            return forward_backward(self.policy_chunks, [without_routes(mb) for mb in micro],
+                                    collect, True)
 
     @torch.no_grad()
     def mix_in_policy(self, alpha: float) -> None:

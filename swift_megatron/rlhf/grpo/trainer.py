@@ -56,6 +56,7 @@ from swift_megatron.rollout.timeline import timing_metrics
 from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
+from swift_megatron.training.moe_losses import moe_loss_metrics
 from swift_megatron.training.profile import device_memory, maybe_profile, measure_phase
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
@@ -331,7 +332,8 @@ class GRPOTrainer:
         skip_old = 0 if self._all_old() else len(steps[0])
         if self.tail is None:
             fill_logprobs(micro, self.policy.chunks, self.reference, self.teacher,
-                          self.loss_settings, skip_old=skip_old, beta=self.args.grpo.beta)
+                          self.loss_settings, skip_old=skip_old, beta=self.args.grpo.beta,
+                          record_routes=self.args.moe.router_replay_mode == "R2")
             return
         current, self.tail = self.tail, None
         try:
@@ -363,6 +365,7 @@ class GRPOTrainer:
         zero_grads(pol.chunks, pol.optimizer)
         outputs = forward_backward(pol.chunks, micro, partial(grpo_loss, self.loss_settings, constants))
         metrics = step_metrics(outputs, self.state)
+        metrics.update(moe_loss_metrics(pol.config, len(micro), self.state.device))
         if self.numerics_pending:
             metrics.update(self.numerics_gate(metrics))
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
@@ -483,7 +486,8 @@ class GRPOTrainer:
         samples = [attach_images(Sample(group_id=i, prompt_id=p.prompt_id,
                                         prompt_ids=list(p.input_ids), completion_ids=c.token_ids,
                                         rollout_logprobs=c.logprobs, finish_reason=c.finish_reason,
-                                        rewards=[]), None if inputs is None else inputs[i])
+                                        rewards=[], routed_experts=c.routed_experts),
+                                 None if inputs is None else inputs[i])
                    for i, (p, c) in enumerate(zip(prompts, completions))]
         micro = self.micro_batches(samples, micro_batch_size=len(samples))
         settings = dataclasses.replace(self.loss_settings, temperature=1.0)
