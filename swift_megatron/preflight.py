@@ -199,6 +199,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_gdn_kernels(args, family)
         check_vision_flags(args, hf_config)
         check_cpu_vllm_support(args, hf_config, colocate)
+        check_context_length(args, hf_config, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
@@ -214,6 +215,30 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         if path:
             check_output_path(path, flag)
     return plan, hf_config
+
+
+def check_context_length(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:
+    """--max_length (or --vllm_max_model_len) past the model's context (max_position_embeddings):
+    refused when the colocated vLLM engine would get it (vLLM refuses an engine longer than the
+    model's context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1), else a notice (training accepts it,
+    as ms-swift's: positions past the context were never trained)."""
+    context = text_config(hf_config).get("max_position_embeddings")
+    engine_flag, engine = ("vllm_max_model_len", args.vllm.vllm_max_model_len) \
+        if args.vllm.vllm_max_model_len else ("max_length", args.data.max_length)
+    if not context:
+        return
+    if colocate and engine and engine > context and \
+            not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise UserError(f"--{engine_flag} {engine} exceeds the model's context, "
+                        f"max_position_embeddings {context} in its config.json: vLLM refuses "
+                        f"an engine longer than that. Give --{engine_flag} {context} or less "
+                        f"(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 makes vLLM accept it, if the model "
+                        f"really extrapolates)")
+    length = args.data.max_length
+    if length and length > context:
+        args.data.adjustments = getattr(args.data, "adjustments", []) + [
+            f"--max_length {length} exceeds the model's context, max_position_embeddings "
+            f"{context} in its config.json: positions past {context} were never trained"]
 
 
 def check_scheduler_name(args: RlhfArguments) -> None:

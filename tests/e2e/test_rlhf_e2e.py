@@ -152,6 +152,9 @@ def test_numerics_gate_stops_before_the_first_update(base, tmp_path):
     (["--reward_funcs", "acuracy"], "Did you mean 'accuracy'"),
     (["--dataset", "missing.jsonl"], "missing.jsonl"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    # issue 57: blamed the reward function (values up to 1), not the weight
+    (["--reward_weights", "1e308", "1"], "--reward_weights gives reward function 'digit_ratio' "
+                                         "the weight 1e+308"),
 ])
 def test_user_errors_exit_2(base, tmp_path, extra, message):
     proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path, *extra, check=False)

@@ -100,6 +100,17 @@ FLAGS = [   # values and combinations refused at parse time
          "--max_resample_times must be >= 0"),
     case(["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_api_key", ""],
          "--vllm_server_api_key is empty: that would turn authentication off"),
+    # issue 57: a traceback, or accepted silently, before
+    case(["--seed", "18446744073709551616"], "--seed must be in [0, 4294967295]"),
+    case(["--seed", "-1"], "--seed must be in [0, 4294967295]"),
+    case(["--data_seed", "4294967296"], "--data_seed must be in [0, 4294967295]"),
+    case(["--output_dir", ""], "--output_dir got an empty value; give a path"),
+    case(["--save", " "], "--save got an empty value"),
+    case(["--model", ""], "--model got an empty value"),
+    case(["--use_vllm", "true", "--max_length", "1000000"],
+         "--max_length 1000000 exceeds the model's context, max_position_embeddings 512"),
+    case(["--use_vllm", "true", "--vllm_max_model_len", "4096"],
+         "--vllm_max_model_len 4096 exceeds the model's context"),
 ]
 
 FILES = [   # model directories, datasets, plugins, system prompts
@@ -198,6 +209,8 @@ EXPORT = [   # megatron export
     case(["--mcore_model", "BAD_CKPT_OPTIM_METADATA", "--to_hf", "true", "--output_dir", "OUT"],
          "optimizer/.metadata: unreadable", "export", base=False),
     case(["--model", "MODEL", "--output_dir", "OUT"], "--to_hf", "export", base=False),
+    case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", ""],   # issue 57
+         "--output_dir got an empty value", "export", base=False),
     case(["--model", "MODEL", "--to_hf", "true", "--to_mcore", "true", "--output_dir", "OUT"],
          "--to_mcore", "export", base=False),
     case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "OUT", "--test_convert_dtype",

@@ -145,3 +145,14 @@ def test_plugins_and_reward_names_are_checked(base, tmp_path):
 def test_system_file_is_checked(base, tmp_path):
     with pytest.raises(UserError, match="--system .*prompt.txt: no such file"):
         run(base + ["--system", str(tmp_path / "prompt.txt")])
+
+
+def test_max_length_past_the_context_is_a_notice_without_vllm(base, swift_logs):
+    """issue 57: accepted without a word before. Training accepts it (as ms-swift); the
+    colocated vLLM engine would refuse it, which the corpus checks (tests/reliability)."""
+    assert run(base + ["--max_length", "1000000", "--use_vllm", "false"]) == 0
+    assert "--max_length 1000000 exceeds the model's context, max_position_embeddings 512 in " \
+           "its config.json: positions past 512 were never trained" in swift_logs.text
+    swift_logs.clear()
+    assert run(base + ["--max_length", "512", "--use_vllm", "false"]) == 0
+    assert "exceeds the model's context" not in swift_logs.text
