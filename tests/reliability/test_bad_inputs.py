@@ -246,6 +246,15 @@ COMMANDS = [
     case(["--config", "BAD_MISSING_CONFIG.yaml"], "BAD_MISSING_CONFIG.yaml"),
     case(["--config", "BAD_CONFIG.yaml"], "BAD_CONFIG.yaml"),
     case(["--config", "BAD_CONFIG_UNKNOWN_FLAG.yaml"], "not_a_flag"),
+    # issue 57: the last value, or the second file, won silently
+    case(["--config", "BAD_CONFIG_DUPLICATE.yaml"], "config file BAD_CONFIG_DUPLICATE.yaml: key "
+                                                    "'lr' is given twice (again on line 3)"),
+    case(["--config", "BAD_CONFIG_DUPLICATE.json"], "key 'seed' is given twice"),
+    case(["--config", "BAD_CONFIG_ALIAS.yaml"], "keys save_steps and save_interval both set "
+                                                "--save_steps"),
+    case(["BAD_CONFIG_GOOD.yaml", *GOOD, "--config", "BAD_CONFIG_GOOD.yaml"],
+         "two config files, BAD_CONFIG_GOOD.yaml (the first argument) and --config "
+         "BAD_CONFIG_GOOD.yaml: give one", base=False),
 ]
 
 ALL = FLAGS + FILES + CHECKPOINTS + EXPORT + ROLLOUT + COMMANDS
@@ -308,6 +317,10 @@ def bad(tiny_model_dir, tmp_path_factory):
         "BAD_IMPORT.py": b"import no_such_module_here\n",
         "BAD_CONFIG.yaml": b"model: [unclosed\n",
         "BAD_CONFIG_UNKNOWN_FLAG.yaml": b"not_a_flag: 1\n",
+        "BAD_CONFIG_DUPLICATE.yaml": b"lr: 1.0e-5\nseed: 3\nlr: 2.0e-5\n",
+        "BAD_CONFIG_DUPLICATE.json": b'{"seed": 1, "seed": 2}',
+        "BAD_CONFIG_ALIAS.yaml": b"save_steps: 3\nsave_interval: 4\n",
+        "BAD_CONFIG_GOOD.yaml": b"seed: 3\n",
     }
     for name, content in files.items():
         (root / name).write_bytes(content)
