@@ -115,9 +115,39 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def text_problem(value: Any, where: str = "") -> Optional[str]:
+    """Where `value` (a string, or lists and dicts of them, keys included) holds a lone surrogate
+    (JSON's "\\ud800", which no UTF-8 tokenizer can take), and which; None when it holds none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (f"{where or 'the text'} holds a lone surrogate, {ascii(value[exc.start])}, "
+                    f"at character {exc.start}: not valid Unicode text")
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for key, item in items:
+        problem = text_problem(key, f"{where}key {ascii(key)}") or \
+            text_problem(item, f"{where}[{ascii(key)}]")
+        if problem:
+            return problem
+    return None
+
+
+def _valid_text(value: Any) -> Any:
+    """A pydantic after-validator: ValueError (a 422 naming the field) for a lone surrogate."""
+    problem = text_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 def _models():
-    """The request schemas (pydantic, imported with FastAPI)."""
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+    """The request schemas (pydantic, imported with FastAPI). Numbers are strict: "0.5" (a
+    string) is no temperature; text must be valid Unicode (_valid_text)."""
+    from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt,
+                          StrictStr)
 
     from swift_megatron.rollout.weight_sync import DTYPES
 
@@ -125,15 +155,19 @@ def _models():
         model_config = ConfigDict(extra="forbid")
 
     Seed = Annotated[StrictInt, Field(ge=0, lt=2 ** 63)]   # vLLM's seeds are int64
+    Text = Annotated[StrictStr, AfterValidator(_valid_text)]
+
+    def number(default: float, **bounds):
+        return Field(default, allow_inf_nan=False, strict=True, **bounds)
 
     class GenerateRequest(Strict):
-        prompts: Union[List[List[StrictInt]], List[StrictStr]] = Field(min_length=1)
+        prompts: Union[List[List[StrictInt]], List[Text]] = Field(min_length=1)
         seeds: Optional[List[Optional[Seed]]] = None
         max_tokens: StrictInt = Field(16, ge=1, le=INT32_MAX)
-        temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-        top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+        temperature: float = number(1.0, ge=0)
+        top_p: float = number(1.0, gt=0, le=1)
         top_k: StrictInt = Field(-1, ge=-1, le=INT32_MAX)
-        repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+        repetition_penalty: float = number(1.0, gt=0)
         stop_token_ids: List[Annotated[StrictInt, Field(ge=0)]] = []
         logprobs: StrictBool = True
         images: Optional[List[Optional[List[StrictStr]]]] = None   # base64 image files
@@ -154,14 +188,16 @@ def _models():
     class TokenRequest(Strict):
         token: StrictStr                 # from /init_communicator
 
+    Texts = Annotated[Dict[str, Any], AfterValidator(_valid_text)]   # every string in it
+
     class RolloutRequest(GenerateRequest):
         prompts: List[List[StrictInt]] = Field(min_length=1)
-        messages: List[List[Dict[str, Any]]]
-        columns: Optional[List[Dict[str, Any]]] = None
+        messages: List[List[Texts]]
+        columns: Optional[List[Texts]] = None
         row_ids: Optional[List[StrictInt]] = None
         max_length: StrictInt = Field(ge=2, le=INT32_MAX)
         limit_scope: Literal["per_round", "total"] = "per_round"
-        template_kwargs: Dict[str, Any] = {}
+        template_kwargs: Texts = {}
 
     return (GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest,
             CloseCommunicatorRequest, RolloutRequest, TokenRequest)
@@ -194,7 +230,6 @@ def _check_generate(request, vocab_size: int) -> None:
 def _decode_images(request) -> Optional[List[Optional[list]]]:
     """The request's images as PIL images; 400 naming the first one that does not decode."""
     import base64
-    import binascii
 
     from fastapi import HTTPException
 
@@ -208,7 +243,7 @@ def _decode_images(request) -> Optional[List[Optional[list]]]:
         try:
             decoded.append(None if not pictures else
                            [load_image(base64.b64decode(p, validate=True)) for p in pictures])
-        except (binascii.Error, RowError) as exc:
+        except (ValueError, RowError) as exc:   # binascii.Error; ValueError: not ASCII
             raise HTTPException(400, f"images[{index}]: {exc}") from None
     return decoded
 
@@ -351,10 +386,11 @@ def _rollout(state: ServerState, request) -> dict:
 
 
 def check_multi_turn_names(args) -> None:
-    """Load --external_plugins and check the scheduler and gym env names they and the built-ins
+    """Load --external_plugins (with or without a scheduler: a file that fails to import is a
+    UserError naming it) and check the scheduler and gym env names they and the built-ins
     register: before any engine process starts (a typo cost a vLLM start before)."""
     options = args.multi_turn
-    if options.multi_turn_scheduler is None:
+    if options.multi_turn_scheduler is None and not options.external_plugins:
         return
     import swift_megatron.compat.ms_swift  # noqa: F401  (ms-swift plugin files load)
     import swift_megatron.rollout.multi_turn  # noqa: F401  (registers the built-ins)
@@ -362,6 +398,8 @@ def check_multi_turn_names(args) -> None:
     from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
 
     load_plugins(options.external_plugins)
+    if options.multi_turn_scheduler is None:
+        return
     SCHEDULERS.lookup(options.multi_turn_scheduler)
     if options.gym_env is not None:
         GYM_ENVS.lookup(options.gym_env)

@@ -239,6 +239,11 @@ ROLLOUT = [   # megatron rollout (refused before any engine starts)
          "rollout", base=False),
     case(["--model", "MODEL", "--unknown_rollout_flag", "x"], "--unknown_rollout_flag", "rollout",
          base=False),
+    # issue 57: without --multi_turn_scheduler the server never imported the file
+    case(["--model", "MODEL", "--external_plugins", "BAD_IMPORT.py"], "BAD_IMPORT.py", "rollout",
+         base=False),
+    case(["--model", "MODEL", "--external_plugins", "BAD_MISSING_PLUGIN.py"],
+         "BAD_MISSING_PLUGIN.py", "rollout", base=False),
 ]
 
 COMMANDS = [
@@ -408,6 +413,28 @@ def test_bad_input_exits_2_naming_the_culprit(bad, tmp_path, capsys, monkeypatch
     assert _fill_text(culprit, paths) in printed.err, (argv, printed.err[-2000:])
     assert not os.path.exists(out), "a refused command wrote its output directory"
     assert sorted(os.listdir(tmp_path)) == [], "a refused command left files behind"
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("rollout", ["--model", "MODEL"]),
+    ("rlhf", GOOD + ["--use_vllm", "true", "--vllm_mode", "server"]),
+])
+def test_an_empty_api_key_variable_is_refused(bad, tmp_path, capsys, monkeypatch, command, flags):
+    """issue 57: SWIFT_MEGATRON_ROLLOUT_API_KEY= (set, empty) started a server without
+    authentication, silently (the flag form was refused already); a colocate trainer, which
+    reads no key, is not refused for it."""
+    paths, _ = bad
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SWIFT_MEGATRON_ROLLOUT_API_KEY", " ")
+    with pytest.raises(SystemExit) as exit_info:
+        main([command] + _fill(flags, paths, str(tmp_path / "out")))
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2 and "Traceback" not in printed.err
+    assert "$SWIFT_MEGATRON_ROLLOUT_API_KEY is set but empty: that would turn authentication " \
+           "off" in printed.err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rlhf"] + _fill(GOOD, paths, str(tmp_path / "out")))
+    assert exit_info.value.code == 0, capsys.readouterr().err[-2000:]
 
 
 def test_the_corpus_is_large_enough():
