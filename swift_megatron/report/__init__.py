@@ -49,8 +49,12 @@ def load_log(output_dir: str):
         raise UserError(f"{path} is not a run's log: none of its {log.bad_lines} line(s) is a "
                         f"logged step (a JSON object with a 'step')")
     if not log.records:
-        raise UserError(f"{path} has no logged step yet")
+        raise NoLoggedStep(f"{path} has no logged step yet")
     return log
+
+
+class NoLoggedStep(UserError):
+    """logging.jsonl exists but holds no step yet (a save before the first logged step)."""
 
 
 def _being_written(path: str) -> int:
@@ -119,10 +123,13 @@ def add_completions_view(output_dir: str, report: Report) -> Optional[str]:
 
 def write_run_report(output_dir: str, args, plan, train_iters: int) -> Optional[Report]:
     """The trainer's hook (global rank 0, at every save and at the end): record the run's flags
-    and batch plan in args.json, then write the report. Never raises; problems are warnings."""
+    and batch plan in args.json, then write the report. Never raises; problems are warnings,
+    but for a save before the first logged step, which the next save's report covers (None)."""
     try:
         record_run(output_dir, "megatron rlhf", args, plan, train_iters)
         report = write_report(output_dir)
+    except NoLoggedStep:   # a save before the first logged step (--save_steps < --logging_steps)
+        return None
     except Exception as exc:  # the report must never fail a training run
         logger.warning(f"report not written ({type(exc).__name__}: {exc}); "
                        f"`megatron plot {output_dir}` retries")

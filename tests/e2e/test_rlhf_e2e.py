@@ -45,9 +45,19 @@ def base(tiny_model_dir, math_dataset_path):
 
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
-    rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
-         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true",
-         "--num_generations_eval", 2)
+    proc = rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
+                "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync",
+                "true", "--num_generations_eval", 2, "--save_steps", 1)
+    # the run's last words: where its model, checkpoints and report are (issue 57)
+    last = proc.stdout.splitlines()[-5:]
+    assert last[0].startswith("INFO finished: 2 optimizer steps in "), proc.stdout[-2000:]
+    best = json.load(open(out / "best_checkpoint.json"))
+    assert last[1:] == [f"INFO final model (Hugging Face): {out}/final_hf",
+                        f"INFO last checkpoint: {out}/iter_0000002 (Hugging Face copy: "
+                        f"{out}/checkpoint-2)",
+                        f"INFO best checkpoint: {out}/checkpoint-{best['step']} (step "
+                        f"{best['step']}, reward/mean {best['reward']:.4g})",
+                        f"INFO report: {out}/report/summary.md"]
     rows = logged(out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert all(r["time/sync_s"] > 0 and r["time/sync_check_s"] > 0 for r in rows)  # timed apart

@@ -225,6 +225,16 @@ def test_trainer_hook_never_raises(tmp_path, swift_logs):
     assert read_run_record(str(tmp_path))["train_iters"] == 10    # the record was still written
 
 
+def test_a_save_before_the_first_logged_step_is_no_warning(tmp_path, swift_logs):
+    """issue 57: a healthy run with --save_steps < --logging_steps warned 'report not written'
+    at its first save (logging.jsonl open, still empty); the next save's report covers it."""
+    (tmp_path / "logging.jsonl").write_text("")
+    assert report.write_run_report(str(tmp_path), rlhf_args(), None, 10) is None
+    assert not [r for r in swift_logs.records if r.levelname == "WARNING"]
+    (tmp_path / "logging.jsonl").write_text('{"step": 2, "kl": 0.5}\n')
+    assert report.write_run_report(str(tmp_path), rlhf_args(), None, 10) is not None
+
+
 def test_completions_page_escapes_and_renders(run_dir, tmp_path):
     page = report.write_report(str(run_dir), ["reward/mean"]).completions
     text = open(page).read()

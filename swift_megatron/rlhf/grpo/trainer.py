@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -24,7 +25,8 @@ from swift_megatron.arguments.batch_plan import BatchPlan
 from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint import run as run_checkpoint
 from swift_megatron.checkpoint.start import check_resume_step, plan_start
-from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
+from swift_megatron.checkpoint.trainer import (adam_step, iteration_dir, load_checkpoint,
+                                               save_checkpoint)
 from swift_megatron.errors import NumericsError, UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.logging.progress import progress
@@ -39,6 +41,7 @@ from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo import numerics
 from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.collect import attach_images
+from swift_megatron.rlhf.grpo.ending import RunEnd, closing_lines, existing
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
@@ -60,6 +63,7 @@ SYNC_CHECK_PROMPTS, SYNC_CHECK_TOKENS = 4, 16  # --check_weight_sync: fixed prom
 class GRPOTrainer:
     def __init__(self, args: RlhfArguments, plan: BatchPlan):
         self.args, self.plan = args, plan
+        self.started, self.report = time.monotonic(), None   # for the run's last lines
         self.steps_per_rollout = plan.steps_per_generation * args.grpo.num_iterations
         self.state = build.parallel_state(args)
         start = plan_start(args.training, args.lora)
@@ -117,6 +121,9 @@ class GRPOTrainer:
             self.engine.abandon()   # a rollout server's weight-sync communicator
             raise
         self.close()
+        if self.state.rank == 0:
+            for line in closing_lines(self._run_end()):
+                logger.info(line)
         return metrics
 
     def _train(self) -> Dict[str, float]:
@@ -126,8 +133,9 @@ class GRPOTrainer:
         self.sync_weights()
         metrics: Dict[str, float] = {}
         t = self.args.training
-        with GcClock() as gc_clock:
-            for index in progress(range(1, batches + 1), desc="GRPO"):
+        # the bar closes before the run's last save, so the report's lines come after it
+        with GcClock() as gc_clock, progress(range(1, batches + 1), desc="GRPO") as bar:
+            for index in bar:
                 paused = gc_clock.seconds
                 with maybe_profile(index, self.state.rank):
                     metrics = self.train_rollout_batch()
@@ -136,10 +144,10 @@ class GRPOTrainer:
                     metrics.update(self.evaluate())
                 if self._crossed(t.logging_steps):
                     self.metrics_log.log(self.step, metrics)
-                if self._crossed(t.save_steps):
-                    self.save(metrics)
                 if t.exit_interval and self.step >= t.exit_interval:
                     break
+                if self._crossed(t.save_steps) and self.step < self.train_iters:
+                    self.save(metrics)
         if self._saved_step != self.step:
             self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
@@ -500,7 +508,8 @@ class GRPOTrainer:
         self._saved_step = self.step
         logger.info(f"saved checkpoint {path}")
         if self.state.rank == 0:
-            write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
+            report = write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
+            self.report = report.summary if report else self.report
 
     def _sampler_state(self) -> dict:
         """The sampler's state to resume from: with a batch prefetched, from before its draw
@@ -575,6 +584,25 @@ class GRPOTrainer:
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(adapter, final_adapter))
         else:
             save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora)
+
+    def _run_end(self) -> RunEnd:
+        """Where the run's model, checkpoints and report are (global rank 0, at its end)."""
+        save_dir, step, finished = self.save_dir, self.step, self.step >= self.train_iters
+        best = run_checkpoint.read_best(save_dir)
+        return RunEnd(
+            step=step, train_iters=self.train_iters, seconds=time.monotonic() - self.started,
+            save_dir=save_dir, last=iteration_dir(save_dir, step), last_hf=self._hf_copy(step),
+            final_model=existing(os.path.join(self.output_dir, "final_hf")) if finished else None,
+            final_adapter=existing(os.path.join(self.output_dir, "final_adapter"))
+            if finished else None,
+            best=best, best_path=best and (self._hf_copy(best["step"])
+                                           or existing(iteration_dir(save_dir, best["step"]))),
+            report=self.report)
+
+    def _hf_copy(self, step: int) -> Optional[str]:
+        """The HF copy of save `step` (LoRA: the merged model, else the adapter), if written."""
+        return existing(run_checkpoint.hf_dir(self.save_dir, step, merged=True),
+                        run_checkpoint.hf_dir(self.save_dir, step))
 
     def close(self) -> None:
         if self.prefetch:
