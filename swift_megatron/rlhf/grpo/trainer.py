@@ -51,7 +51,8 @@ from swift_megatron.rollout.engine import SamplingConfig
 from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
-from swift_megatron.training.profile import device_memory, maybe_profile, measure_phase
+from swift_megatron.training.profile import (device_memory, host_memory, maybe_profile,
+                                              measure_phase)
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
@@ -172,6 +173,7 @@ class GRPOTrainer:
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
         metrics.update(self._throughput(samples, timings))
+        metrics.update(host_memory())
         if device.type == "cuda":  # this rank's peak over the rollout batch's phases
             metrics["perf/max_memory_allocated_gib"] = max(
                 value for key, value in timings.items() if key.startswith("memory/"))
