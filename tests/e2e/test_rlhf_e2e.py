@@ -1,8 +1,8 @@
 """`megatron rlhf` as a subprocess on the tiny model: the first step's KL is exactly 0 (the
 reference equals the policy), checkpoints resume bit-identically, the final HF export loads in
 transformers, completions are logged, the run report is written (at the end and at a save),
-user mistakes exit 2 without a traceback, --reward_error_policy skip trains on, and `kill -9`
-leaves no process behind."""
+user mistakes exit 2 without a traceback, --reward_error_policy skip trains on, a run without
+learning signal says so, and `kill -9` leaves no process behind."""
 import json
 import os
 import subprocess
@@ -75,8 +75,12 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     completions = [json.loads(line) for line in open(out / "completions.jsonl")]
     assert len(completions) == 2 * 16 and {"prompt", "completion", "reward", "advantage"} <= set(completions[0])
     report = set(os.listdir(out / "report"))
-    assert {"overview.png", "eval.png", "engine_gap.png", "summary.md", "completions.html"} <= report
-    assert "- 2 logged steps, step 1 to 2 of 2: finished" in open(out / "report" / "summary.md").read()
+    assert {"overview.png", "engine_gap.png", "summary.md", "completions.html"} <= report
+    summary = open(out / "report" / "summary.md").read()
+    assert "- 2 logged steps, step 1 to 2 of 2: finished" in summary
+    # evaluated once: its value written out, no eval.png of one dot per panel (issue 57)
+    assert "eval.png" not in report and "- `eval/reward/mean`: " in summary
+    assert f"{rows[1]['eval/reward/mean']:.4g}, logged once (step 2)" in summary
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
@@ -191,6 +195,19 @@ def test_reward_error_policy_skip_trains_on(base, tmp_path):
     [step] = logged(tmp_path / "skipped")
     assert 0 < step["reward/odd_fails/errors"] <= 16
     assert step["reward/odd_fails/mean"] == 1.0   # the completions it scored
+
+
+def test_a_run_without_learning_signal_is_told(base, tmp_path):
+    """issue 57: a constant reward gives every group equal rewards, every advantage 0: the run
+    trained nothing and exited 0 without a word; now it warns, naming the constant function."""
+    plugin = tmp_path / "flat.py"
+    plugin.write_text("def flat(completions, **kwargs):\n    return [0.5] * len(completions)\n")
+    proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path / "run", "--beta", 0,
+                "--external_plugins", plugin, "--reward_funcs", "flat")
+    assert "WARNING no learning signal in the last 1 rollout batch(es) (step 1): in every " \
+           "group the 4 completions of a prompt got the same reward" in proc.stdout
+    assert "(flat: the same value for every completion of the batch)" in proc.stdout
+    assert logged(tmp_path / "run")[0]["grad_norm"] == 0.0
 
 
 def test_kill_9_leaves_no_processes_behind(base, tmp_path):

@@ -43,6 +43,7 @@ from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_bat
 from swift_megatron.rlhf.grpo.collect import attach_images
 from swift_megatron.rlhf.grpo.ending import RunEnd, closing_lines, existing
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
+from swift_megatron.rlhf.grpo.no_signal import NoSignalWatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
@@ -105,6 +106,8 @@ class GRPOTrainer:
         self.generation_memory: Dict[str, float] = {}   # generating(): the device at its end
         self.numerics_pending = self._numerics_gate_applies(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
+        self.no_signal = NoSignalWatch(args.grpo.num_generations, args.grpo.temperature,
+                                       self.steps_per_rollout)
         self.prefetch = self._prefetch()
         if start.resume_dir:
             self._resume(start.resume_dir)
@@ -141,6 +144,7 @@ class GRPOTrainer:
                 with maybe_profile(index, self.state.rank):
                     metrics = self.train_rollout_batch()
                 metrics["perf/gc_pause_s"] = gc_clock.seconds - paused
+                self._warn(self.no_signal.update(self.step, metrics))
                 if self._crossed(self.eval_steps):
                     metrics.update(self.evaluate())
                 if self._crossed(t.logging_steps):
@@ -149,6 +153,7 @@ class GRPOTrainer:
                     break
                 if self._crossed(t.save_steps) and self.step < self.train_iters:
                     self.save(metrics)
+        self._warn(self.no_signal.finish(self.step, metrics))
         if self._saved_step != self.step:
             self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
@@ -586,6 +591,10 @@ class GRPOTrainer:
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(adapter, final_adapter))
         else:
             save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora)
+
+    def _warn(self, message: Optional[str]) -> None:
+        if message and self.state.rank == 0:
+            logger.warning(message)
 
     def _run_end(self) -> RunEnd:
         """Where the run's model, checkpoints and report are (global rank 0, at its end)."""
