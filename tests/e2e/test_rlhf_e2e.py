@@ -66,6 +66,9 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
     assert rows[1]["eval/num_completions"] == 7 * 2  # ceil(0.1 x 64) prompts x num_generations_eval
     assert [r["step"] for r in rows] == [1, 2]
+    # each step's own rate (issue 57; Megatron's convention logged the next: 5e-4, then 0):
+    # --lr 1e-3 decayed over 2 steps by a cosine to 0, at 0 and 1 step of decay
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3, 5e-4], rel=1e-9)
     assert rows[0]["grad_norm"] > 0      # the rewards had signal: the first step updated
     assert rows[0]["kl"] == 0.0          # reference == policy before the first update
     # the numerics gate ran on the first step only: qwen3 is dense, fp32 engine == trainer

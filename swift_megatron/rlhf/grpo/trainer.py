@@ -309,6 +309,10 @@ class GRPOTrainer:
         metrics = step_metrics(outputs, self.state)
         if self.numerics_pending:
             metrics.update(self.numerics_gate(metrics))
+        # "lr": the rate this step updates with, --lr's schedule (groups with --vit_lr /
+        # --aligner_lr follow it scaled), read before optimizer_step moves the schedule on
+        # (Megatron logs the next step's: 0 on a decay's last step)
+        lr = pol.scheduler.get_lr({})
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
         self.step += 1
         skipped = self.skip_guard.update(ok, grad_norm, self.step)
@@ -317,9 +321,7 @@ class GRPOTrainer:
         g = self.args.grpo
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
-        # "lr": --lr's schedule (groups with --vit_lr / --aligner_lr follow it scaled)
-        metrics.update({"grad_norm": grad_norm, "lr": pol.scheduler.get_lr({}),
-                        "update_skipped": float(not ok)})
+        metrics.update({"grad_norm": grad_norm, "lr": lr, "update_skipped": float(not ok)})
         return metrics
 
     def numerics_gate(self, metrics: Dict[str, float]) -> Dict[str, float]:
