@@ -1,4 +1,4 @@
-"""The rollout server's request checks (swift_megatron/rollout/server.py), through its FastAPI
+"""The rollout server's request checks (swift_megatron/rollout/requests.py), through its FastAPI
 application over a stand-in replica: a value of the wrong type or text that is not valid Unicode
 gets a 422 naming the field, never a 500 from deep inside the engine (issue 57). The same bodies
 against a real vLLM server: tests/vllm/test_server.py's MALFORMED."""
@@ -11,7 +11,8 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from swift_megatron.rollout.server import ServerState, build_app, text_problem  # noqa: E402
+from swift_megatron.rollout.requests import text_problem  # noqa: E402
+from swift_megatron.rollout.server import ServerState, build_app  # noqa: E402
 
 
 class _Alive:
@@ -53,7 +54,7 @@ def post(client, path, body):
     ({"prompts": [[1, 2]], "top_p": "1"}, ["body", "top_p"], "valid number"),
     ({"prompts": [[1, 2]], "repetition_penalty": True}, ["body", "repetition_penalty"],
      "valid number"),
-    ({"prompts": ["a\ud800b"]}, ["body", "prompts", "list[function-after[_valid_text(), str]]",
+    ({"prompts": ["a\ud800b"]}, ["body", "prompts", "list[function-after[valid_text(), str]]",
                                  0], "the text holds a lone surrogate, '\\ud800', at character 1"),
 ])
 def test_bad_values_are_422_naming_the_field(http, body, loc, message):
