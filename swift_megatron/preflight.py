@@ -269,8 +269,9 @@ def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:
 
 def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[str]:
     """The per-GPU memory estimate (model/memory.py) as lines, and a warning line when it
-    exceeds the visible GPU's memory; without a GPU (and --gpu_memory_gib), vLLM's share as a
-    fraction and the GPU the run would need."""
+    exceeds the visible GPU's memory; without a GPU (and --gpu_memory_gib), a line with vLLM's
+    share as a fraction and the GPU the run would need (the first line keeps `name GiB` items
+    only: benchmarks/dry_run_memory.py parses it)."""
     from swift_megatron.model.memory import estimate
 
     device = _device_bytes(args)
@@ -278,10 +279,10 @@ def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[
     result = estimate(hf_config, shape, device)
     names = ("weights", "gradients", "optimizer", "reference", "teacher", "activations", "head",
              "vllm", "train", "logprobs", "generate", "peak")
-    items = {name: f"{name} {result[name]:.1f}" for name in names}
-    if device is None and shape.vllm_fraction:   # a share of a GPU there is none of
-        items["vllm"] = f"vllm {shape.vllm_fraction:g} of the GPU"
-    lines = ["memory per GPU (estimate, GiB): " + ", ".join(items.values())]
+    # without a GPU, vLLM's share of one has no size: the next line gives it as a fraction
+    shown = [n for n in names if not (n == "vllm" and device is None and shape.vllm_fraction)]
+    lines = ["memory per GPU (estimate, GiB): " + ", ".join(
+        f"{name} {result[name]:.1f}" for name in shown)]
     if device is None:
         lines.append(_needed_gpu_line(result, shape.vllm_fraction, args.model.device == "cpu"))
     elif result["peak"] > result["device"]:
@@ -303,9 +304,10 @@ def _needed_gpu_line(result: dict, vllm_fraction: float, cpu_run: bool) -> str:
         return (f"memory: no GPU here; with --vllm_gpu_memory_utilization 1 vLLM would leave no "
                 f"room for the {resident:.1f} GiB that stay resident while it generates")
     needed = max(result["train"], result["logprobs"], resident / (1 - vllm_fraction))
-    share = f", vLLM colocate taking {vllm_fraction:g} of it" if vllm_fraction else ""
-    return (f"memory: no GPU here; this run needs a GPU of at least {needed:.1f} GiB{share} "
-            f"(--gpu_memory_gib G checks the estimate against a GPU of G GiB)")
+    share = f", vLLM colocate taking {vllm_fraction:g} of it (not in the figures above)" \
+        if vllm_fraction else ""
+    return (f"memory: no GPU here; this run needs a GPU of at least {needed:.1f} GiB{share}; "
+            f"--gpu_memory_gib G checks the estimate against a GPU of G GiB")
 
 
 def _device_bytes(args: RlhfArguments) -> Optional[int]:

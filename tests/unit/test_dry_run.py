@@ -177,8 +177,8 @@ def test_the_dry_run_says_how_long_the_run_is(base, capsys, flags, line):
 
 def test_without_a_gpu_the_memory_line_says_what_gpu_it_needs(base, capsys):
     """issue 57: on a CPU, `vllm 0.0` with --vllm_gpu_memory_utilization 0.7; now vLLM's
-    share is a fraction and the GPU the run needs is computed: it generates in the 30% vLLM
-    leaves, so resident / 0.3 when that is the largest phase."""
+    share is given as a fraction, on a line of its own with the GPU the run needs: it generates
+    in the 30% vLLM leaves, so resident / 0.3 when that is the largest phase."""
     import torch
 
     from swift_megatron.preflight import _needed_gpu_line
@@ -187,11 +187,14 @@ def test_without_a_gpu_the_memory_line_says_what_gpu_it_needs(base, capsys):
         pytest.skip("a GPU is visible: the estimate uses its memory")
     assert run(base + ["--use_vllm", "true", "--vllm_gpu_memory_utilization", "0.7"]) == 0
     out = capsys.readouterr().out
-    assert "vllm 0.7 of the GPU" in out and "vllm 0.0" not in out
+    [line] = [line for line in out.splitlines() if line.startswith("memory per GPU")]
+    assert "vllm" not in line and "head " in line
     assert "memory: no GPU here; this run needs a GPU of at least " in out
+    assert "vLLM colocate taking 0.7 of it (not in the figures above)" in out
     result = {"train": 20.0, "logprobs": 12.0, "generate": 9.0, "vllm": 0.0}
     assert _needed_gpu_line(result, 0.7, cpu_run=False) == (
         "memory: no GPU here; this run needs a GPU of at least 30.0 GiB, vLLM colocate taking "
-        "0.7 of it (--gpu_memory_gib G checks the estimate against a GPU of G GiB)")
-    assert "at least 20.0 GiB (" in _needed_gpu_line(result, 0.0, cpu_run=False)
+        "0.7 of it (not in the figures above); --gpu_memory_gib G checks the estimate against a "
+        "GPU of G GiB")
+    assert "at least 20.0 GiB; " in _needed_gpu_line(result, 0.0, cpu_run=False)
     assert _needed_gpu_line(result, 0.7, cpu_run=True).startswith("memory: --device cpu, no GPU")
