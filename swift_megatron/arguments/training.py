@@ -4,7 +4,7 @@ the completion-level batch sizes. Names and defaults are ms-swift's (`--save_ste
 from dataclasses import dataclass
 from typing import List, Optional
 
-from swift_megatron.arguments.fields import arg
+from swift_megatron.arguments.fields import arg, check_seed, refuse_empty
 from swift_megatron.errors import UserError
 
 REPORT_TARGETS = ("tensorboard", "wandb", "swanlab", "none")
@@ -86,7 +86,8 @@ class TrainingArguments:
     exit_interval: Optional[int] = arg(None, "Stop after this many optimizer steps (saving a "
                                        "checkpoint), e.g. to split a long run into jobs that each "
                                        "resume with --load.")
-    seed: int = arg(42, "Random seed for data order, initialisation and sampling.")
+    seed: int = arg(42, "Random seed for data order, initialisation and sampling, in "
+                    "[0, 2**32 - 1].")
     # Checkpoints
     output_dir: Optional[str] = arg(None, "Where logs, completions, checkpoints (unless --save "
                                     "is given) and the final model go. Default: "
@@ -155,6 +156,9 @@ class TrainingArguments:
             if value is not None and value < 1:
                 raise UserError(f"--{name} must be >= 1, got {value}")
         self._check_optimizer_values()
+        check_seed("seed", self.seed)
+        refuse_empty(self, ("output_dir", "save", "load", "mcore_model", "mcore_adapter",
+                            "tensorboard_dir"))
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction < 1:
             raise UserError(f"--lr_warmup_fraction must be in [0, 1), got {self.lr_warmup_fraction}")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:

@@ -56,7 +56,7 @@ def saved_steps(save_dir: str) -> List[int]:
     return sorted(steps)
 
 
-def _read_best(save_dir: str) -> Optional[dict]:
+def read_best(save_dir: str) -> Optional[dict]:
     path = os.path.join(save_dir, BEST_FILE)
     if not os.path.isfile(path):
         return None
@@ -68,7 +68,7 @@ def record_best(save_dir: str, step: int, reward: Optional[float]) -> None:
     """Remember `step` as the best save when its reward/mean beats the recorded one (rank 0)."""
     if reward is None or not math.isfinite(reward):
         return
-    best = _read_best(save_dir)
+    best = read_best(save_dir)
     if best is None or reward > best["reward"] or best["step"] not in saved_steps(save_dir):
         tmp = os.path.join(save_dir, BEST_FILE + ".tmp")
         with open(tmp, "w") as f:
@@ -82,7 +82,7 @@ def rotate(save_dir: str, limit: Optional[int]) -> List[int]:
     steps = saved_steps(save_dir)
     if not limit or len(steps) <= limit:
         return []
-    best = _read_best(save_dir)
+    best = read_best(save_dir)
     keep = {steps[-1]} | ({best["step"]} if best else set())
     removable = [s for s in steps if s not in keep]
     doomed = removable[:max(0, len(steps) - limit)]

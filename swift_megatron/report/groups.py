@@ -11,7 +11,7 @@ in one figure and is left out of summary.md's tables.
 """
 import fnmatch
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,23 @@ def grouped(keys: Sequence[str], only: Sequence[str] = ()) -> List[Tuple[Group, 
 
 def higher_is_better(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in HIGHER_IS_BETTER)
+
+
+UNTRAINED = "weight 0: not trained"
+
+
+def reward_notes(keys: Sequence[str], record: Optional[dict]) -> Dict[str, str]:
+    """{key: UNTRAINED} for the metrics of every --reward_funcs entry whose --reward_weights
+    value is 0 (logged, but no part of the advantage), from the run's args.json record."""
+    flags = (record or {}).get("flags") or {}
+    weights = flags.get("reward_weights") or []
+    untrained = {name for name, weight in zip(flags.get("reward_funcs") or [], weights)
+                 if weight == 0}
+    notes = {}
+    for key in keys:
+        parts = key.split("/")
+        name = parts[2] if parts[:2] == ["eval", "reward"] and len(parts) > 3 else \
+            parts[1] if parts[0] == "reward" and len(parts) > 2 else None
+        if name in untrained:
+            notes[key] = UNTRAINED
+    return notes

@@ -1,6 +1,9 @@
 """The report's PNG figures: one per metric group (report/groups.py), one panel per key, the raw
-points faint and the EMA-smoothed curve (report/smoothing.py) on top; steps where a value was
-logged as null (non-finite) are marked with a red x on the panel's floor.
+points faint and the smoothed curve (report/smoothing.py) on top; steps where a value was
+logged as null (non-finite) are marked with a red x on the panel's floor. Only keys with two or
+more distinct values get a panel (records.plottable: summary.md writes the others out as
+values), and a group left without any gets no figure. A panel can carry a note (a reward of
+weight 0: "not trained"), which greys it.
 
 matplotlib comes with the package (an environment without it gets no plots and a warning):
 figures are drawn with the Agg canvas directly (no pyplot, no GUI backend, safe inside the
@@ -9,11 +12,11 @@ trainer).
 import importlib.util
 import math
 import os
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from swift_megatron.report.groups import Group
-from swift_megatron.report.records import MetricLog
-from swift_megatron.report.smoothing import ema
+from swift_megatron.report.records import MetricLog, plottable
+from swift_megatron.report.smoothing import smooth
 
 PANEL_INCHES = (4.5, 3.0)
 DPI = 100
@@ -37,29 +40,16 @@ def figure_pixels(panels: int) -> Tuple[int, int]:
     return round(columns * PANEL_INCHES[0] * DPI), round(rows * PANEL_INCHES[1] * DPI)
 
 
-def constant(values: List[Optional[float]]) -> Optional[float]:
-    """The value of a series whose finite values (two or more) are all equal, else None."""
-    finite = [v for v in values if v is not None]
-    return finite[0] if len(finite) > 1 and all(v == finite[0] for v in finite) else None
-
-
-def draw_panel(ax, log: MetricLog, key: str, smoothing: float) -> None:
+def draw_panel(ax, log: MetricLog, key: str, smoothing: float, note: Optional[str] = None) -> None:
     from matplotlib.ticker import MaxNLocator
 
     steps, values = log.series(key)
     points = [(s, v) for s, v in zip(steps, values) if v is not None]
-    smoothed = [(s, v) for s, v in zip(steps, ema(values, smoothing)) if v is not None]
-    flat = constant(values)
-    if flat is not None:   # a flat line says less than its value, written out
-        ax.text(0.5, 0.5, f"{flat:.6g} at every one of {len(points)} steps\n(steps {points[0][0]}"
-                f"-{points[-1][0]})", ha="center", va="center", transform=ax.transAxes)
-        ax.set_yticks([])
-    elif points:
-        ax.plot(*zip(*points), color="C0", alpha=0.3, linewidth=1, marker="o", markersize=2.5,
-                label="raw")
-        ax.plot(*zip(*smoothed), color="C0", linewidth=1.8, label=f"EMA {smoothing:g}")
-    else:
-        ax.text(0.5, 0.5, "no finite value", ha="center", va="center", transform=ax.transAxes)
+    smoothed = [(s, v) for s, v in zip(steps, smooth(values, smoothing)) if v is not None]
+    colour = "C7" if note else "C0"
+    ax.plot(*zip(*points), color=colour, alpha=0.3, linewidth=1, marker="o", markersize=2.5,
+            label="raw")
+    ax.plot(*zip(*smoothed), color=colour, linewidth=1.8, label=f"smoothed {smoothing:g}")
     nulls = [s for s, v in zip(steps, values) if v is None]
     if nulls:
         ax.plot(nulls, [0.0] * len(nulls), linestyle="none", marker="x", color="red",
@@ -68,15 +58,17 @@ def draw_panel(ax, log: MetricLog, key: str, smoothing: float) -> None:
     # a fixed title height (matplotlib's automatic one measures every tick label first) and at
     # most 5 ticks per axis: drawing the ticks was most of a report's time (2 s -> 0.6 s for 9
     # figures on the CPU); a small panel shows no more anyway
-    ax.set_title(key, fontsize=10, y=1.0)
+    ax.set_title(f"{key} ({note})" if note else key, fontsize=9 if note else 10, y=1.0,
+                 color="dimgray" if note else "black")
     ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=8)
 
 
-def draw_group(path: str, log: MetricLog, group: Group, keys: List[str], smoothing: float) -> None:
-    """Write one group's figure to path (PNG of figure_pixels(len(keys)))."""
+def draw_group(path: str, log: MetricLog, title: str, keys: List[str], smoothing: float,
+               notes: Optional[Dict[str, str]] = None) -> None:
+    """Write one figure of `keys` to path (PNG of figure_pixels(len(keys)))."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -90,21 +82,28 @@ def draw_group(path: str, log: MetricLog, group: Group, keys: List[str], smoothi
                         wspace=0.35, hspace=0.45)
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax, key in zip(axes, keys):
-        draw_panel(ax, log, key, smoothing)
+        draw_panel(ax, log, key, smoothing, (notes or {}).get(key))
     for ax in axes[len(keys):]:
         ax.set_visible(False)
     for ax in axes[max(len(keys) - columns, 0):len(keys)]:
         ax.set_xlabel("step", fontsize=8)
-    fig.suptitle(f"{group.title}: raw (faint) and smoothed", fontsize=11)
+    fig.suptitle(f"{title}: raw (faint) and smoothed", fontsize=11)
     fig.savefig(path, dpi=DPI, format="png")
 
 
+def plotted_keys(log: MetricLog, keys: List[str]) -> List[str]:
+    """The keys that get a panel (records.plottable)."""
+    return [key for key in keys if plottable(log.series(key)[1])]
+
+
 def draw_groups(report_dir: str, log: MetricLog, groups: List[Tuple[Group, List[str]]],
-                smoothing: float) -> List[str]:
-    """One PNG per group under report_dir; returns their paths."""
+                smoothing: float, notes: Optional[Dict[str, str]] = None) -> List[str]:
+    """One PNG per group with a plottable key under report_dir; returns their paths."""
     paths = []
     for group, keys in groups:
-        path = os.path.join(report_dir, f"{group.name}.png")
-        draw_group(path, log, group, keys, smoothing)
-        paths.append(path)
+        keys = plotted_keys(log, keys)
+        if keys:
+            path = os.path.join(report_dir, f"{group.name}.png")
+            draw_group(path, log, group.title, keys, smoothing, notes)
+            paths.append(path)
     return paths

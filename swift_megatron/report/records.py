@@ -104,6 +104,13 @@ def finite(values: List[Optional[float]]) -> List[float]:
     return [v for v in values if v is not None]
 
 
+def plottable(values: List[Optional[float]]) -> bool:
+    """Whether a series says more as a curve than as a value: two or more distinct finite
+    values (a metric logged once, or that never changed, is written out instead)."""
+    present = finite(values)
+    return any(v != present[0] for v in present[1:])
+
+
 def wall_time_s(log: MetricLog) -> Optional[float]:
     """Seconds from the start of the first logged step (its `time` minus its time/* phases) to
     the last logged step; None without timestamps."""

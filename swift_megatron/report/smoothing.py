@@ -1,30 +1,34 @@
-"""Curve smoothing for the report's plots: TensorBoard's debiased exponential moving average.
+"""Curve smoothing for the report's plots: a centred moving average that does not lag.
 
-    last = last * weight + (1 - weight) * value;  smoothed = last / (1 - weight ** n)
-
-over the n finite values seen so far (the division removes the pull toward the initial 0, so
-the first smoothed point equals the first value). A missing value (None: null in logging.jsonl)
-stays None and does not advance the average; a constant series is returned unchanged, as
-TensorBoard does. weight 0 returns the values, weight close to 1 smooths hardest.
+The smoothed value at a point is the mean of the finite values within `h` points on both sides,
+h = round(weight / (1 - weight)) (the mean age of an exponential moving average of that weight:
+0.6 -> 2, 0.9 -> 9). Near either end the window shrinks symmetrically (at the k-th point from an
+end, k points each side), so the curve stays centred there too: the first and last smoothed
+points are the first and last values, where an EMA would still trail far behind a moving
+series. A missing value (None: null in logging.jsonl) stays None and is skipped by the windows.
+weight 0 returns the values; the closer to 1, the wider the window.
 """
 from typing import List, Optional, Sequence
 
-DEFAULT_WEIGHT = 0.6  # TensorBoard's default smoothing
+DEFAULT_WEIGHT = 0.6
 
 
-def ema(values: Sequence[Optional[float]], weight: float = DEFAULT_WEIGHT) -> List[Optional[float]]:
-    """The debiased EMA of values, None kept in place; weight in [0, 1)."""
+def half_width(weight: float) -> int:
+    """Points on each side of the centred window for a smoothing weight in [0, 1)."""
     if not 0.0 <= weight < 1.0:
         raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    return int(weight / (1.0 - weight) + 0.5 + 1e-9)   # half up (0.6: 1.4999... -> 2)
+
+
+def smooth(values: Sequence[Optional[float]], weight: float = DEFAULT_WEIGHT
+           ) -> List[Optional[float]]:
+    """The centred moving average of values (module docstring), None kept in place."""
+    h = half_width(weight)
     present = [v for v in values if v is not None]
-    if present and all(v == present[0] for v in present):
-        return list(values)
-    last, count, out = 0.0, 0, []
-    for value in values:
-        if value is None:
-            out.append(None)
-            continue
-        last = last * weight + (1.0 - weight) * value
-        count += 1
-        out.append(last / (1.0 - weight ** count))
-    return out
+    smoothed = []
+    for i in range(len(present)):
+        k = min(h, i, len(present) - 1 - i)
+        window = present[i - k:i + k + 1]
+        smoothed.append(sum(window) / len(window))
+    it = iter(smoothed)
+    return [None if v is None else next(it) for v in values]

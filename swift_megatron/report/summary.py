@@ -1,19 +1,21 @@
 """report/summary.md: the run at a glance, as Markdown.
 
 Sections: status (steps logged, of how many, finished or not, wall time, last logged at), the
-plots, one table per metric group (first / last / min / max, the best value and its step for
-higher-is-better metrics, how many steps logged null), the flags the user gave as a command
-line (every flag's value in a collapsed table), the batch plan, and notes.
+plots, the metrics not plotted (logged once or never changing: their value says it all), one
+table per metric group (first / last / min / max, the best value and its step for
+higher-is-better metrics, how many steps logged null; a reward of weight 0 marked "not
+trained"), the flags the user gave as a command line (every flag's value in a collapsed table),
+the batch plan, and notes.
 """
 import datetime
 import json
 import os
 import shlex
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from swift_megatron.logging.metrics import format_value
 from swift_megatron.report.groups import Group, higher_is_better
-from swift_megatron.report.records import MetricLog, finite, wall_time_s
+from swift_megatron.report.records import MetricLog, finite, plottable, wall_time_s
 
 
 def duration(seconds: float) -> str:
@@ -45,10 +47,10 @@ def status_lines(log: MetricLog, record: Optional[dict]) -> List[str]:
     return lines
 
 
-def metric_row(log: MetricLog, key: str) -> str:
+def metric_row(log: MetricLog, key: str, note: Optional[str] = None) -> str:
     steps, values = log.series(key)
     present = finite(values)
-    cells = [f"`{key}`"]
+    cells = [f"`{key}` ({note})" if note else f"`{key}`"]
     if present:
         cells += [fmt(present[0]), fmt(present[-1]), fmt(min(present)), fmt(max(present))]
     else:
@@ -62,7 +64,8 @@ def metric_row(log: MetricLog, key: str) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def metric_tables(log: MetricLog, groups: Sequence[Tuple[Group, List[str]]]) -> List[str]:
+def metric_tables(log: MetricLog, groups: Sequence[Tuple[Group, List[str]]],
+                  notes: Optional[Dict[str, str]] = None) -> List[str]:
     lines = ["## Metrics", ""]
     for group, keys in groups:
         if not group.in_summary:
@@ -70,8 +73,33 @@ def metric_tables(log: MetricLog, groups: Sequence[Tuple[Group, List[str]]]) -> 
         lines += [f"### {group.title}", "",
                   "| metric | first | last | min | max | best (step) | null |",
                   "|---|---|---|---|---|---|---|"]
-        lines += [metric_row(log, key) for key in keys] + [""]
+        lines += [metric_row(log, key, (notes or {}).get(key)) for key in keys] + [""]
     return lines
+
+
+def unplotted_line(log: MetricLog, key: str) -> str:
+    """One metric without a panel, as its value: '`k`: 0 at each of the 3 logged steps (2 to
+    6)', '`k`: 1.5, logged once (step 4)', '`k`: no finite value (null at 2 steps)'."""
+    steps, values = log.series(key)
+    at = [s for s, v in zip(steps, values) if v is not None]
+    present = finite(values)
+    nulls = len(values) - len(present)
+    null_note = f"; null at {nulls} other step(s)" if nulls and present else ""
+    if not present:
+        return f"- `{key}`: no finite value (null at {nulls} step(s))"
+    if len(present) == 1:
+        return f"- `{key}`: {fmt(present[0])}, logged once (step {at[0]}){null_note}"
+    return (f"- `{key}`: {fmt(present[0])} at each of the {len(present)} logged steps "
+            f"({at[0]} to {at[-1]}){null_note}")
+
+
+def unplotted_section(log: MetricLog, groups: Sequence[Tuple[Group, List[str]]]) -> List[str]:
+    keys = [k for group, keys in groups if group.in_summary for k in keys
+            if not plottable(log.series(k)[1])]
+    if not keys:
+        return []
+    return ["## Not plotted", "", "Logged once or never changed, so their value says it all:",
+            "", *[unplotted_line(log, key) for key in keys], ""]
 
 
 def flag_words(name: str, value) -> List[str]:
@@ -116,13 +144,15 @@ def plan_section(record: Optional[dict]) -> List[str]:
 
 def render(title: str, log: MetricLog, record: Optional[dict],
            groups: Sequence[Tuple[Group, List[str]]], images: Sequence[str],
-           notes: Sequence[str]) -> str:
-    """The whole summary.md; images are file names relative to the report directory."""
+           notes: Sequence[str], key_notes: Optional[Dict[str, str]] = None) -> str:
+    """The whole summary.md; images are file names relative to the report directory;
+    key_notes: a note per metric key for its table row (groups.reward_notes)."""
     lines = [f"# Run report: {title}", "", *status_lines(log, record), ""]
     if images:
         lines += ["## Plots", ""] + [f"![{os.path.splitext(name)[0]}]({name})" for name in images]
         lines.append("")
-    lines += metric_tables(log, groups) + flags_section(record) + plan_section(record)
+    lines += unplotted_section(log, groups)
+    lines += metric_tables(log, groups, key_notes) + flags_section(record) + plan_section(record)
     if notes:
         lines += ["## Notes", ""] + [f"- {note}" for note in notes] + [""]
     return "\n".join(lines)

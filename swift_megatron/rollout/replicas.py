@@ -67,7 +67,11 @@ class ReplicaEngine:
 def _replica_main(conn, cuda_devices: Optional[str]) -> None:
     """Entry point of a replica process: import vLLM's engine (seconds) while the HTTP process
     checks the flags and the model, build the engine with the settings it then sends, then serve
-    commands until told to stop or the HTTP process goes away."""
+    commands until told to stop or the HTTP process goes away. It runs in a session of its own,
+    so that a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the HTTP
+    process alone, which stops the replicas in order: no KeyboardInterrupt traceback from a
+    replica or from vLLM's engine processes under it."""
+    os.setsid()
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     try:   # vLLM's engine, imported while the HTTP process checks the flags

@@ -57,17 +57,18 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 from swift_megatron.errors import ServiceFailure, UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.rollout import vllm_compat
+from swift_megatron.rollout.requests import (check_bucket, check_generate, decode_images,
+                                             request_models)
 from swift_megatron.rollout.replicas import (STOP_GRACE_S, Replica, ReplicaError,
                                              spawn_replicas, start_engines, stop_all)
 
 logger = get_logger(__name__)
 
-INT32_MAX = 2 ** 31 - 1   # vLLM's token counts are int32
 REPLICA_POLL_S = 1.0      # how often the server checks that its replicas are alive
 SHUTDOWN_GRACE_S = 10.0   # in-flight requests get this long once the server is stopping
 
@@ -116,114 +117,6 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _models():
-    """The request schemas (pydantic, imported with FastAPI)."""
-    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
-
-    from swift_megatron.rollout.weight_sync import DTYPES
-
-    class Strict(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-
-    Seed = Annotated[StrictInt, Field(ge=0, lt=2 ** 63)]   # vLLM's seeds are int64
-
-    class GenerateRequest(Strict):
-        prompts: Union[List[List[StrictInt]], List[StrictStr]] = Field(min_length=1)
-        seeds: Optional[List[Optional[Seed]]] = None
-        max_tokens: StrictInt = Field(16, ge=1, le=INT32_MAX)
-        temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-        top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-        top_k: StrictInt = Field(-1, ge=-1, le=INT32_MAX)
-        repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
-        stop_token_ids: List[Annotated[StrictInt, Field(ge=0)]] = []
-        logprobs: StrictBool = True
-        images: Optional[List[Optional[List[StrictStr]]]] = None   # base64 image files
-        return_routed_experts: StrictBool = False   # each completion's routed experts
-
-    class InitCommunicatorRequest(Strict):
-        port: Optional[StrictInt] = Field(None, gt=0, lt=65536)
-
-    class UpdateWeightsRequest(Strict):
-        token: StrictStr                 # from /init_communicator
-        names: List[StrictStr] = Field(min_length=1)
-        dtypes: List[Literal[tuple(DTYPES)]]
-        shapes: List[List[Annotated[StrictInt, Field(ge=0)]]]
-        last: StrictBool = False
-
-    class CloseCommunicatorRequest(Strict):
-        token: Optional[StrictStr] = None
-
-    class TokenRequest(Strict):
-        token: StrictStr                 # from /init_communicator
-
-    class RolloutRequest(GenerateRequest):
-        prompts: List[List[StrictInt]] = Field(min_length=1)
-        messages: List[List[Dict[str, Any]]]
-        columns: Optional[List[Dict[str, Any]]] = None
-        row_ids: Optional[List[StrictInt]] = None
-        max_length: StrictInt = Field(ge=2, le=INT32_MAX)
-        limit_scope: Literal["per_round", "total"] = "per_round"
-        template_kwargs: Dict[str, Any] = {}
-
-    return (GenerateRequest, InitCommunicatorRequest, UpdateWeightsRequest,
-            CloseCommunicatorRequest, RolloutRequest, TokenRequest)
-
-
-def _check_generate(request, vocab_size: int) -> None:
-    """400 for values the schema cannot express: seeds count, empty prompts, token ids."""
-    from fastapi import HTTPException
-
-    if request.seeds is not None and len(request.seeds) != len(request.prompts):
-        raise HTTPException(400, f"seeds: {len(request.seeds)} given for "
-                                 f"{len(request.prompts)} prompts")
-    for index, prompt in enumerate(request.prompts):
-        if len(prompt) == 0:
-            raise HTTPException(400, f"prompts[{index}] is empty")
-        if not isinstance(prompt, str):
-            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise HTTPException(400, f"prompts[{index}]: token id {bad} is outside the "
-                                         f"vocabulary [0, {vocab_size})")
-    bad = next((t for t in request.stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise HTTPException(400, f"stop_token_ids: {bad} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
-    if request.images is not None and len(request.images) != len(request.prompts):
-        raise HTTPException(400, f"images: {len(request.images)} given for "
-                                 f"{len(request.prompts)} prompts")
-
-
-def _decode_images(request) -> Optional[List[Optional[list]]]:
-    """The request's images as PIL images; 400 naming the first one that does not decode."""
-    import base64
-    import binascii
-
-    from fastapi import HTTPException
-
-    from swift_megatron.data.images import load_image
-    from swift_megatron.data.prompts import RowError
-
-    if request.images is None:
-        return None
-    decoded = []
-    for index, pictures in enumerate(request.images):
-        try:
-            decoded.append(None if not pictures else
-                           [load_image(base64.b64decode(p, validate=True)) for p in pictures])
-        except (binascii.Error, RowError) as exc:
-            raise HTTPException(400, f"images[{index}]: {exc}") from None
-    return decoded
-
-
-def _check_bucket(request) -> None:
-    from fastapi import HTTPException
-
-    if not len(request.names) == len(request.dtypes) == len(request.shapes):
-        raise HTTPException(400, "names, dtypes and shapes differ in length "
-                                 f"({len(request.names)}, {len(request.dtypes)}, "
-                                 f"{len(request.shapes)})")
-
-
 def _replica_call(state: ServerState, method: str, *args, **kwargs) -> list:
     """Run a command on every replica (call: wait for each; submit: return at once)."""
     from fastapi import HTTPException
@@ -262,11 +155,11 @@ def _generate_on_replicas(state: ServerState, prompts: list, sampling: Dict[str,
 
 
 def _generate(state: ServerState, request) -> dict:
-    _check_generate(request, state.vocab_size)
+    check_generate(request, state.vocab_size)
     seeds = request.seeds or [None] * len(request.prompts)
     completions = _generate_on_replicas(state, request.prompts, _sampling(request), seeds,
                                         request.stop_token_ids, request.logprobs,
-                                        _decode_images(request), request.return_routed_experts)
+                                        decode_images(request), request.return_routed_experts)
     return {"completions": completions, "weight_version": state.weight_version}
 
 
@@ -320,7 +213,7 @@ def _rollout(state: ServerState, request) -> dict:
     if service is None:
         raise HTTPException(409, "this server runs no multi-turn scheduler: start it with "
                                  "--multi_turn_scheduler, or send /generate requests")
-    _check_generate(request, state.vocab_size)
+    check_generate(request, state.vocab_size)
     if request.images:
         raise HTTPException(400, "images: multi-turn rollouts with images are not supported")
     count = len(request.prompts)
@@ -353,10 +246,11 @@ def _rollout(state: ServerState, request) -> dict:
 
 
 def check_multi_turn_names(args) -> None:
-    """Load --external_plugins and check the scheduler and gym env names they and the built-ins
+    """Load --external_plugins (with or without a scheduler: a file that fails to import is a
+    UserError naming it) and check the scheduler and gym env names they and the built-ins
     register: before any engine process starts (a typo cost a vLLM start before)."""
     options = args.multi_turn
-    if options.multi_turn_scheduler is None:
+    if options.multi_turn_scheduler is None and not options.external_plugins:
         return
     import swift_megatron.compat.ms_swift  # noqa: F401  (ms-swift plugin files load)
     import swift_megatron.rollout.multi_turn  # noqa: F401  (registers the built-ins)
@@ -364,6 +258,8 @@ def check_multi_turn_names(args) -> None:
     from swift_megatron.rollout.plugin_registry import GYM_ENVS, SCHEDULERS
 
     load_plugins(options.external_plugins)
+    if options.multi_turn_scheduler is None:
+        return
     SCHEDULERS.lookup(options.multi_turn_scheduler)
     if options.gym_env is not None:
         GYM_ENVS.lookup(options.gym_env)
@@ -509,7 +405,7 @@ def _update_weights(state: ServerState, request) -> dict:
     every replica has loaded its last bucket."""
     from fastapi import HTTPException
 
-    _check_bucket(request)
+    check_bucket(request)
     _owned(state, request.token)
     if not state.joined:
         raise HTTPException(409, "the weight-sync communicator is not joined: POST "
@@ -592,7 +488,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
 
-    models = _models()
+    models = request_models()
     GenerateRequest, RolloutRequest = models[0], models[4]
     docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") \
         if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
@@ -637,7 +533,7 @@ def build_app(state: ServerState, api_key: Optional[str] = None, enable_docs: bo
 
 def _add_weight_sync_routes(app, state: ServerState, models: tuple) -> None:
     """The weight-sync communicator's endpoints: reserve, join, renew its lease, load a
-    bucket, close; `models`: _models()'s request classes."""
+    bucket, close; `models`: request_models()'s request classes."""
     _, InitCommunicatorRequest, UpdateWeightsRequest, CloseRequest, _, TokenRequest = models
 
     @app.post("/init_communicator")

@@ -3,7 +3,8 @@
 `measure_phase` times each phase (rollout, logprobs, train, sync, sync_check) into
 `time/<phase>_s` and, on CUDA, its peak allocated memory into `memory/<phase>_peak_gib` (torch's
 counter, reset at the phase's start); `device_memory` reads the whole device (the trainer logs it
-at the end of each generation: `memory/generate_device_used_gib`, `memory/generate_reserved_gib`).
+at the end of each generation: `memory/generate_device_used_gib`, `memory/generate_reserved_gib`);
+`host_memory` the process's peak host memory (`memory/host_peak_rss_gib`, every device).
 The optional torch-profiler capture of one rollout batch:
 
     SWIFT_MEGATRON_PROFILE=DIR megatron rlhf ...    # profiles the 3rd rollout batch on rank 0
@@ -89,6 +90,16 @@ def device_memory(device: torch.device) -> Dict[str, float]:
     free, total = torch.cuda.mem_get_info(device)
     return {"device_used_gib": (total - free) / 2**30,
             "reserved_gib": torch.cuda.memory_reserved(device) / 2**30}
+
+
+def host_memory() -> Dict[str, float]:
+    """This process's peak resident host memory so far, in GiB (`memory/host_peak_rss_gib`):
+    the memory a CPU run trains in, and on CUDA what offloading and the data hold."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # KiB (bytes on macOS)
+    return {"memory/host_peak_rss_gib": peak * (1 if sys.platform == "darwin" else 1024) / 2**30}
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """`megatron rlhf` as a subprocess on the tiny model: the first step's KL is exactly 0 (the
 reference equals the policy), checkpoints resume bit-identically, the final HF export loads in
 transformers, completions are logged, the run report is written (at the end and at a save),
-user mistakes exit 2 without a traceback, --reward_error_policy skip trains on, and `kill -9`
-leaves no process behind."""
+user mistakes exit 2 without a traceback, --reward_error_policy skip trains on, a run without
+learning signal says so, and `kill -9` leaves no process behind."""
 import json
 import os
 import subprocess
@@ -45,9 +45,19 @@ def base(tiny_model_dir, math_dataset_path):
 
 def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
-    rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
-         "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true",
-         "--num_generations_eval", 2)
+    proc = rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
+                "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync",
+                "true", "--num_generations_eval", 2, "--save_steps", 1)
+    # the run's last words: where its model, checkpoints and report are (issue 57)
+    last = proc.stdout.splitlines()[-5:]
+    assert last[0].startswith("INFO finished: 2 optimizer steps in "), proc.stdout[-2000:]
+    best = json.load(open(out / "best_checkpoint.json"))
+    assert last[1:] == [f"INFO final model (Hugging Face): {out}/final_hf",
+                        f"INFO last checkpoint: {out}/iter_0000002 (Hugging Face copy: "
+                        f"{out}/checkpoint-2)",
+                        f"INFO best checkpoint: {out}/checkpoint-{best['step']} (step "
+                        f"{best['step']}, reward/mean {best['reward']:.4g})",
+                        f"INFO report: {out}/report/summary.md"]
     rows = logged(out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert all(r["time/sync_s"] > 0 and r["time/sync_check_s"] > 0 for r in rows)  # timed apart
@@ -56,6 +66,9 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     assert 0.0 <= rows[1]["eval/reward/digit_ratio/mean"] <= 1.0
     assert rows[1]["eval/num_completions"] == 7 * 2  # ceil(0.1 x 64) prompts x num_generations_eval
     assert [r["step"] for r in rows] == [1, 2]
+    # each step's own rate (issue 57; Megatron's convention logged the next: 5e-4, then 0):
+    # --lr 1e-3 decayed over 2 steps by a cosine to 0, at 0 and 1 step of decay
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3, 5e-4], rel=1e-9)
     assert rows[0]["grad_norm"] > 0      # the rewards had signal: the first step updated
     assert rows[0]["kl"] == 0.0          # reference == policy before the first update
     # the numerics gate ran on the first step only: qwen3 is dense, fp32 engine == trainer
@@ -65,8 +78,12 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     completions = [json.loads(line) for line in open(out / "completions.jsonl")]
     assert len(completions) == 2 * 16 and {"prompt", "completion", "reward", "advantage"} <= set(completions[0])
     report = set(os.listdir(out / "report"))
-    assert {"overview.png", "eval.png", "engine_gap.png", "summary.md", "completions.html"} <= report
-    assert "- 2 logged steps, step 1 to 2 of 2: finished" in open(out / "report" / "summary.md").read()
+    assert {"overview.png", "engine_gap.png", "summary.md", "completions.html"} <= report
+    summary = open(out / "report" / "summary.md").read()
+    assert "- 2 logged steps, step 1 to 2 of 2: finished" in summary
+    # evaluated once: its value written out, no eval.png of one dot per panel (issue 57)
+    assert "eval.png" not in report and "- `eval/reward/mean`: " in summary
+    assert f"{rows[1]['eval/reward/mean']:.4g}, logged once (step 2)" in summary
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
@@ -152,6 +169,9 @@ def test_numerics_gate_stops_before_the_first_update(base, tmp_path):
     (["--reward_funcs", "acuracy"], "Did you mean 'accuracy'"),
     (["--dataset", "missing.jsonl"], "missing.jsonl"),
     (["--model", "/nonexistent/model"], "/nonexistent/model"),
+    # issue 57: blamed the reward function (values up to 1), not the weight
+    (["--reward_weights", "1e308", "1"], "--reward_weights gives reward function 'digit_ratio' "
+                                         "the weight 1e+308"),
 ])
 def test_user_errors_exit_2(base, tmp_path, extra, message):
     proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path, *extra, check=False)
@@ -178,6 +198,19 @@ def test_reward_error_policy_skip_trains_on(base, tmp_path):
     [step] = logged(tmp_path / "skipped")
     assert 0 < step["reward/odd_fails/errors"] <= 16
     assert step["reward/odd_fails/mean"] == 1.0   # the completions it scored
+
+
+def test_a_run_without_learning_signal_is_told(base, tmp_path):
+    """issue 57: a constant reward gives every group equal rewards, every advantage 0: the run
+    trained nothing and exited 0 without a word; now it warns, naming the constant function."""
+    plugin = tmp_path / "flat.py"
+    plugin.write_text("def flat(completions, **kwargs):\n    return [0.5] * len(completions)\n")
+    proc = rlhf(*base, "--train_iters", 1, "--output_dir", tmp_path / "run", "--beta", 0,
+                "--external_plugins", plugin, "--reward_funcs", "flat")
+    assert "WARNING no learning signal in the last 1 rollout batch(es) (step 1): in every " \
+           "group the 4 completions of a prompt got the same reward" in proc.stdout
+    assert "(flat: the same value for every completion of the batch)" in proc.stdout
+    assert logged(tmp_path / "run")[0]["grad_norm"] == 0.0
 
 
 def test_kill_9_leaves_no_processes_behind(base, tmp_path):

@@ -104,6 +104,17 @@ FLAGS = [   # values and combinations refused at parse time
          "--max_resample_times must be >= 0"),
     case(["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_api_key", ""],
          "--vllm_server_api_key is empty: that would turn authentication off"),
+    # issue 57: a traceback, or accepted silently, before
+    case(["--seed", "18446744073709551616"], "--seed must be in [0, 4294967295]"),
+    case(["--seed", "-1"], "--seed must be in [0, 4294967295]"),
+    case(["--data_seed", "4294967296"], "--data_seed must be in [0, 4294967295]"),
+    case(["--output_dir", ""], "--output_dir got an empty value; give a path"),
+    case(["--save", " "], "--save got an empty value"),
+    case(["--model", ""], "--model got an empty value"),
+    case(["--use_vllm", "true", "--max_length", "1000000"],
+         "--max_length 1000000 exceeds the model's context, max_position_embeddings 512"),
+    case(["--use_vllm", "true", "--vllm_max_model_len", "4096"],
+         "--vllm_max_model_len 4096 exceeds the model's context"),
 ]
 
 FILES = [   # model directories, datasets, plugins, system prompts
@@ -229,6 +240,8 @@ EXPORT = [   # megatron export
     case(["--mcore_model", "BAD_CKPT_OPTIM_METADATA", "--to_hf", "true", "--output_dir", "OUT"],
          "optimizer/.metadata: unreadable", "export", base=False),
     case(["--model", "MODEL", "--output_dir", "OUT"], "--to_hf", "export", base=False),
+    case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", ""],   # issue 57
+         "--output_dir got an empty value", "export", base=False),
     case(["--model", "MODEL", "--to_hf", "true", "--to_mcore", "true", "--output_dir", "OUT"],
          "--to_mcore", "export", base=False),
     case(["--model", "MODEL", "--to_mcore", "true", "--output_dir", "OUT", "--test_convert_dtype",
@@ -257,6 +270,11 @@ ROLLOUT = [   # megatron rollout (refused before any engine starts)
          "rollout", base=False),
     case(["--model", "MODEL", "--unknown_rollout_flag", "x"], "--unknown_rollout_flag", "rollout",
          base=False),
+    # issue 57: without --multi_turn_scheduler the server never imported the file
+    case(["--model", "MODEL", "--external_plugins", "BAD_IMPORT.py"], "BAD_IMPORT.py", "rollout",
+         base=False),
+    case(["--model", "MODEL", "--external_plugins", "BAD_MISSING_PLUGIN.py"],
+         "BAD_MISSING_PLUGIN.py", "rollout", base=False),
 ]
 
 COMMANDS = [
@@ -264,6 +282,15 @@ COMMANDS = [
     case(["--config", "BAD_MISSING_CONFIG.yaml"], "BAD_MISSING_CONFIG.yaml"),
     case(["--config", "BAD_CONFIG.yaml"], "BAD_CONFIG.yaml"),
     case(["--config", "BAD_CONFIG_UNKNOWN_FLAG.yaml"], "not_a_flag"),
+    # issue 57: the last value, or the second file, won silently
+    case(["--config", "BAD_CONFIG_DUPLICATE.yaml"], "config file BAD_CONFIG_DUPLICATE.yaml: key "
+                                                    "'lr' is given twice (again on line 3)"),
+    case(["--config", "BAD_CONFIG_DUPLICATE.json"], "key 'seed' is given twice"),
+    case(["--config", "BAD_CONFIG_ALIAS.yaml"], "keys save_steps and save_interval both set "
+                                                "--save_steps"),
+    case(["BAD_CONFIG_GOOD.yaml", *GOOD, "--config", "BAD_CONFIG_GOOD.yaml"],
+         "two config files, BAD_CONFIG_GOOD.yaml (the first argument) and --config "
+         "BAD_CONFIG_GOOD.yaml: give one", base=False),
 ]
 
 ALL = FLAGS + FILES + CHECKPOINTS + RUN_DIRS + EXPORT + ROLLOUT + COMMANDS
@@ -326,6 +353,10 @@ def bad(tiny_model_dir, tmp_path_factory):
         "BAD_IMPORT.py": b"import no_such_module_here\n",
         "BAD_CONFIG.yaml": b"model: [unclosed\n",
         "BAD_CONFIG_UNKNOWN_FLAG.yaml": b"not_a_flag: 1\n",
+        "BAD_CONFIG_DUPLICATE.yaml": b"lr: 1.0e-5\nseed: 3\nlr: 2.0e-5\n",
+        "BAD_CONFIG_DUPLICATE.json": b'{"seed": 1, "seed": 2}',
+        "BAD_CONFIG_ALIAS.yaml": b"save_steps: 3\nsave_interval: 4\n",
+        "BAD_CONFIG_GOOD.yaml": b"seed: 3\n",
     }
     for name, content in files.items():
         (root / name).write_bytes(content)
@@ -453,6 +484,28 @@ def test_bad_input_exits_2_naming_the_culprit(bad, tmp_path, capsys, monkeypatch
     assert _fill_text(culprit, paths) in printed.err, (argv, printed.err[-2000:])
     assert not os.path.exists(out), "a refused command wrote its output directory"
     assert sorted(os.listdir(tmp_path)) == [], "a refused command left files behind"
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("rollout", ["--model", "MODEL"]),
+    ("rlhf", GOOD + ["--use_vllm", "true", "--vllm_mode", "server"]),
+])
+def test_an_empty_api_key_variable_is_refused(bad, tmp_path, capsys, monkeypatch, command, flags):
+    """issue 57: SWIFT_MEGATRON_ROLLOUT_API_KEY= (set, empty) started a server without
+    authentication, silently (the flag form was refused already); a colocate trainer, which
+    reads no key, is not refused for it."""
+    paths, _ = bad
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SWIFT_MEGATRON_ROLLOUT_API_KEY", " ")
+    with pytest.raises(SystemExit) as exit_info:
+        main([command] + _fill(flags, paths, str(tmp_path / "out")))
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2 and "Traceback" not in printed.err
+    assert "$SWIFT_MEGATRON_ROLLOUT_API_KEY is set but empty: that would turn authentication " \
+           "off" in printed.err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rlhf"] + _fill(GOOD, paths, str(tmp_path / "out")))
+    assert exit_info.value.code == 0, capsys.readouterr().err[-2000:]
 
 
 def test_the_corpus_is_large_enough():

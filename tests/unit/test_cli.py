@@ -63,25 +63,35 @@ def test_rlhf_help_lists_every_flag_with_type_and_default():
     assert "--tuner_type" in out  # the alias is shown too
 
 
-def test_help_imports_no_torch():
+HEAVY = ("torch", "megatron", "vllm", "transformers", "matplotlib")
+
+
+@pytest.mark.parametrize("argv", [["rlhf", "--help"], ["export", "--help"], ["rollout", "--help"],
+                                  ["plot", "--help"], ["demo", "--help"], ["--version"]])
+def test_help_and_version_import_nothing_heavy(argv):
+    """What keeps `--help` instant (issue 57: not a wall-clock limit, which failed on a loaded
+    machine): the router and the flag parsing import none of torch, megatron, vLLM,
+    transformers or matplotlib, checked in a fresh interpreter."""
     code = ("import sys, contextlib, io\n"
             "from swift_megatron.cli.main import run\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try: run(['rlhf', '--help'])\n"
-            "    except SystemExit: pass\n"
-            "assert 'torch' not in sys.modules, 'torch imported at parse time'\n")
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try: code = run(sys.argv[1:])\n"
+            "    except SystemExit as exc: code = exc.code\n"
+            "assert code in (0, None) and out.getvalue(), (code, out.getvalue())\n"
+            f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+            "assert not heavy, f'imported at parse time: {heavy}'\n")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_rlhf_help_is_fast():
-    best = min(_timed(cli, "rlhf", "--help") for _ in range(3))
-    assert best < 1.0, f"megatron rlhf --help took {best:.2f} s"
+def test_version(capsys):
+    """issue 57: `megatron --version` was an unknown command."""
+    from swift_megatron import __version__
 
-
-def _timed(fn, *args):
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
+    assert run(["--version"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"swift-megatron {__version__} (megatron-core ") and "torch " in out
+    assert cli("-V").stdout.strip() == out
 
 
 # ---- parsing -----------------------------------------------------------------------------------

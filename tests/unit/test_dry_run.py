@@ -145,3 +145,56 @@ def test_plugins_and_reward_names_are_checked(base, tmp_path):
 def test_system_file_is_checked(base, tmp_path):
     with pytest.raises(UserError, match="--system .*prompt.txt: no such file"):
         run(base + ["--system", str(tmp_path / "prompt.txt")])
+
+
+def test_max_length_past_the_context_is_a_notice_without_vllm(base, swift_logs):
+    """issue 57: accepted without a word before. Training accepts it (as ms-swift); the
+    colocated vLLM engine would refuse it, which the corpus checks (tests/reliability)."""
+    assert run(base + ["--max_length", "1000000", "--use_vllm", "false"]) == 0
+    assert "--max_length 1000000 exceeds the model's context, max_position_embeddings 512 in " \
+           "its config.json: positions past 512 were never trained" in swift_logs.text
+    swift_logs.clear()
+    assert run(base + ["--max_length", "512", "--use_vllm", "false"]) == 0
+    assert "exceeds the model's context" not in swift_logs.text
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--train_iters", "7", "--steps_per_generation", "2"],
+     "run length: 7 optimizer steps in 4 rollout batches (--train_iters 7)"),
+    (["--split_dataset_ratio", "0.1"],
+     "run length: 29 optimizer steps in 29 rollout batches (1 epoch(s) over 57 training "
+     "prompts, 2 a rollout batch)"),
+    (["--num_train_epochs", "2", "--num_iterations", "2", "--truncation_strategy", "delete"],
+     "run length: 128 optimizer steps in 64 rollout batches (2 epoch(s) over 64 training "
+     "prompts, 2 a rollout batch; fewer if --truncation_strategy delete drops long prompts)"),
+])
+def test_the_dry_run_says_how_long_the_run_is(base, capsys, flags, line):
+    """issue 57: the optimizer steps and rollout batches the run will make (64 rows, 2
+    prompts a rollout batch)."""
+    assert run(base + ["--num_generations", "4", *flags]) == 0
+    assert line in capsys.readouterr().out.splitlines()
+
+
+def test_without_a_gpu_the_memory_line_says_what_gpu_it_needs(base, capsys):
+    """issue 57: on a CPU, `vllm 0.0` with --vllm_gpu_memory_utilization 0.7; now vLLM's
+    share is given as a fraction, on a line of its own with the GPU the run needs: it generates
+    in the 30% vLLM leaves, so resident / 0.3 when that is the largest phase."""
+    import torch
+
+    from swift_megatron.preflight import _needed_gpu_line
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the estimate uses its memory")
+    assert run(base + ["--use_vllm", "true", "--vllm_gpu_memory_utilization", "0.7"]) == 0
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.startswith("memory per GPU")]
+    assert "vllm" not in line and "head " in line
+    assert "memory: no GPU here; this run needs a GPU of at least " in out
+    assert "vLLM colocate taking 0.7 of it (not in the figures above)" in out
+    result = {"train": 20.0, "logprobs": 12.0, "generate": 9.0, "vllm": 0.0}
+    assert _needed_gpu_line(result, 0.7, cpu_run=False) == (
+        "memory: no GPU here; this run needs a GPU of at least 30.0 GiB, vLLM colocate taking "
+        "0.7 of it (not in the figures above); --gpu_memory_gib G checks the estimate against a "
+        "GPU of G GiB")
+    assert "at least 20.0 GiB; " in _needed_gpu_line(result, 0.0, cpu_run=False)
+    assert _needed_gpu_line(result, 0.7, cpu_run=True).startswith("memory: --device cpu, no GPU")

@@ -216,10 +216,22 @@ def test_rewards_whose_statistics_overflow_are_named():
     weights = torch.ones(2, dtype=torch.float64)
     advantages, metrics = compute_advantages(per_func, weights, prompts)
     assert metrics["reward_std"] == math.inf
-    problem = overflow_problem(per_func, advantages, metrics, ["huge", "fine"])
+    problem = overflow_problem(per_func, weights, advantages, metrics, ["huge", "fine"])
     assert problem.startswith("the rewards' statistics are not finite (reward/mean")
     assert "reward function 'huge' returned |reward| up to 1e+300" in problem
     ordinary = per_func.clone()
     ordinary[0, 0] = 3.0
     advantages, metrics = compute_advantages(ordinary, weights, prompts)
-    assert overflow_problem(ordinary, advantages, metrics, ["huge", "fine"]) is None
+    assert overflow_problem(ordinary, weights, advantages, metrics, ["huge", "fine"]) is None
+
+
+def test_an_overflowing_weight_is_blamed_not_its_reward():
+    """issue 57: --reward_weights 1e308 on rewards up to 3.3 blamed the reward function; the
+    weight is named now, with its value and the reward's scale."""
+    per_func = torch.tensor([[3.3, 0.5], [0.0, 0.2], [2.0, 0.1], [1.0, 0.4]], dtype=torch.float64)
+    prompts = torch.tensor([0, 0, 1, 1])
+    weights = torch.tensor([1e308, 1.0], dtype=torch.float64)
+    advantages, metrics = compute_advantages(per_func, weights, prompts)
+    problem = overflow_problem(per_func, weights, advantages, metrics, ["textlen", "fine"])
+    assert "--reward_weights gives reward function 'textlen' the weight 1e+308 (its |reward| " \
+           "reaches 3.3)" in problem

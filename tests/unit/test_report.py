@@ -12,12 +12,12 @@ from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.parser import parse_command
 from swift_megatron.errors import UserError
 from swift_megatron.report.completions_view import Entry, embed_json, sample, spread
-from swift_megatron.report.groups import grouped
-from swift_megatron.report.plots import figure_pixels, grid
-from swift_megatron.report.records import read_metric_log, wall_time_s
+from swift_megatron.report.groups import grouped, reward_notes
+from swift_megatron.report.plots import figure_pixels, grid, plotted_keys
+from swift_megatron.report.records import MetricLog, plottable, read_metric_log, wall_time_s
 from swift_megatron.report.run_record import read_run_record, record_run
-from swift_megatron.report.smoothing import ema
-from swift_megatron.report.summary import duration
+from swift_megatron.report.smoothing import half_width, smooth
+from swift_megatron.report.summary import duration, unplotted_line
 
 STEPS = 12
 FUNCS = ("digit_ratio", "contains_answer")
@@ -67,15 +67,20 @@ def png_size(path) -> tuple:
 
 # ---- pure parts -------------------------------------------------------------------------------
 
-def test_ema_is_tensorboards_debiased_average():
-    assert ema([1.0, 2.0], 0.5) == [1.0, pytest.approx(1.25 / 0.75)]
-    # a null keeps its place and does not advance the average
-    assert ema([1.0, None, 3.0], 0.5) == [1.0, None, pytest.approx(1.75 / 0.75)]
-    assert ema([2.0, None, 2.0], 0.9) == [2.0, None, 2.0]        # constant: unchanged
-    assert ema([3.0, 1.0, 4.0], 0.0) == [3.0, 1.0, 4.0]          # weight 0: the raw values
-    assert ema([], 0.6) == []
+def test_smoothing_is_centred_and_does_not_lag_at_the_ends():
+    """issue 57: the debiased EMA ended the demo's reward curve at 0.43 where the last value was
+    0.505; the centred window, shrinking at the ends, ends on the last value and leaves a
+    straight line as it is."""
+    assert [half_width(w) for w in (0.0, 0.5, 0.6, 0.9)] == [0, 1, 2, 9]
+    assert smooth([0.0, 1.0, 2.0, 3.0, 10.0], 0.6) == [0.0, 1.0, 3.2, 5.0, 10.0]
+    rising = [0.1 * i for i in range(12)] + [0.505]
+    assert smooth(rising, 0.6)[-1] == 0.505 and smooth(rising, 0.9)[-1] == 0.505
+    assert smooth([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.9) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert smooth([1.0, None, 2.0, 6.0], 0.6) == [1.0, None, 3.0, 6.0]   # null: kept, skipped
+    assert smooth([3.0, 1.0, 4.0], 0.0) == [3.0, 1.0, 4.0]               # weight 0: the values
+    assert smooth([], 0.6) == []
     with pytest.raises(ValueError, match="in \\[0, 1\\)"):
-        ema([1.0], 1.0)
+        smooth([1.0], 1.0)
 
 
 def test_read_metric_log_tolerates_killed_and_resumed_runs(tmp_path):
@@ -120,22 +125,31 @@ def test_grid_and_figure_size():
     assert figure_pixels(4) == (900, 600) and figure_pixels(6) == (1350, 600)
 
 
-def test_a_constant_series_is_written_out_not_drawn_flat():
-    """issue 40: a panel whose values never change shows the value as text (a flat line at an
-    unreadable height said nothing); a varying one, or a single point, keeps its curve."""
-    from matplotlib.figure import Figure
+def test_only_changing_series_are_plotted_the_rest_written_out(run_dir):
+    """issue 57: clipping.png was three boxes of text ("0 at every one of 2 steps") and
+    other.png drew a metric logged once as a dot; such metrics get no panel (a group left
+    without any, no figure) and summary.md's "Not plotted" gives their values."""
+    assert plottable([0.1, None, 0.2]) and not plottable([0.0, None, 0.0, 0.0])
+    assert not plottable([2.0]) and not plottable([None, None]) and not plottable([])
+    log = MetricLog("x", [{"step": s, "clip_ratio/low": 0.0, "loss/policy": 0.1 * s,
+                           "numerics/gap": 0.25 if s == 2 else None, "kl": None}
+                          for s in (2, 3, 4)])
+    assert plotted_keys(log, ["clip_ratio/low", "loss/policy", "numerics/gap", "kl"]) == \
+        ["loss/policy"]
+    assert [unplotted_line(log, k) for k in ("clip_ratio/low", "numerics/gap", "kl")] == [
+        "- `clip_ratio/low`: 0 at each of the 3 logged steps (2 to 4)",
+        "- `numerics/gap`: 0.25, logged once (step 2); null at 2 other step(s)",
+        "- `kl`: no finite value (null at 3 step(s))"]
 
-    from swift_megatron.report.plots import constant, draw_panel
-    from swift_megatron.report.records import MetricLog
 
-    assert constant([0.0, None, 0.0, 0.0]) == 0.0 and constant([1.5, 1.5]) == 1.5
-    assert constant([1.0, 1.0001]) is None and constant([2.0]) is None and constant([]) is None
-    log = MetricLog("x", [{"step": s, "kl": 0.0, "loss": 0.1 * s} for s in (1, 2, 3)])
-    flat, curve = Figure().subplots(1, 2)
-    draw_panel(flat, log, "kl", 0.6)
-    draw_panel(curve, log, "loss", 0.6)
-    assert [t.get_text() for t in flat.texts] == ["0 at every one of 3 steps\n(steps 1-3)"]
-    assert not flat.lines and len(curve.lines) == 2 and not curve.texts
+def test_a_reward_of_weight_0_is_marked_not_trained():
+    record = {"flags": {"reward_funcs": ["digit_ratio", "contains_answer"],
+                        "reward_weights": [1.0, 0.0]}}
+    keys = ["reward/mean", "reward/digit_ratio/mean", "reward/contains_answer/mean",
+            "reward/contains_answer/std", "eval/reward/contains_answer/mean"]
+    assert reward_notes(keys, record) == {k: "weight 0: not trained" for k in keys[2:]}
+    assert reward_notes(keys, {"flags": {"reward_funcs": ["a"], "reward_weights": None}}) == {}
+    assert reward_notes(keys, None) == {}
 
 
 def test_sampling_keeps_every_step_and_whole_groups():
@@ -176,8 +190,8 @@ def test_report_from_a_killed_run(run_dir):
     record_run(str(run_dir), "megatron rlhf", rlhf_args(), None, train_iters=20)
     written = report.write_report(str(run_dir))
     names = {os.path.basename(p): p for p in written.plots}
-    panels = {"overview": 5, "reward": 2, "reward_functions": 2, "policy": 4, "completions": 1,
-              "time": 2, "eval": 1}
+    # constant metrics (reward/std, entropy, time/*, ...) get no panel, a group of them no figure
+    panels = {"overview": 4, "reward": 1, "policy": 3, "eval": 1}
     assert sorted(names) == sorted(f"{g}.png" for g in panels)
     for group, count in panels.items():
         path = names[f"{group}.png"]
@@ -191,6 +205,8 @@ def test_report_from_a_killed_run(run_dir):
            "    --beta 0.0 \\\n    --reward_funcs digit_ratio contains_answer\n" in summary
     assert "1 unreadable line(s) of logging.jsonl skipped" in summary
     assert "all 96 completions" in summary and "![policy](policy.png)" in summary
+    assert "- `time/train_s`: 2 at each of the 12 logged steps (1 to 12)" in summary
+    assert "![time](time.png)" not in summary
 
 
 def test_report_without_matplotlib(run_dir, monkeypatch, swift_logs):
@@ -225,8 +241,18 @@ def test_trainer_hook_never_raises(tmp_path, swift_logs):
     assert read_run_record(str(tmp_path))["train_iters"] == 10    # the record was still written
 
 
+def test_a_save_before_the_first_logged_step_is_no_warning(tmp_path, swift_logs):
+    """issue 57: a healthy run with --save_steps < --logging_steps warned 'report not written'
+    at its first save (logging.jsonl open, still empty); the next save's report covers it."""
+    (tmp_path / "logging.jsonl").write_text("")
+    assert report.write_run_report(str(tmp_path), rlhf_args(), None, 10) is None
+    assert not [r for r in swift_logs.records if r.levelname == "WARNING"]
+    (tmp_path / "logging.jsonl").write_text('{"step": 2, "kl": 0.5}\n')
+    assert report.write_run_report(str(tmp_path), rlhf_args(), None, 10) is not None
+
+
 def test_completions_page_escapes_and_renders(run_dir, tmp_path):
-    page = report.write_report(str(run_dir), ["reward/mean"]).completions
+    page = report.write_report(str(run_dir)).completions
     text = open(page).read()
     assert text.count("<script") == 3 and text.count("</script>") == 3  # the page's own three
     data = json.loads(text.split('id="data">')[1].split("</script>")[0])
@@ -248,7 +274,7 @@ def test_completions_page_logic_sorts_searches_and_opens_on_the_last_step(run_di
     the one the page opens on."""
     import quickjs
 
-    page = report.write_report(str(run_dir), ["reward/mean"]).completions
+    page = report.write_report(str(run_dir)).completions
     logic = open(page).read().split('<script id="logic">')[1].split("</script>")[0]
     rows = [dict(step=1, reward=0.5, advantage=None, completion="alpha", p=0),
             dict(step=2, reward=None, advantage=1.0, completion="beta", p=0),
@@ -318,19 +344,27 @@ def check_structure(text):
 # ---- the command ------------------------------------------------------------------------------
 
 def test_plot_command_on_a_killed_run(run_dir):
+    """issue 57: --metrics 'reward/*' deleted the report's other figures (and would have
+    overwritten overview.png with a part of it): it draws report/selected.png alone now."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "plot", str(run_dir),
-                           "--metrics", "reward/*", "kl", "--smoothing", "0.9"],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    def plot(*flags):
+        proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "plot",
+                               str(run_dir), *flags], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()
+
     report_dir = run_dir / "report"
-    assert proc.stdout.split() == [str(report_dir / name) for name in (
-        "overview.png", "reward.png", "reward_functions.png", "policy.png", "completions.html",
+    assert plot() == [str(report_dir / name) for name in (
+        "overview.png", "reward.png", "policy.png", "eval.png", "completions.html",
         "summary.md")]
-    assert png_size(report_dir / "overview.png") == figure_pixels(2)
+    before = {name: (report_dir / name).read_bytes() for name in os.listdir(report_dir)}
+    assert plot("--metrics", "reward/*", "kl", "--smoothing", "0.9") == \
+        [str(report_dir / "selected.png")]
+    assert png_size(report_dir / "selected.png") == figure_pixels(2)   # reward/mean, kl
+    assert {name: (report_dir / name).read_bytes() for name in before} == before
 
 
 def test_plot_command_user_errors(tmp_path):

@@ -14,8 +14,9 @@
   trainer through $SWIFT_MEGATRON_ROLLOUT_API_KEY, send it); /docs and /openapi.json are off;
 - `megatron rlhf --vllm_mode server` trains against it: multi-turn rollouts (the trainer runs
   the scheduler), --async_generate (one step off-policy), then two processes (last);
-- SIGTERM stops the server with exit 0 and leaves none of its processes behind (teardown),
-  also with its replica wedged (SIGSTOPped) under a request, and while the engines load;
+- Ctrl-C (SIGINT to its process group, as a terminal sends it) stops the server with exit 0,
+  no KeyboardInterrupt traceback from a replica, and none of its processes left (teardown);
+  SIGTERM too, with its replica wedged (SIGSTOPped) under a request, and while the engines load;
 - a weight update that fails halfway fails the weight-sync requests only: generation goes on;
 - a replica that dies stops the server with exit 1, naming it and its signal.
 """
@@ -53,11 +54,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extra=(),
-                 shutdown_grace_s=None, wait: bool = True):
+                 shutdown_grace_s=None, wait: bool = True, new_session: bool = False):
     """(process, address, log file) of a `megatron rollout` subprocess that answers /health
     (`extra`: more flags; `shutdown_grace_s`: the server's SHUTDOWN_GRACE_S instead of its
     default, for a test that waits it out; `wait=False`: return once started, for a caller
-    whose trainer polls /health itself while both start)."""
+    whose trainer polls /health itself while both start; `new_session`: in a process group of
+    its own, as a terminal's foreground command, for a Ctrl-C to that group)."""
     port = free_port()
     log = open(log_dir / "server.log", "w+")
     launch = ["-m", "swift_megatron.cli.main"] if shutdown_grace_s is None else [
@@ -71,7 +73,8 @@ def start_server(model_dir, log_dir, replicas: int, dtype: str = "float32", extr
            "--communicator_timeout", str(COMMUNICATOR_TIMEOUT_S),
            "--communicator_lease", str(LEASE_S), *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=new_session)
     address = f"127.0.0.1:{port}"
     if wait:
         wait_healthy(address, log, proc)
@@ -115,23 +118,26 @@ def stopped_output(proc, log, also=()) -> str:
 
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
-    proc, address, log = start_server(vllm_model_dir, tmp_path_factory.mktemp("server"), 2)
+    proc, address, log = start_server(vllm_model_dir, tmp_path_factory.mktemp("server"), 2,
+                                      new_session=True)
     SERVER_LOG["path"] = log.name
     yield address
     import psutil
 
     children = psutil.Process(proc.pid).children(recursive=True)   # replicas, engine cores
     assert children, "the server has no replica processes?"
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C in its terminal (issue 57: replicas' tracebacks)
     try:
         code = proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("the rollout server ignored SIGTERM")
-    finally:
-        log.close()
+        raise AssertionError("the rollout server ignored Ctrl-C")
+    log.seek(0)
+    output = log.read()
+    log.close()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert code == 0 and not alive, f"exit {code}; left behind: {[p.pid for p in alive]}"
+    assert "KeyboardInterrupt" not in output, output[-3000:]
 
 
 def post(address, path, body: bytes, headers=AUTH):
@@ -250,6 +256,13 @@ MALFORMED = [
     ("/generate", json.dumps({"prompts": [[1, 2]], "top_k": 2 ** 40}).encode(), 422),
     ("/generate", json.dumps({"prompts": [[1, 2]], "stop_token_ids": [-4]}).encode(), 422),
     ("/update_weights", json.dumps(dict(BUCKET, shapes=[[-2]])).encode(), 422),
+    # issue 57: a string taken for a number, a lone surrogate a tokenizer TypeError (500)
+    ("/generate", json.dumps({"prompts": [[1, 2]], "temperature": "0.5"}).encode(), 422),
+    ("/generate", json.dumps({"prompts": ["a\ud800b"]}).encode(), 422),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "images": [["\ud800"]]}).encode(), 400),
+    ("/generate", json.dumps({"prompts": [[1, 2]], "images": [["caf\u00e9"]]}).encode(), 400),
+    ("/rollout", json.dumps({"prompts": [[1]], "max_length": 9, "messages": [
+        [{"role": "user", "content": "x\udc00"}]]}).encode(), 422),
 ]
 
 

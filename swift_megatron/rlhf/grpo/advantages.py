@@ -161,17 +161,27 @@ def weighted_rewards(per_func: Tensor, weights: Tensor) -> Tensor:
     return (per_func * weights.to(per_func.dtype)[None, :]).nansum(dim=1)
 
 
-def overflow_problem(per_func: Tensor, advantages: Tensor, metrics: Dict[str, float],
-                     names: Sequence[str]) -> Optional[str]:
+def overflow_problem(per_func: Tensor, weights: Tensor, advantages: Tensor,
+                     metrics: Dict[str, float], names: Sequence[str]) -> Optional[str]:
     """What went wrong when finite rewards give non-finite statistics or advantages (a function
-    returning 1e300: its squares overflow float64, the std is inf, every advantage 0 or NaN and
-    nothing trains), naming the function with the largest |reward|; None when all is finite."""
+    returning 1e300, or a --reward_weights value of 1e308: the squares overflow float64, the std
+    is inf, every advantage 0 or NaN and nothing trains), naming the column with the largest
+    weighted |reward| and blaming its larger factor, the reward or its weight; None when all is
+    finite. per_func [N, F], weights [F]."""
     if torch.isfinite(advantages).all() and all(
             math.isfinite(metrics[k]) for k in ("reward_mean", "reward_std")):
         return None
     largest = per_func.abs().nan_to_num(0.0).amax(dim=0)   # [F]
-    worst = int(largest.argmax())
-    return (f"the rewards' statistics are not finite (reward/mean {metrics['reward_mean']}, "
-            f"reward/std {metrics['reward_std']}): reward function {names[worst]!r} returned "
-            f"|reward| up to {largest[worst].item():.3g}; keep rewards to a scale whose squares "
-            f"fit a float64 (well below 1e150), e.g. within [-1e6, 1e6]")
+    weight = weights.abs().to(largest.dtype)
+    worst = int((largest * weight).nan_to_num(posinf=math.inf).argmax())
+    head = (f"the rewards' statistics are not finite (reward/mean {metrics['reward_mean']}, "
+            f"reward/std {metrics['reward_std']}): ")
+    if weight[worst] > largest[worst]:
+        return head + (f"--reward_weights gives reward function {names[worst]!r} the weight "
+                       f"{weights[worst].item():.3g} (its |reward| reaches "
+                       f"{largest[worst].item():.3g}); keep each weight x reward to a scale "
+                       f"whose squares fit a float64 (well below 1e150), e.g. weights within "
+                       f"[-1e6, 1e6]")
+    return head + (f"reward function {names[worst]!r} returned |reward| up to "
+                   f"{largest[worst].item():.3g}; keep rewards to a scale whose squares fit a "
+                   f"float64 (well below 1e150), e.g. within [-1e6, 1e6]")

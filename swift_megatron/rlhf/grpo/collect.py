@@ -226,7 +226,8 @@ class RolloutCollector:
             table[:, :n_funcs], weights, groups, estimator=s.advantage_estimator,
             scale_rewards=s.scale_rewards, kl=None if kl is None else table[:, n_funcs + 4],
             beta=s.kl_beta)
-        problem = overflow_problem(table[:, :n_funcs], advantages, metrics, s.reward_names)
+        problem = overflow_problem(table[:, :n_funcs], weights, advantages, metrics,
+                                   s.reward_names)
         if problem:   # every rank has the whole table: all stop together
             raise UserError(problem)
         start = dist.get_rank(self.dp_group) * len(samples)

@@ -5,7 +5,6 @@ loggers. The trainer only runs the loop.
 """
 import dataclasses
 import json
-import math
 import os
 import tempfile
 import time
@@ -14,7 +13,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from swift_megatron.arguments.batch_plan import BatchPlan
+from swift_megatron.arguments.batch_plan import BatchPlan, run_length
 from swift_megatron.arguments.commands import RlhfArguments, frozen_vision_parts
 from swift_megatron.bridge import Bridge
 from swift_megatron.checkpoint.layout import hf_dir as layout_hf_dir
@@ -134,10 +133,9 @@ def _load_adapter(model, adapter: AdapterSource, hf_config: dict, bridge: Bridge
 
 
 def train_iters(args: RlhfArguments, plan: BatchPlan, num_prompts: int) -> int:
-    if args.training.train_iters:
-        return args.training.train_iters
-    batches = math.ceil(args.training.num_train_epochs * num_prompts / plan.rollout_prompts)
-    return max(batches, 1) * plan.steps_per_generation * args.grpo.num_iterations
+    t = args.training
+    return run_length(plan, args.grpo.num_iterations, t.train_iters, t.num_train_epochs,
+                      num_prompts)[0]
 
 
 def attach_lora(args: RlhfArguments, model, bridge: Bridge, adapter: Optional[AdapterSource],

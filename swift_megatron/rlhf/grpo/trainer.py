@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import shutil
+import time
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -28,7 +29,8 @@ from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.checkpoint import run as run_checkpoint
 from swift_megatron.checkpoint.run_dir import resumes
 from swift_megatron.checkpoint.start import check_resume_step, plan_start
-from swift_megatron.checkpoint.trainer import adam_step, load_checkpoint, save_checkpoint
+from swift_megatron.checkpoint.trainer import (adam_step, iteration_dir, load_checkpoint,
+                                               save_checkpoint)
 from swift_megatron.errors import NumericsError, UserError, WeightSyncError
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.logging.progress import progress
@@ -45,7 +47,9 @@ from swift_megatron.rlhf.grpo import components as build
 from swift_megatron.rlhf.grpo import numerics
 from swift_megatron.rlhf.grpo.batch import Sample, fixed_length, split_micro_batches, to_device
 from swift_megatron.rlhf.grpo.collect import attach_images
+from swift_megatron.rlhf.grpo.ending import RunEnd, closing_lines, existing
 from swift_megatron.rlhf.grpo.losses import logprob_mismatch
+from swift_megatron.rlhf.grpo.no_signal import NoSignalWatch
 from swift_megatron.rlhf.grpo.objective import StepConstants, collect_logprobs, grpo_loss
 from swift_megatron.rlhf.grpo.passes import completion_kl, fill_logprobs, write_advantages
 from swift_megatron.rlhf.grpo.prefetch import RolloutPrefetch, staleness_metrics
@@ -57,7 +61,8 @@ from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.moe_losses import moe_loss_metrics
-from swift_megatron.training.profile import device_memory, maybe_profile, measure_phase
+from swift_megatron.training.profile import (device_memory, host_memory, maybe_profile,
+                                              measure_phase)
 from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
                                           zero_grads)
 
@@ -69,6 +74,7 @@ SYNC_CHECK_PROMPTS, SYNC_CHECK_TOKENS = 4, 16  # --check_weight_sync: fixed prom
 class GRPOTrainer:
     def __init__(self, args: RlhfArguments, plan: BatchPlan):
         self.args, self.plan = args, plan
+        self.started, self.report = time.monotonic(), None   # for the run's last lines
         self.steps_per_rollout = plan.steps_per_generation * args.grpo.num_iterations
         self.state = build.parallel_state(args)
         start = plan_start(args.training, args.lora)
@@ -114,6 +120,8 @@ class GRPOTrainer:
         self.generation_memory: Dict[str, float] = {}   # generating(): the device at its end
         self.numerics_pending = self._numerics_gate_applies(start)
         self.skip_guard = SkipGuard(args.training.max_skipped_steps)
+        self.no_signal = NoSignalWatch(args.grpo.num_generations, args.grpo.temperature,
+                                       self.steps_per_rollout)
         self.prefetch = self._prefetch()
         self.resumes_save_dir = resumes(self.save_dir, start.resume_dir)  # continues a run
         if start.resume_dir:
@@ -138,6 +146,9 @@ class GRPOTrainer:
             self.run_lock.release()
             raise
         self.close()
+        if self.state.rank == 0:
+            for line in closing_lines(self._run_end()):
+                logger.info(line)
         return metrics
 
     def _train(self) -> Dict[str, float]:
@@ -147,20 +158,23 @@ class GRPOTrainer:
         self.sync_weights()
         metrics: Dict[str, float] = {}
         t = self.args.training
-        with GcClock() as gc_clock:
-            for index in progress(range(1, batches + 1), desc="GRPO"):
+        # the bar closes before the run's last save, so the report's lines come after it
+        with GcClock() as gc_clock, progress(range(1, batches + 1), desc="GRPO") as bar:
+            for index in bar:
                 paused = gc_clock.seconds
                 with maybe_profile(index, self.state.rank):
                     metrics = self.train_rollout_batch()
                 metrics["perf/gc_pause_s"] = gc_clock.seconds - paused
+                self._warn(self.no_signal.update(self.step, metrics))
                 if self._crossed(self.eval_steps):
                     metrics.update(self.evaluate())
                 if self._crossed(t.logging_steps):
                     self.metrics_log.log(self.step, metrics)
-                if self._crossed(t.save_steps):
-                    self.save(metrics)
                 if t.exit_interval and self.step >= t.exit_interval:
                     break
+                if self._crossed(t.save_steps) and self.step < self.train_iters:
+                    self.save(metrics)
+        self._warn(self.no_signal.finish(self.step, metrics))
         if self._saved_step != self.step:
             self.save(metrics)  # every run ends with a save, and so with the final report
         if self.step >= self.train_iters:
@@ -185,6 +199,7 @@ class GRPOTrainer:
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
         metrics.update(self._throughput(samples, timings))
+        metrics.update(host_memory())
         if device.type == "cuda":  # this rank's peak over the rollout batch's phases
             metrics["perf/max_memory_allocated_gib"] = max(
                 value for key, value in timings.items() if key.startswith("memory/"))
@@ -368,6 +383,10 @@ class GRPOTrainer:
         metrics.update(moe_loss_metrics(pol.config, len(micro), self.state.device))
         if self.numerics_pending:
             metrics.update(self.numerics_gate(metrics))
+        # "lr": the rate this step updates with, --lr's schedule (groups with --vit_lr /
+        # --aligner_lr follow it scaled), read before optimizer_step moves the schedule on
+        # (Megatron logs the next step's: 0 on a decay's last step)
+        lr = pol.scheduler.get_lr({})
         ok, grad_norm = optimizer_step(pol.optimizer, pol.scheduler)
         self.step += 1
         skipped = self.skip_guard.update(ok, grad_norm, self.step)
@@ -376,9 +395,7 @@ class GRPOTrainer:
         g = self.args.grpo
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
-        # "lr": --lr's schedule (groups with --vit_lr / --aligner_lr follow it scaled)
-        metrics.update({"grad_norm": grad_norm, "lr": pol.scheduler.get_lr({}),
-                        "update_skipped": float(not ok)})
+        metrics.update({"grad_norm": grad_norm, "lr": lr, "update_skipped": float(not ok)})
         return metrics
 
     def numerics_gate(self, metrics: Dict[str, float]) -> Dict[str, float]:
@@ -573,7 +590,8 @@ class GRPOTrainer:
         self._record_save(path, state["reward"], hf_copies=t.save_safetensors)
         logger.info(f"saved checkpoint {path}")
         if self.state.rank == 0:
-            write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
+            report = write_run_report(self.output_dir, self.args, self.plan, self.train_iters)
+            self.report = report.summary if report else self.report
 
     def _record_save(self, path: str, reward: Optional[float], hf_copies: bool) -> None:
         """After the resumable checkpoint at `path`: its entry in best_checkpoint.json, the HF
@@ -705,6 +723,29 @@ class GRPOTrainer:
         else:
             save_adapter(unwrap(pol.chunks[0]), final_adapter, pol.model_dir, pol.lora,
                          pol.bridge)
+
+    def _warn(self, message: Optional[str]) -> None:
+        if message and self.state.rank == 0:
+            logger.warning(message)
+
+    def _run_end(self) -> RunEnd:
+        """Where the run's model, checkpoints and report are (global rank 0, at its end)."""
+        save_dir, step, finished = self.save_dir, self.step, self.step >= self.train_iters
+        best = run_checkpoint.read_best(save_dir)
+        return RunEnd(
+            step=step, train_iters=self.train_iters, seconds=time.monotonic() - self.started,
+            save_dir=save_dir, last=iteration_dir(save_dir, step), last_hf=self._hf_copy(step),
+            final_model=existing(os.path.join(self.output_dir, "final_hf")) if finished else None,
+            final_adapter=existing(os.path.join(self.output_dir, "final_adapter"))
+            if finished else None,
+            best=best, best_path=best and (self._hf_copy(best["step"])
+                                           or existing(iteration_dir(save_dir, best["step"]))),
+            report=self.report)
+
+    def _hf_copy(self, step: int) -> Optional[str]:
+        """The HF copy of save `step` (LoRA: the merged model, else the adapter), if written."""
+        return existing(run_checkpoint.hf_dir(self.save_dir, step, merged=True),
+                        run_checkpoint.hf_dir(self.save_dir, step))
 
     def close(self) -> None:
         if self.prefetch:
