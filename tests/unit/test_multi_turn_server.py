@@ -32,7 +32,8 @@ class ScriptedReplica:
         self.tok, self.script, self.calls = tok, script, []
         self.process, self.index = _Alive(), 0
 
-    def call(self, name, prompts, sampling, seeds, stop_token_ids, logprobs, images=None):
+    def call(self, name, prompts, sampling, seeds, stop_token_ids, logprobs, images=None,
+             routes=False):
         assert name == "generate" and images is None   # multi-turn rollouts carry no images
         self.calls.append(prompts)
         ids = self.tok(self.script[len(self.calls) - 1], add_special_tokens=False)["input_ids"]

@@ -28,7 +28,8 @@ class EchoReplica:
     def __init__(self):
         self.sampling = []
 
-    def call(self, name, prompts, sampling, seeds, stop_token_ids, logprobs, images=None):
+    def call(self, name, prompts, sampling, seeds, stop_token_ids, logprobs, images=None,
+             routes=False):
         self.sampling.append(sampling)
         return [{"token_ids": p[:1], "logprobs": [-1.0], "finish_reason": "length"}
                 for p in prompts]
