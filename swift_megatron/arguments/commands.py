@@ -152,6 +152,15 @@ class RlhfArguments:
         if (t.optimizer_cpu_offload or t.use_precision_aware_optimizer) and not distributed:
             raise UserError("--optimizer_cpu_offload and --use_precision_aware_optimizer need "
                             "--use_distributed_optimizer true")
+        low = [f"--{n} {getattr(t, n)}" for n in ("exp_avg_dtype", "exp_avg_sq_dtype")
+               if getattr(t, n) != "fp32"]
+        if low and not t.use_precision_aware_optimizer:
+            raise UserError(f"{' '.join(low)} needs --use_precision_aware_optimizer true (as "
+                            "ms-swift and megatron-core)")
+        if low and t.optimizer_cpu_offload:
+            raise UserError(f"{' '.join(low)} does not work with --optimizer_cpu_offload true: "
+                            "megatron-core's hybrid optimizer keeps the offloaded Adam states "
+                            "in float32; drop one")
 
 
 def frozen_vision_parts(model: ModelArguments, training: TrainingArguments) -> Dict[str, bool]:

@@ -12,6 +12,9 @@ MAX_PIXELS_HELP = ("Largest image, in pixels, after the image processor's resize
                    "own.")
 
 
+_NO_DATALOADER = "prompts are in memory and handed out by a sampler, not a dataloader"
+
+
 def check_max_pixels(value: Optional[int]) -> None:
     """--max_pixels (megatron rlhf and megatron rollout): none or >= 1."""
     if value is not None and value < 1:
@@ -48,12 +51,19 @@ class DataArguments:
     columns: Optional[Dict[str, str]] = arg(None, "Rename dataset columns, as JSON: "
                                             "'{\"question\": \"query\"}'.")
     max_pixels: Optional[int] = arg(None, MAX_PIXELS_HELP)
-    dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed).")
+    dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed). "
+                                "--train_dataloader_shuffle (ms-swift's dataloader flag) sets "
+                                "the same.", aliases=["train_dataloader_shuffle"])
     load_from_cache_file: bool = arg(False, "ms-swift's datasets cache of preprocessed rows.",
                                      no_effect="prompts are tokenized in memory at every start")
     dataloader_num_workers: int = arg(4, "ms-swift's dataloader worker processes.",
-                                      no_effect="prompts are in memory and handed out by a "
-                                                "sampler, not a dataloader")
+                                      no_effect=_NO_DATALOADER)
+    dataloader_pin_memory: bool = arg(True, "ms-swift's dataloader pinned memory.",
+                                      no_effect=_NO_DATALOADER)
+    dataloader_persistent_workers: bool = arg(False, "ms-swift's dataloader keeps its workers.",
+                                              no_effect=_NO_DATALOADER)
+    dataloader_prefetch_factor: int = arg(2, "ms-swift's dataloader batches prefetched per "
+                                          "worker.", no_effect=_NO_DATALOADER)
 
     def __post_init__(self):
         if not 0.0 <= self.split_dataset_ratio < 1.0:

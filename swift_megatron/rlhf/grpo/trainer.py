@@ -49,8 +49,8 @@ from swift_megatron.rollout.watchdog import Watchdog
 from swift_megatron.training.gc_pauses import GcClock
 from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.profile import device_memory, maybe_profile, measure_phase
-from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
-                                          zero_grads)
+from swift_megatron.training.step import (contribution_scale, forward_backward, gather_params,
+                                          optimizer_step, zero_grads)
 
 logger = get_logger(__name__)
 EVAL_GROUP_OFFSET = 10**12  # evaluation group ids (seeds) never collide with training stream positions
@@ -160,6 +160,7 @@ class GRPOTrainer:
             with measure_phase("train", timings, device):
                 train_metrics = [self.optimizer_step(micro)
                                  for micro in steps * self.args.grpo.num_iterations]
+                gather_params(self.policy.chunks)   # --overlap_param_gather: for the readers
         metrics.update(self.sync_weights(timings))
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
@@ -301,6 +302,7 @@ class GRPOTrainer:
             logger.warning(skipped)
         g = self.args.grpo
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
+            gather_params(pol.chunks)
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
         # "lr": --lr's schedule (groups with --vit_lr / --aligner_lr follow it scaled)
         metrics.update({"grad_norm": grad_norm, "lr": pol.scheduler.get_lr({}),
@@ -514,14 +516,16 @@ class GRPOTrainer:
         ms-swift, since the adapter does not hold the trained vision tower)."""
         pol, chunk = self.policy, self.policy.chunks[0]  # one chunk with LoRA
         directory = run_checkpoint.hf_dir(self.save_dir, self.step)
+        shard = self.args.training.max_shard_size
         if pol.lora is None:
-            pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True,
+                               max_shard_size=shard)
             return
         if self._adapter_alone:
             save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora)
         if self.args.training.merge_lora:
             pol.bridge.save_hf(chunk, run_checkpoint.hf_dir(self.save_dir, self.step, merged=True),
-                               source_dir=pol.model_dir, exist_ok=True)
+                               source_dir=pol.model_dir, exist_ok=True, max_shard_size=shard)
 
     def _resume(self, directory: str) -> None:
         t, pol = self.args.training, self.policy
@@ -566,7 +570,8 @@ class GRPOTrainer:
         if self._saved_step == self.step and os.path.isdir(merged):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
         else:
-            pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True,
+                               max_shard_size=self.args.training.max_shard_size)
         if not self._adapter_alone:
             return
         adapter = run_checkpoint.hf_dir(self.save_dir, self.step)
