@@ -105,7 +105,21 @@ def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool, *,
     if overlap_grad_reduce:
         for param in model.parameters():
             param.grad_to_ddp_hook = True
-    return DistributedDataParallel(config, ddp_config, model)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    if ddp.use_forward_hook:
+        _gather_containers_with_parent(ddp)
+    return ddp
+
+
+def _gather_containers_with_parent(ddp: DistributedDataParallel) -> None:
+    """With the overlapped all-gather megatron's forward pre-hook waits for a module's own
+    parameters when the module runs; a ParameterDict (LoRA's adapters) never runs: its parent's
+    forward waits for them too."""
+    hook = ddp._make_forward_pre_hook()
+    for parent in ddp.module.modules():
+        for child in parent.children():
+            if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):
+                parent.register_forward_pre_hook(lambda module, *unused, c=child: hook(c))
 
 
 def overlap_sync_funcs(config, chunks: List[DistributedDataParallel]) -> None:
