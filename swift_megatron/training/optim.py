@@ -41,6 +41,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, Par
 
 from swift_megatron.arguments.training import check_lr_bounds
 from swift_megatron.errors import UserError
+from swift_megatron.model.wrappers import unwrap
 from swift_megatron.training.adam_states import keep_states_in
 
 
@@ -107,19 +108,23 @@ def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool, *,
             param.grad_to_ddp_hook = True
     ddp = DistributedDataParallel(config, ddp_config, model)
     if ddp.use_forward_hook:
-        _gather_containers_with_parent(ddp)
+        _wait_for_unrun_modules(ddp)
     return ddp
 
 
-def _gather_containers_with_parent(ddp: DistributedDataParallel) -> None:
+def _wait_for_unrun_modules(ddp: DistributedDataParallel) -> None:
     """With the overlapped all-gather megatron's forward pre-hook waits for a module's own
-    parameters when the module runs; a ParameterDict (LoRA's adapters) never runs: its parent's
-    forward waits for them too."""
+    parameters when the module runs. Two kinds never run: a ParameterDict (LoRA's adapters),
+    whose parent's forward waits for it, and the output layer, whose weight the logprob head
+    reads directly (model/head.py), for which the model's forward waits."""
     hook = ddp._make_forward_pre_hook()
-    for parent in ddp.module.modules():
-        for child in parent.children():
-            if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):
-                parent.register_forward_pre_hook(lambda module, *unused, c=child: hook(c))
+    waits = [(parent, child) for parent in ddp.module.modules() for child in parent.children()
+             if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList))]
+    gpt = unwrap(ddp)
+    if getattr(gpt, "output_layer", None) is not None:
+        waits.append((gpt, gpt.output_layer))
+    for parent, child in waits:
+        parent.register_forward_pre_hook(lambda module, *unused, c=child: hook(c))
 
 
 def overlap_sync_funcs(config, chunks: List[DistributedDataParallel]) -> None:
