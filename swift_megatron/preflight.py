@@ -317,8 +317,8 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
 def stage_layers(hf_config: Mapping, parallel) -> Optional[int]:
     """Layers of the fullest pipeline stage with --decoder_first/last_pipeline_num_layers
     (None: an even split)."""
-    if not parallel.uneven_pipeline:
-        return None
+    if not parallel.uneven_pipeline or parallel.pipeline_model_parallel_size == 1:
+        return None   # (PP 1: --auto_parallel chooses the size and plans each split)
     split = PipelineSplit(text_config(hf_config)["num_hidden_layers"],
                           parallel.pipeline_model_parallel_size,
                           parallel.virtual_pipeline_model_parallel_size or 1,

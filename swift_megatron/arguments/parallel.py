@@ -130,16 +130,24 @@ class ParallelArguments:
                 f"{self.recompute_granularity or 'none'} (as ms-swift does)")
 
     def _check_pipeline_split(self) -> None:
-        """ms-swift's rule; the counts against the model's layers: model/layout.py."""
-        given = [f"--{n}" for n in ("decoder_first_pipeline_num_layers",
-                                    "decoder_last_pipeline_num_layers")
-                 if getattr(self, n) is not None]
+        """Values; the counts against the model's layers: model/layout.py; PP > 1:
+        `check_split_has_pipeline` (the command's, since --auto_parallel may choose PP)."""
+        for name in self.uneven_pipeline_flags:
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def uneven_pipeline_flags(self) -> List[str]:
+        return [n for n in ("decoder_first_pipeline_num_layers",
+                            "decoder_last_pipeline_num_layers") if getattr(self, n) is not None]
+
+    def check_split_has_pipeline(self) -> None:
+        """ms-swift's rule: the uneven split needs a pipeline."""
+        given = self.uneven_pipeline_flags
         if given and self.pipeline_model_parallel_size == 1:
-            raise UserError(f"{' and '.join(given)} need --pipeline_model_parallel_size > 1 "
-                            "(they size the first / last pipeline stage)")
-        for flag in given:
-            if getattr(self, flag[2:]) < 1:
-                raise UserError(f"{flag} must be >= 1, got {getattr(self, flag[2:])}")
+            raise UserError(f"{' and '.join('--' + n for n in given)} need "
+                            "--pipeline_model_parallel_size > 1 (they size the first / last "
+                            "pipeline stage)")
 
     def _check_overlap(self) -> None:
         """Megatron-LM's rules for the overlapped parameter all-gather."""
