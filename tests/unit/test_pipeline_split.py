@@ -90,7 +90,12 @@ def test_flag_rules_fail_at_parse_time(argv, message):
     with pytest.raises(UserError, match=message):
         parse_command(ExportCommandArguments, ["--model", "m", "--to_mcore", "true",
                                                *map(str, argv)], "megatron export")
-    rlhf(*argv, "--auto_parallel", "true")   # it chooses the pipeline size (the split's)
+
+
+
+def test_auto_parallel_chooses_the_pipeline_of_the_split():
+    assert rlhf("--decoder_first_pipeline_num_layers", 2, "--auto_parallel", "true").parallel \
+        .uneven_pipeline == {"first": 2}
 
 
 def test_the_memory_estimate_counts_the_fullest_stage():
