@@ -47,7 +47,7 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
     rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
          "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync", "true",
-         "--num_generations_eval", 2)
+         "--num_generations_eval", 2, "--max_shard_size", "100KB")
     rows = logged(out)
     assert all(r["sync/logprob_abs_diff_mean"] < 1e-5 for r in rows)  # fp32: engine == trainer
     assert all(r["time/sync_s"] > 0 and r["time/sync_check_s"] > 0 for r in rows)  # timed apart
@@ -68,6 +68,7 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     assert {"overview.png", "eval.png", "engine_gap.png", "summary.md", "completions.html"} <= report
     assert "- 2 logged steps, step 1 to 2 of 2: finished" in open(out / "report" / "summary.md").read()
     from transformers import AutoModelForCausalLM
+    assert (out / "final_hf" / "model.safetensors.index.json").is_file()   # --max_shard_size
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
 
