@@ -471,7 +471,7 @@ def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict, server_sched
         max_completion_length=g.max_completion_length,
         max_length=d.max_length or hf_config.get("max_position_embeddings") or 2**31 - 1,
         max_turns=g.max_turns, limit_scope=g.completion_length_limit_scope,
-        template_kwargs=kwargs)
+        template_kwargs=kwargs, agent_template=d.agent_template)
     if g.multi_turn_scheduler is None:
         return None, settings
     return multi_turn.build_scheduler(g.multi_turn_scheduler, max_turns=g.max_turns,
