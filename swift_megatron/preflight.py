@@ -153,7 +153,7 @@ _SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
 _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
                    "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                    "vllm_max_model_len", "vllm_enforce_eager", "vllm_enable_prefix_caching",
-                   "vllm_max_num_seqs", "vllm_engine_kwargs")
+                   "vllm_max_num_seqs", "vllm_engine_kwargs", "vllm_disable_cascade_attn")
 COLOCATE_ENGINE = "the vLLM colocate engine"
 
 

@@ -41,6 +41,8 @@ class VllmEngineArguments:
                                    "time).")
     vllm_enable_prefix_caching: bool = arg(True, "vLLM automatic prefix caching (reset after "
                                            "every weight update).")
+    vllm_disable_cascade_attn: bool = arg(False, "Turn off vLLM's cascade attention (its "
+                                          "shared-prefix kernel), as ms-swift's flag does.")
     vllm_max_num_seqs: Optional[int] = arg(None, "vLLM's max_num_seqs: sequences in one engine "
                                            "step. Default: vLLM's.")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = arg(None, "Extra keyword arguments for vLLM's "

@@ -694,6 +694,7 @@ def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
         max_model_len=engine.vllm_max_model_len, max_num_seqs=engine.vllm_max_num_seqs,
         enforce_eager=engine.vllm_enforce_eager,
         enable_prefix_caching=engine.vllm_enable_prefix_caching,
+        disable_cascade_attn=engine.vllm_disable_cascade_attn,
         worker_extension_cls=WORKER_EXTENSION,
         extra={**vision_engine_kwargs(model_dir, resolve_max_pixels(args.serve.max_pixels),
                                       dummy_weights=False),
