@@ -71,7 +71,8 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
     if kind == "hf":
         from swift_megatron.rollout.hf import HFEngine
 
-        return HFEngine(model_dir, device, dtype, eos_token_ids, pad_token_id)
+        return HFEngine(model_dir, device, dtype, eos_token_ids, pad_token_id,
+                        attn_implementation=args.model.attn_implementation)
     if kind == "server":
         from swift_megatron.rollout.client import ServerEngine
 

@@ -447,7 +447,8 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []
     funcs += reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
-                                use_hf=args.model.use_hf)
+                                use_hf=args.model.use_hf,
+                                attn_implementation=args.model.attn_implementation)
     if g.use_gym_env:
         from swift_megatron.rollout.multi_turn.gym import gym_reward
 
