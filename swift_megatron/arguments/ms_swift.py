@@ -189,9 +189,12 @@ NOT_SUPPORTED: Dict[str, str] = {
     "microbatch_group_size_per_vp_stage": "the interleaved pipeline runs micro-batches in "
                                           "groups of --pipeline_model_parallel_size (megatron's "
                                           "default): drop the flag",
-    "pipeline_model_parallel_layout": "layers split evenly: PP x "
-                                      "--virtual_pipeline_model_parallel_size chunks of equal "
-                                      "size; an uneven layout is not supported",
+    "pipeline_model_parallel_layout": "megatron's layout strings (a layer count per stage, "
+                                      "the embedding, loss and MTP placement) are not "
+                                      "supported: split unevenly with "
+                                      "--decoder_first_pipeline_num_layers / "
+                                      "--decoder_last_pipeline_num_layers (the other stages "
+                                      "share the rest equally)",
     # not planned
     "use_ray": "swift-megatron launches with torchrun, not Ray: pass the flags of the `train:` and "
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
