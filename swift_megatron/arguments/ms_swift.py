@@ -145,8 +145,7 @@ _FAMILY_NAMES: Dict[str, str] = {
     "hub_token": "the hub clients' own login is used: `huggingface-cli login` or HF_TOKEN "
                  "(--use_hf true), `modelscope login` for ModelScope",
     "stop_words": "generation stops at the tokenizer's end-of-sequence tokens and "
-                  "--max_completion_length; stop strings are not supported (a multi-turn "
-                  "scheduler can cut a turn: docs/multi_turn.md)",
+                  "--max_completion_length; stop strings are not supported",
     "structured_outputs_regex": "guided (structured) decoding is not supported",
     "val_dataset_shuffle": "every evaluation covers all validation prompts, so their order "
                            "does not matter: drop the flag",
@@ -199,7 +198,7 @@ NOT_SUPPORTED: Dict[str, str] = {
     "use_ray": "swift-megatron launches with torchrun, not Ray: pass the flags of the `train:` and "
                "`rollout:` sections as ordinary flags, NPROC_PER_NODE for `gpus`, and "
                "--vllm_mode colocate (colocate_groups) or server (a `megatron rollout` server)",
-    "colocate_groups": "a Ray launcher setting (see use_ray)",
+    "colocate_groups": _RAY,
     "router_replay_mode": "MoE router replay is not supported",
     "bridge_backend": "swift-megatron has its own bridge (swift_megatron/bridge)",
     "optimizer": _OPTIMIZER,
