@@ -489,7 +489,7 @@ class GRPOTrainer:
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "train_type": t.train_type,
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
-                               "etp": self.state.etp}}
+                               "etp": self.state.etp, **self.args.parallel.uneven_pipeline}}
         path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
