@@ -28,12 +28,6 @@ _STREAMING = "streaming datasets are not supported: datasets are loaded into mem
 _BEST = "--save_total_limit keeps the checkpoint with the best reward/mean"
 _TEMPLATE = ("prompts use the tokenizer's own chat template (with --system and "
              "--enable_thinking); ms-swift's template options are not available")
-
-
-def _family(reason: str, *names: str) -> Dict[str, str]:
-    return {name: reason for name in names}
-
-
 _FP8 = "FP8 and FP4 training " + _TE
 _RAY = "a Ray launcher setting (see --use_ray)"
 _ARGS_JSON = ("flags are not read back from a checkpoint's args.json: pass them again (a "
@@ -69,6 +63,11 @@ _OVERLAP_TUNING = ("not supported: --overlap_grad_reduce / --overlap_param_gathe
                    "flag")
 _LORA_SHAPE = ("adapters have no bias and train in the model's dtype (ms-swift's defaults, "
                "lora_bias none and lora_dtype none): drop the flag")
+
+def _family(reason: str, *names: str) -> Dict[str, str]:
+    """{name: reason} for each name of one family."""
+    return {name: reason for name in names}
+
 
 _FAMILY_NAMES: Dict[str, str] = {
     **_family(_OPTIMIZER, "sgd_momentum"),
