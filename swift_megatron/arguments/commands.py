@@ -53,6 +53,9 @@ class RlhfArguments:
         check_lr_bounds(self.training)
         self._check_optimizer_flags()
         self._check_virtual_pipeline()
+        if not self.planning.auto_parallel:   # --auto_parallel chooses the pipeline size
+            self.parallel.check_split_has_pipeline()
+        self._check_overlap_grad_reduce()
         t = self.training
         if self.model.model is None and not (t.mcore_model or t.mcore_adapter or t.load):
             raise UserError("--model is required (a local HF directory or a hub id), unless "
@@ -215,6 +218,15 @@ class RlhfArguments:
                             "which --virtual_pipeline_model_parallel_size needs to be a multiple "
                             "of --pipeline_model_parallel_size: use --micro_batch_size")
 
+    def _check_overlap_grad_reduce(self) -> None:
+        """megatron's overlapped reduction waits for every parameter it saw a gradient for in
+        the first step; a trained vision part gets none in a batch without images."""
+        frozen = frozen_vision_parts(self.model, self.training)
+        if self.parallel.overlap_grad_reduce and not all(frozen.values()):
+            raise UserError("--overlap_grad_reduce with a vision tower or aligner that trains is "
+                            "not supported: a batch without images leaves their gradients out, "
+                            "which the overlapped reduction waits for; drop one")
+
     def _check_optimizer_flags(self) -> None:
         """Combinations megatron-core 0.16.1's optimizer cannot run (training/optim.py checks
         the device and dtype rules once the model's are known)."""
@@ -227,6 +239,15 @@ class RlhfArguments:
         if (t.optimizer_cpu_offload or t.use_precision_aware_optimizer) and not distributed:
             raise UserError("--optimizer_cpu_offload and --use_precision_aware_optimizer need "
                             "--use_distributed_optimizer true")
+        low = [f"--{n} {getattr(t, n)}" for n in ("exp_avg_dtype", "exp_avg_sq_dtype")
+               if getattr(t, n) != "fp32"]
+        if low and not t.use_precision_aware_optimizer:
+            raise UserError(f"{' '.join(low)} needs --use_precision_aware_optimizer true (as "
+                            "ms-swift and megatron-core)")
+        if low and t.optimizer_cpu_offload:
+            raise UserError(f"{' '.join(low)} does not work with --optimizer_cpu_offload true: "
+                            "megatron-core's hybrid optimizer keeps the offloaded Adam states "
+                            "in float32; drop one")
 
 
 def frozen_vision_parts(model: ModelArguments, training: TrainingArguments) -> Dict[str, bool]:
@@ -261,6 +282,7 @@ class ExportCommandArguments:
 
     def __post_init__(self):
         p = self.parallel
+        p.check_split_has_pipeline()
         if p.context_parallel_size > 1 or p.virtual_pipeline_model_parallel_size:
             raise UserError("megatron export loads the model in a TP/PP/EP layout only: drop "
                             "--context_parallel_size and --virtual_pipeline_model_parallel_size "

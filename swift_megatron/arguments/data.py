@@ -6,10 +6,33 @@ from swift_megatron.arguments.fields import arg, check_seed
 from swift_megatron.errors import UserError
 
 
+AGENT_TEMPLATE_HELP = (
+    "How tools reach the prompt and tool results the model (ms-swift's agent templates). hermes: "
+    "a row's `tools` column (function schemas) is appended to the system prompt in hermes' words "
+    "and a multi-turn scheduler's tool messages become one user turn of <tool_response> blocks. "
+    "Default: the tools column is not rendered and tool messages use the chat template's tool "
+    "role. ms-swift's react_en / react_zh / react_grpo need generation stop strings: refused.")
 MAX_PIXELS_HELP = ("Largest image, in pixels, after the image processor's resize (a "
                    "vision-language model): replaces the model's preprocessor max_pixels. "
                    "Default: the MAX_PIXELS environment variable (ms-swift's), else the model's "
                    "own.")
+
+
+_NO_DATALOADER = "prompts are in memory and handed out by a sampler, not a dataloader"
+AGENT_TEMPLATES = ("hermes",)          # data/agent.py
+_REACT = ("ms-swift's ReAct templates continue the assistant's turn after the stop word "
+          "'Observation:' (--stop_words), and generation stop strings are not supported here")
+REFUSED_AGENT_TEMPLATES = {"react_en": _REACT, "react_zh": _REACT, "react_grpo": _REACT}
+
+
+def check_agent_template(name: Optional[str]) -> None:
+    """--agent_template (megatron rlhf and megatron rollout): none or one of AGENT_TEMPLATES;
+    another name fails with its reason and the supported ones."""
+    if name is None or name in AGENT_TEMPLATES:
+        return
+    reason = REFUSED_AGENT_TEMPLATES.get(name, "not supported")
+    raise UserError(f"--agent_template {name}: {reason}; supported: "
+                    f"{', '.join(AGENT_TEMPLATES)} (or none: the chat template's own tool role)")
 
 
 def check_max_pixels(value: Optional[int]) -> None:
@@ -48,12 +71,20 @@ class DataArguments:
     columns: Optional[Dict[str, str]] = arg(None, "Rename dataset columns, as JSON: "
                                             "'{\"question\": \"query\"}'.")
     max_pixels: Optional[int] = arg(None, MAX_PIXELS_HELP)
-    dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed).")
+    agent_template: Optional[str] = arg(None, AGENT_TEMPLATE_HELP)
+    dataset_shuffle: bool = arg(True, "Shuffle prompts each epoch (seeded by --seed). "
+                                "--train_dataloader_shuffle (ms-swift's dataloader flag) sets "
+                                "the same.", aliases=["train_dataloader_shuffle"])
     load_from_cache_file: bool = arg(False, "ms-swift's datasets cache of preprocessed rows.",
                                      no_effect="prompts are tokenized in memory at every start")
     dataloader_num_workers: int = arg(4, "ms-swift's dataloader worker processes.",
-                                      no_effect="prompts are in memory and handed out by a "
-                                                "sampler, not a dataloader")
+                                      no_effect=_NO_DATALOADER)
+    dataloader_pin_memory: bool = arg(True, "ms-swift's dataloader pinned memory.",
+                                      no_effect=_NO_DATALOADER)
+    dataloader_persistent_workers: bool = arg(False, "ms-swift's dataloader keeps its workers.",
+                                              no_effect=_NO_DATALOADER)
+    dataloader_prefetch_factor: int = arg(2, "ms-swift's dataloader batches prefetched per "
+                                          "worker.", no_effect=_NO_DATALOADER)
 
     def __post_init__(self):
         if not 0.0 <= self.split_dataset_ratio < 1.0:
@@ -62,5 +93,6 @@ class DataArguments:
             raise UserError(f"--max_length must be at least 2, got {self.max_length}")
         check_max_pixels(self.max_pixels)
         check_seed("data_seed", self.data_seed)
+        check_agent_template(self.agent_template)
         if self.dataset_num_proc < 1:
             raise UserError(f"--dataset_num_proc must be >= 1, got {self.dataset_num_proc}")

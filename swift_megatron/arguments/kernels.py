@@ -1,13 +1,18 @@
 """Kernel and packing flags of ms-swift's Megatron mode. `--padding_free` packs a micro-batch's
 sequences back to back (THD) and `--attention_backend` picks the attention kernel of packed
-batches (model/spec.py). The fusion flags select Transformer Engine kernels, which swift-megatron
-does not use, so they are accepted and have no effect: a run that sets one says so once
-(arguments/parser.py `notices`)."""
+batches (model/spec.py). The fusion flags select Transformer Engine or megatron-core kernels that
+swift-megatron's layer spec does not use, so they are accepted and have no effect: a dry run names
+the ones it was given (arguments/parser.py `notices`)."""
 from dataclasses import dataclass
+from typing import Optional
 
 from swift_megatron.arguments.fields import arg
 
 _TE_FUSION = "a Transformer Engine fusion; swift-megatron does not use Transformer Engine"
+_SDPA = ("attention runs in torch's scaled_dot_product_attention or flash-attention kernels, "
+         "not megatron-core's unfused softmax")
+_NO_BIAS = ("the supported models' output projections have no bias and no hidden dropout: "
+            "there is nothing to fuse")
 
 
 @dataclass
@@ -28,3 +33,23 @@ class KernelArguments:
     cross_entropy_loss_fusion: bool = arg(True, "Fused cross entropy.",
                                           no_effect="logprobs come from our own vocab-parallel "
                                                     "log-softmax")
+    masked_softmax_fusion: bool = arg(True, "megatron-core's fused masked softmax.",
+                                      no_effect=_SDPA)
+    bias_dropout_fusion: bool = arg(True, "megatron-core's fused bias + dropout + add.",
+                                    no_effect=_NO_BIAS)
+    bias_activation_fusion: bool = arg(True, "megatron-core's fused bias + activation.",
+                                       no_effect="the MLP's SwiGLU is swift-megatron's own "
+                                                 "kernel (compiled on CUDA)")
+    apply_rope_fusion: bool = arg(False, "megatron-core's fused rotary embedding.",
+                                  no_effect=_TE_FUSION)
+    cross_entropy_fusion_impl: str = arg("native", "Implementation of the fused cross entropy.",
+                                         choices=["native", "te"],
+                                         no_effect="logprobs come from our own vocab-parallel "
+                                                   "log-softmax")
+    attention_softmax_in_fp32: bool = arg(True, "Attention softmax in float32.",
+                                          no_effect="scaled_dot_product_attention and "
+                                                    "flash-attention compute the softmax in "
+                                                    "float32 always")
+    apply_query_key_layer_scaling: Optional[bool] = arg(
+        None, "Scale Q.K by the layer number (an fp16 overflow guard of the unfused softmax).",
+        no_effect=_SDPA)

@@ -31,6 +31,12 @@ class ModelArguments:
     fp16: Optional[bool] = arg(None, "true: --torch_dtype float16 (ms-swift / Megatron-LM name).")
     use_hf: bool = arg(False, "Download hub ids from Hugging Face instead of ModelScope.")
     model_revision: Optional[str] = arg(None, "Hub revision (branch, tag or commit) of --model.")
+    attn_impl: Optional[str] = arg(
+        None, "transformers' attention implementation for the models transformers runs here: "
+        "--reward_model models and the embedded transformers rollout engine (runs without "
+        "vLLM). flash_attn means flash_attention_2 (as ms-swift). The Megatron model's attention "
+        "is --attention_backend. Default: transformers' choice (sdpa).",
+        choices=["sdpa", "eager", "flash_attn", "flash_attention_2", "flash_attention_3"])
     check_model: bool = arg(True, "Before loading, check that a local --model directory is "
                             "complete: config.json readable, every weight shard of the index "
                             "present with a readable safetensors header.")
@@ -52,6 +58,11 @@ class ModelArguments:
             raise UserError(f"--model_type {self.model_type} is not supported; supported: "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         self._resolve_precision_flags()
+
+    @property
+    def attn_implementation(self) -> Optional[str]:
+        """--attn_impl as transformers names it (ms-swift's flash_attn: flash_attention_2)."""
+        return "flash_attention_2" if self.attn_impl == "flash_attn" else self.attn_impl
 
     def _resolve_precision_flags(self) -> None:
         """--bf16 / --fp16 true set --torch_dtype; contradictions are errors."""

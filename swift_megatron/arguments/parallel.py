@@ -23,6 +23,13 @@ class ParallelArguments:
                                           "are split across this many GPUs.")
     pipeline_model_parallel_size: int = arg(1, "Pipeline-parallel degree (PP): the layers are "
                                             "split into this many stages.")
+    decoder_first_pipeline_num_layers: Optional[int] = arg(
+        None, "Decoder layers of the first pipeline stage (needs PP > 1); the stages without a "
+        "count of their own share the rest equally. E.g. fewer layers beside the embedding (and "
+        "a vision tower), or a split of a layer count PP does not divide. Default: even split.")
+    decoder_last_pipeline_num_layers: Optional[int] = arg(
+        None, "Decoder layers of the last pipeline stage (beside the output layer); as "
+        "--decoder_first_pipeline_num_layers.")
     virtual_pipeline_model_parallel_size: Optional[int] = arg(
         None, "Interleaved pipeline (1F1B): model chunks per pipeline stage (needs PP > 1; "
         "PP x it must divide the layers, and the micro-batches per step be a multiple of PP).")
@@ -41,6 +48,21 @@ class ParallelArguments:
                                   "and dropout run on sequence shards.")
     use_distributed_optimizer: bool = arg(True, "Shard optimizer state across data-parallel "
                                           "ranks (Megatron's distributed optimizer).")
+    overlap_grad_reduce: bool = arg(False, "Start each gradient bucket's data-parallel "
+                                    "reduction during the backward pass of the step's last "
+                                    "micro-batch, as soon as its gradients are complete, "
+                                    "instead of after the backward (megatron's DDP).")
+    overlap_param_gather: bool = arg(False, "Distributed optimizer: gather the updated "
+                                     "parameters bucket by bucket during the next forward pass "
+                                     "instead of right after the optimizer step (needs "
+                                     "--overlap_grad_reduce true, as Megatron-LM).")
+    ddp_timeout: int = arg(18000000, "Seconds a collective may wait before it fails, for every "
+                           "process group of the run (torch.distributed's world, megatron's "
+                           "groups, the rollout client's and vLLM's colocated groups). "
+                           "ms-swift's default (about 208 days).")
+    ddp_backend: Optional[str] = arg(None, "torch.distributed backend: nccl on CUDA, gloo on "
+                                     "the CPU. Default: the device's.",
+                                     choices=["nccl", "gloo"])
     recompute_granularity: Optional[str] = arg("selective", "Activation recomputation: full "
                                                "(whole layers), selective (the modules of "
                                                "--recompute_modules) or none.",
@@ -52,6 +74,9 @@ class ParallelArguments:
         "input; layernorm (both norms of a layer) discards its output and recomputes it. "
         "moe_act and mla_up_proj are refused (sequential experts, no MLA model). Ignored with "
         "the other granularities, as in ms-swift.", choices=RECOMPUTE_MODULES)
+    moe_layer_recompute: bool = arg(False, "Recompute each MoE layer in the backward pass "
+                                    "(megatron-core 0.12's flag, kept by ms-swift): adds moe to "
+                                    "--recompute_modules.")
     recompute_method: Optional[str] = arg(None, "With --recompute_granularity full: uniform or "
                                           "block.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = arg(None, "With --recompute_granularity full: layers "
@@ -78,6 +103,8 @@ class ParallelArguments:
         if self.expert_model_parallel_size == 1 and \
                 self.expert_tensor_parallel_size != self.tensor_model_parallel_size:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.moe_layer_recompute and "moe" not in self.recompute_modules:
+            self.recompute_modules = [*self.recompute_modules, "moe"]
         if self.recompute_granularity == "none":
             self.recompute_granularity = None
         if self.recompute_granularity == "full" and self.recompute_method is None:
@@ -85,6 +112,10 @@ class ParallelArguments:
         if self.recompute_method and self.recompute_granularity != "full":
             raise UserError("--recompute_method needs --recompute_granularity full")
         self._check_recompute_modules()
+        self._check_pipeline_split()
+        self._check_overlap()
+        if self.ddp_timeout < 1:
+            raise UserError(f"--ddp_timeout must be >= 1 second, got {self.ddp_timeout}")
 
     def _check_recompute_modules(self) -> None:
         """Unknown names are refused by the parser (the field's choices)."""
@@ -97,6 +128,42 @@ class ParallelArguments:
                 f"--recompute_modules {' '.join(self.recompute_modules)} takes effect with "
                 f"--recompute_granularity selective only: ignored with "
                 f"{self.recompute_granularity or 'none'} (as ms-swift does)")
+
+    def _check_pipeline_split(self) -> None:
+        """Values; the counts against the model's layers: model/layout.py; PP > 1:
+        `check_split_has_pipeline` (the command's, since --auto_parallel may choose PP)."""
+        for name in self.uneven_pipeline_flags:
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def uneven_pipeline_flags(self) -> List[str]:
+        return [n for n in ("decoder_first_pipeline_num_layers",
+                            "decoder_last_pipeline_num_layers") if getattr(self, n) is not None]
+
+    def check_split_has_pipeline(self) -> None:
+        """ms-swift's rule: the uneven split needs a pipeline."""
+        given = self.uneven_pipeline_flags
+        if given and self.pipeline_model_parallel_size == 1:
+            raise UserError(f"{' and '.join('--' + n for n in given)} need "
+                            "--pipeline_model_parallel_size > 1 (they size the first / last "
+                            "pipeline stage)")
+
+    def _check_overlap(self) -> None:
+        """Megatron-LM's rules for the overlapped parameter all-gather."""
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise UserError("--overlap_param_gather needs --use_distributed_optimizer true (it "
+                            "overlaps the distributed optimizer's parameter all-gather)")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise UserError("--overlap_param_gather needs --overlap_grad_reduce true (as "
+                            "Megatron-LM)")
+
+    @property
+    def uneven_pipeline(self) -> dict:
+        """{"first": n, "last": n} of the uneven pipeline split (empty: even)."""
+        split = dict(first=self.decoder_first_pipeline_num_layers,
+                     last=self.decoder_last_pipeline_num_layers)
+        return {k: v for k, v in split.items() if v is not None}
 
     @property
     def selective_recompute(self) -> List[str]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
 
-from swift_megatron.arguments.data import MAX_PIXELS_HELP, check_max_pixels
+from swift_megatron.arguments.data import MAX_PIXELS_HELP, check_agent_template, check_max_pixels
 from swift_megatron.arguments.fields import arg
 from swift_megatron.errors import UserError
 
@@ -47,6 +47,8 @@ class VllmEngineArguments:
                                    "time).")
     vllm_enable_prefix_caching: bool = arg(True, "vLLM automatic prefix caching (reset after "
                                            "every weight update).")
+    vllm_disable_cascade_attn: bool = arg(False, "Turn off vLLM's cascade attention (its "
+                                          "shared-prefix kernel), as ms-swift's flag does.")
     vllm_max_num_seqs: Optional[int] = arg(None, "vLLM's max_num_seqs: sequences in one engine "
                                            "step. Default: vLLM's.")
     vllm_engine_kwargs: Optional[Dict[str, Any]] = arg(None, "Extra keyword arguments for vLLM's "
@@ -283,12 +285,17 @@ class ServeMultiTurnArguments:
                                           "wins).")
     max_length: Optional[int] = arg(None, "Most tokens an episode (prompt and every turn) may "
                                     "reach; a trainer's smaller --max_length wins.")
+    agent_template: Optional[str] = arg(None, "How the scheduler's tool results are written "
+                                        "between turns: hermes (one user turn of "
+                                        "<tool_response> blocks, as ms-swift), or none: the chat "
+                                        "template's tool role (megatron rlhf --agent_template).")
 
     def __post_init__(self):
         if self.max_turns is not None and self.max_turns < 1:
             raise UserError(f"--max_turns must be >= 1 (or none: no limit), got {self.max_turns}")
         if self.max_length is not None and self.max_length < 2:
             raise UserError(f"--max_length must be >= 2, got {self.max_length}")
+        check_agent_template(self.agent_template)
         if self.use_gym_env is None:
             self.use_gym_env = self.gym_env is not None
         if self.multi_turn_scheduler is None:

@@ -18,6 +18,9 @@ def check_lr_bounds(values) -> None:
     if values.lr_warmup_init > values.lr:
         raise UserError(f"--lr_warmup_init {values.lr_warmup_init} must not exceed "
                         f"--lr {values.lr}")
+ADAM_STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+_LOW_PRECISION_STATES = {dtype: "fp16 and fp8 Adam states need Transformer Engine's scaled "
+                                "states; bf16 works" for dtype in ("fp16", "fp8")}
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
@@ -57,6 +60,18 @@ class TrainingArguments:
     lr_wsd_decay_iters: Optional[int] = arg(None, "WSD: optimizer steps of the final decay "
                                             "(required with --lr_decay_style WSD).")
     weight_decay: float = arg(0.1, "AdamW weight decay.")
+    weight_decay_incr_style: str = arg("constant", "How weight decay moves over the run "
+                                       "(megatron's schedule, by optimizer step): constant "
+                                       "(--weight_decay throughout), or linear / cosine from "
+                                       "--start_weight_decay to --end_weight_decay.",
+                                       choices=["constant", "linear", "cosine"])
+    start_weight_decay: Optional[float] = arg(None, "Weight decay at the first step (with "
+                                              "--weight_decay_incr_style linear or cosine).")
+    end_weight_decay: Optional[float] = arg(None, "Weight decay at the last step (with "
+                                            "--weight_decay_incr_style linear or cosine).")
+    apply_wd_to_qk_layernorm: bool = arg(False, "Apply weight decay to the query and key norms "
+                                         "of q/k-norm models (Qwen3, Qwen3.5), which are "
+                                         "exempt otherwise like every 1-D parameter.")
     adam_beta1: float = arg(0.9, "Adam beta1.")
     adam_beta2: float = arg(0.95, "Adam beta2.")
     adam_eps: float = arg(1e-8, "Adam epsilon.")
@@ -73,11 +88,28 @@ class TrainingArguments:
                                       "training).")
     optimizer_offload_fraction: float = arg(1.0, "Fraction of the optimizer state offloaded by "
                                             "--optimizer_cpu_offload.")
-    use_precision_aware_optimizer: bool = arg(False, "megatron-core's precision-aware optimizer: "
-                                              "main parameters and gradients in the distributed "
-                                              "optimizer instead of the model. Works together "
-                                              "with --optimizer_cpu_offload true (alone it needs "
-                                              "Transformer Engine's FusedAdam).")
+    use_precision_aware_optimizer: bool = arg(False, "The precision-aware optimizer: Adam's "
+                                              "states in --exp_avg_dtype / --exp_avg_sq_dtype "
+                                              "(float32 main parameters and gradients in the "
+                                              "distributed optimizer). With "
+                                              "--optimizer_cpu_offload true megatron-core's "
+                                              "hybrid optimizer keeps them, in float32.")
+    exp_avg_dtype: str = arg("fp32", "With --use_precision_aware_optimizer: dtype in which "
+                             "Adam keeps its first moment (bf16 halves its memory; the update "
+                             "is computed in float32).", choices=ADAM_STATE_DTYPES,
+                             not_yet=_LOW_PRECISION_STATES)
+    exp_avg_sq_dtype: str = arg("fp32", "With --use_precision_aware_optimizer: dtype in which "
+                                "Adam keeps its second moment (as --exp_avg_dtype).",
+                                choices=ADAM_STATE_DTYPES, not_yet=_LOW_PRECISION_STATES)
+    main_params_dtype: str = arg("fp32", "With --use_precision_aware_optimizer: dtype of the "
+                                 "optimizer's main parameters (fp32 only here).",
+                                 choices=["fp32", "fp16"],
+                                 not_yet={"fp16": "main parameters below float32 need "
+                                                  "Transformer Engine's FusedAdam"})
+    main_grads_dtype: str = arg("fp32", "With --use_precision_aware_optimizer: dtype of the "
+                                "main gradients (fp32 only here).", choices=["fp32", "bf16"],
+                                not_yet={"bf16": "gradients are accumulated and reduced in "
+                                                 "float32"})
     # Length of the run
     train_iters: Optional[int] = arg(None, "Optimizer steps to run. Default: --num_train_epochs "
                                      "passes over the prompts.")
@@ -139,6 +171,21 @@ class TrainingArguments:
     swanlab_project: str = arg("megatron-swift", "swanlab project.")
     swanlab_exp_name: Optional[str] = arg(None, "swanlab experiment name. Default: the output "
                                           "directory.")
+    eval_iters: int = arg(-1, "Evaluation batches per evaluation, as ms-swift: -1 (the "
+                          "default) evaluates every validation prompt, 0 turns evaluation off; "
+                          "choose how many prompts with --val_dataset FILE#N or "
+                          "--split_dataset_ratio.")
+    tensorboard_queue_size: int = arg(50, "ms-swift: tensorboard events held in memory before "
+                                      "they are written to disk.",
+                                      no_effect="the tensorboard events are written at every "
+                                                "logged step")
+    max_shard_size: str = arg("5GB", "Largest safetensors shard of the HF checkpoints written "
+                              "at each save (e.g. 5GB, 500MB).")
+    save_missing_weights: bool = arg(False, "ms-swift: copy the source checkpoint's weights "
+                                     "that the Megatron model does not hold into HF "
+                                     "checkpoints.",
+                                     no_effect="always done (Qwen3.5's multi-token prediction "
+                                               "head is copied from the source checkpoint)")
     dry_run: bool = arg(False, "Print the batch plan for the world size NPROC_PER_NODE x NNODES "
                         "would launch, check everything that needs no weights (model config, "
                         "datasets, plugins and reward names, --system file, launch variables) "
@@ -164,6 +211,11 @@ class TrainingArguments:
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
             raise UserError("--lr_decay_style WSD needs --lr_wsd_decay_iters (the steps of the "
                             "final decay)")
+        self._check_weight_decay_schedule()
+        if self.eval_iters not in (-1, 0):
+            raise UserError(f"--eval_iters {self.eval_iters}: every evaluation covers all "
+                            "validation prompts (-1, the default) or none (0); choose how many "
+                            "with --val_dataset FILE#N or --split_dataset_ratio")
         if not 0 < self.optimizer_offload_fraction <= 1:
             raise UserError(f"--optimizer_offload_fraction must be in (0, 1], got "
                             f"{self.optimizer_offload_fraction}")
@@ -179,6 +231,25 @@ class TrainingArguments:
             self.merge_lora = self.save_safetensors
         if "none" in self.report_to:
             self.report_to = []
+
+    @property
+    def weight_decay_range(self) -> tuple:
+        """(start, end) weight decay of megatron's schedule: --weight_decay twice when constant."""
+        if self.weight_decay_incr_style == "constant":
+            return self.weight_decay, self.weight_decay
+        return self.start_weight_decay, self.end_weight_decay
+
+    def _check_weight_decay_schedule(self) -> None:
+        """ms-swift's (Megatron-LM's) rule: start/end with a changing style only, both then."""
+        given = [n for n in ("start_weight_decay", "end_weight_decay") if getattr(self, n) is not None]
+        if self.weight_decay_incr_style == "constant" and given:
+            raise UserError(f"--{given[0]} needs --weight_decay_incr_style linear or cosine "
+                            "(constant uses --weight_decay)")
+        if self.weight_decay_incr_style != "constant" and len(given) < 2:
+            raise UserError(f"--weight_decay_incr_style {self.weight_decay_incr_style} needs "
+                            "--start_weight_decay and --end_weight_decay")
+        if any(getattr(self, n) < 0 for n in given):
+            raise UserError("--start_weight_decay and --end_weight_decay must be >= 0")
 
     def _check_optimizer_values(self) -> None:
         """Ranges of the optimizer and schedule values (NaN and inf are refused by the parser)."""

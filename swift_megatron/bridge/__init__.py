@@ -44,7 +44,7 @@ class Bridge:
         self.mappings = mappings_for(shape.model_type, hf_config)
         self.passthrough = passthrough_for(shape.model_type)
         self.dims = dims_of(config, shape)
-        self.pos = RankPosition.current(config.num_layers, shape.num_experts or 0)
+        self.pos = RankPosition.of_config(config, shape.num_experts or 0)
         self._plan = None
 
     def _parts(self, model):

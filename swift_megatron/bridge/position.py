@@ -1,15 +1,19 @@
 """Where this rank sits for the bridge: its TP and expert-TP shards, and how a model chunk's
 local layer numbers and EP-local expert numbers translate to global ones.
 
-Layers are cut into PP x VPP chunks of equal size (VPP = 1 without the interleaved schedule);
-chunk c of stage p holds global chunk c x PP + p (megatron's interleaved assignment).
-`RankPosition.current` describes a stage's first chunk; `for_chunk(model)` any chunk."""
+Layers are cut into PP x VPP chunks as megatron cuts them (model/layout.py `PipelineSplit`:
+equal chunks, or a first / last stage of its own size with --decoder_first/last_pipeline_
+num_layers); chunk c of stage p holds the layers after those of chunk (c, p - 1) (megatron's
+interleaved assignment). `RankPosition.current` describes a stage's first chunk; `for_chunk(model)`
+any chunk."""
 import dataclasses
 import re
+from typing import Optional
 
 from megatron.core import parallel_state as mpu
 
 from swift_megatron.bridge.mapping import Shard
+from swift_megatron.model.layout import PipelineSplit
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -23,14 +27,18 @@ class RankPosition:
     pp_size: int
     ep_rank: int
     ep_size: int
-    layers_per_chunk: int
+    split: PipelineSplit
     experts_per_rank: int
     layer_offset: int  # global number of the chunk's first layer
 
     @classmethod
-    def current(cls, num_layers: int, num_experts: int = 0) -> "RankPosition":
+    def current(cls, num_layers: int, num_experts: int = 0, first: Optional[int] = None,
+                last: Optional[int] = None) -> "RankPosition":
+        """This rank's position; `first` / `last`: the layers of the first / last pipeline stage
+        when split unevenly (TransformerConfig.num_layers_in_first/last_pipeline_stage)."""
         pp, ep = mpu.get_pipeline_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
-        per_chunk = num_layers // (pp * (mpu.get_virtual_pipeline_model_parallel_world_size() or 1))
+        split = PipelineSplit(num_layers, pp, mpu.get_virtual_pipeline_model_parallel_world_size()
+                              or 1, first, last)
         pp_rank = mpu.get_pipeline_model_parallel_rank()
         return cls(
             tp=Shard(mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()),
@@ -38,14 +46,20 @@ class RankPosition:
                       mpu.get_expert_tensor_parallel_world_size()),
             pp_rank=pp_rank, pp_size=pp,
             ep_rank=mpu.get_expert_model_parallel_rank(), ep_size=ep,
-            layers_per_chunk=per_chunk, experts_per_rank=(num_experts or 0) // ep,
-            layer_offset=pp_rank * per_chunk)
+            split=split, experts_per_rank=(num_experts or 0) // ep,
+            layer_offset=split.chunk(pp_rank)[0])
+
+    @classmethod
+    def of_config(cls, config, num_experts: int = 0) -> "RankPosition":
+        """This rank's position in a model built with TransformerConfig `config`."""
+        return cls.current(config.num_layers, num_experts,
+                           getattr(config, "num_layers_in_first_pipeline_stage", None),
+                           getattr(config, "num_layers_in_last_pipeline_stage", None))
 
     def for_chunk(self, model) -> "RankPosition":
         """The position of a model chunk (a GPTModel built with `vp_stage`, or not)."""
         stage = getattr(model, "vp_stage", None) or 0
-        return dataclasses.replace(
-            self, layer_offset=(stage * self.pp_size + self.pp_rank) * self.layers_per_chunk)
+        return dataclasses.replace(self, layer_offset=self.split.chunk(self.pp_rank, stage)[0])
 
     def shard(self, is_expert: bool) -> Shard:
         return self.etp if is_expert else self.tp
@@ -59,7 +73,7 @@ class RankPosition:
         """The pipeline stage holding a global name (embedding first, head last)."""
         layer = _LAYER.match(global_name)
         if layer:
-            return int(layer.group(1)) // self.layers_per_chunk % self.pp_size
+            return self.split.owner(int(layer.group(1)))[0]
         return 0 if global_name.startswith("embedding.") else self.pp_size - 1
 
     def owner_ep(self, global_name: str) -> int:

@@ -40,17 +40,18 @@ def load_mcore_model(hf_config: dict, model_type: str, dtype: "torch.dtype",
                      state: "ParallelState", *, hf_dir: Optional[str] = None,
                      mcore_dir: Optional[str] = None, adapter_dir: Optional[str] = None,
                      sequence_parallel: bool = False) -> LoadedModel:
-    """Build the model of the current layout (with sequence parallelism when asked) and load it
-    from an HF checkpoint (through the bridge) or from a Megatron checkpoint (our model directory
-    or an ms-swift checkpoint, any layout); with `adapter_dir`, a PEFT adapter on top.
-    Collective."""
+    """Build the model of the current layout (with sequence parallelism when asked, and the
+    state's uneven pipeline split) and load it from an HF checkpoint (through the bridge) or
+    from a Megatron checkpoint (our model directory or an ms-swift checkpoint, any layout); with
+    `adapter_dir`, a PEFT adapter on top. Collective."""
     from swift_megatron.bridge import Bridge
     from swift_megatron.model.build import build_model
 
     if (hf_dir is None) == (mcore_dir is None):
         raise ValueError("load from exactly one of hf_dir and mcore_dir")
     model, config, shape = build_model(hf_config, dtype, state.device, model_type=model_type,
-                                       random_init=False, sequence_parallel=sequence_parallel)
+                                       random_init=False, sequence_parallel=sequence_parallel,
+                                       **state.layer_split)
     bridge = Bridge(hf_config, shape, config)
     load_weights([model], _weights(hf_dir, mcore_dir), bridge)
     if adapter_dir is not None:

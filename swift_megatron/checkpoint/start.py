@@ -106,7 +106,14 @@ def check_resume_step(resume_dir: Optional[str], train_iters: int) -> None:
 
 
 LAYOUT_FLAGS = {"tp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
-                "ep": "--expert_model_parallel_size", "etp": "--expert_tensor_parallel_size"}
+                "ep": "--expert_model_parallel_size", "etp": "--expert_tensor_parallel_size",
+                "first": "--decoder_first_pipeline_num_layers",
+                "last": "--decoder_last_pipeline_num_layers"}
+UNEVEN = ("first", "last")   # absent from saved_with: an even split (none)
+
+
+def _shown(value) -> str:
+    return "none" if value is None else str(value)
 
 
 def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool) -> None:
@@ -119,9 +126,13 @@ def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool) -
     with open(os.path.join(resume_dir, OUR_META)) as f:
         saved = json.load(f).get("saved_with") or {}
     now = {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
-           "ep": parallel.expert_model_parallel_size, "etp": parallel.expert_tensor_parallel_size}
+           "ep": parallel.expert_model_parallel_size, "etp": parallel.expert_tensor_parallel_size,
+           "first": parallel.decoder_first_pipeline_num_layers,
+           "last": parallel.decoder_last_pipeline_num_layers}
+    saved = {**dict.fromkeys(UNEVEN), **saved}
     moe = max(saved.get("ep", 1), now["ep"]) > 1   # ETP matters only with expert parallelism
-    changed = [f"{LAYOUT_FLAGS[k]} {saved[k]} (this run: {now[k]})" for k in LAYOUT_FLAGS
+    changed = [f"{LAYOUT_FLAGS[k]} {_shown(saved[k])} (this run: {_shown(now[k])})"
+               for k in LAYOUT_FLAGS
                if k in saved and saved[k] != now[k] and (k != "etp" or moe)]
     if changed:
         raise UserError(f"{resume_dir} was saved with {', '.join(changed)}: its optimizer state "

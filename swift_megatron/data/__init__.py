@@ -11,7 +11,8 @@
 Modules: sources.py (a --dataset spec -> row dicts: local jsonl/json/csv/parquet files,
 save_to_disk directories, ModelScope / Hugging Face hub ids, `#N` row samples), prompts.py (rows ->
 Prompt: messages, chat template, tokens, left truncation, validation split), sampler.py (epochs,
-seeded shuffling, DP sharding, resumable position). User-facing documentation: docs/data.md.
+seeded shuffling, DP sharding, resumable position), agent.py (--agent_template: tools in the
+prompt, tool results between turns). User-facing documentation: docs/data.md.
 Importing this package does not import torch or transformers.
 """
 from swift_megatron.data.prompts import (Prompt, PromptSettings, align_columns, build_prompts,

@@ -5,7 +5,8 @@ A row gives its prompt as
   a trailing assistant message is dropped (the model generates that turn), and a `system`
   column, when present, is prepended as the system message;
 - or `query` / `prompt`: a string, with an optional `system` string column.
-A row without a system message gets `--system` (data/system.py), when given.
+A row without a system message gets `--system` (data/system.py), when given. With
+--agent_template hermes a row's `tools` column joins its system message (data/agent.py).
 A row may hold images (ms-swift's multimodal format, for a vision-language model):
 `images`, a list of paths, URLs, bytes or `{"bytes", "path"}` dicts, one per `<image>` tag of
 its messages (tags are prepended to the first user message when the row has none). The model's
@@ -31,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from swift_megatron.data import agent
 from swift_megatron.data.sources import Row, load_rows
 from swift_megatron.data.system import system_prompt
 from swift_megatron.errors import UserError
@@ -262,9 +264,21 @@ class PromptSettings:
     system: Optional[str] = None                  # --system, as text
     enable_thinking: Optional[bool] = None        # --enable_thinking
     truncation_strategy: str = "left"             # --truncation_strategy: left | delete
+    agent_template: Optional[str] = None          # --agent_template (data/agent.py)
 
     def template_kwargs(self) -> Dict[str, Any]:
         return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+
+
+def _with_tools(messages: List[Message], columns: Dict[str, Any],
+                agent_template: Optional[str]) -> List[Message]:
+    """With --agent_template hermes, a row's `tools` column in its system prompt."""
+    if agent_template != "hermes" or not columns.get("tools"):
+        return messages
+    try:
+        return agent.with_tools(messages, agent.parse_tools(columns["tools"]))
+    except ValueError as error:
+        raise RowError(str(error)) from None
 
 
 def build_prompts(rows: Sequence[Row], tokenizer: Any, settings: PromptSettings, *,
@@ -287,6 +301,7 @@ def build_prompts(rows: Sequence[Row], tokenizer: Any, settings: PromptSettings,
                 raise RowError(f"a row must be an object, got {type(row).__name__}")
             row = rename_columns(row, settings.columns)
             messages, extra = row_messages(row, settings.system)
+            messages = _with_tools(messages, extra, settings.agent_template)
             values.append(row_images(row))
             if values[-1]:
                 if images is None:
@@ -421,15 +436,16 @@ def prepare_prompts(args: Any, tokenizer: Any, *, max_position_embeddings: Optio
                     images: Any = None) -> Tuple[List[Prompt], List[Prompt]]:
     """(train, val) prompts from the data flags: --dataset, --val_dataset or
     --split_dataset_ratio, --max_length, --max_completion_length, --columns, --dataset_num_proc,
-    --system, --enable_thinking, --truncation_strategy, --data_seed, --dataset_shuffle,
-    --use_hf, --seed. `max_position_embeddings` is the default of --max_length; `images`: the
+    --system, --enable_thinking, --truncation_strategy, --agent_template, --data_seed,
+    --dataset_shuffle, --use_hf, --seed. `max_position_embeddings` is the default of --max_length; `images`: the
     model's ImageEncoder (data/images.py), None for a text-only model."""
     if not args.dataset:
         raise UserError("--dataset is required: a jsonl/json/csv/parquet file, a directory or a hub id")
     settings = PromptSettings(
         max_prompt_length(args.max_length, args.max_completion_length, max_position_embeddings),
         columns=args.columns, num_proc=args.dataset_num_proc, system=system_prompt(args.system),
-        enable_thinking=args.enable_thinking, truncation_strategy=args.truncation_strategy)
+        enable_thinking=args.enable_thinking, truncation_strategy=args.truncation_strategy,
+        agent_template=args.agent_template)
     common = dict(use_hf=args.use_hf, seed=args.data_seed, shuffle=args.dataset_shuffle,
                   images=images)
     train = load_prompts(args.dataset, tokenizer, settings, **common)

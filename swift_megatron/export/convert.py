@@ -72,7 +72,9 @@ def run(args: "ExportCommandArguments", inputs: ExportInputs) -> None:
     state = ParallelState.initialize(
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
-        device=args.model.device)
+        device=args.model.device, timeout_s=p.ddp_timeout, backend=p.ddp_backend,
+        first_stage_layers=p.decoder_first_pipeline_num_layers,
+        last_stage_layers=p.decoder_last_pipeline_num_layers)
     try:
         with tempfile.TemporaryDirectory(prefix="swift_megatron_export_") as tmp_dir:
             inputs = as_peft(inputs, tmp_dir)

@@ -166,7 +166,7 @@ def _check_model(args: "ExportCommandArguments", inputs: "ExportInputs") -> None
         p = args.parallel
         check_layout(inputs.hf_config, p.tensor_model_parallel_size,
                      p.pipeline_model_parallel_size, p.expert_model_parallel_size,
-                     p.expert_tensor_parallel_size)
+                     p.expert_tensor_parallel_size, **p.uneven_pipeline)
 
 
 def _check_output(args: "ExportCommandArguments", inputs: ExportInputs) -> None:

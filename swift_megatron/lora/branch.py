@@ -19,11 +19,12 @@ dropout it also draws the adapter input's mask itself (torch's `native_dropout`,
 `F.dropout` runs on CUDA, with the same draws), so the dropout is no autograd node of its own
 and the two input gradients need no separate accumulation.
 
-Under megatron's DDP (training/optim.py wraps it with overlap_grad_reduce off) every adapter
-parameter has a `main_grad` buffer, and DDP's hook would only add the returned gradient into it:
-the backward adds it there itself and returns none, so the 2 or 3 adapter matrices of a fused
-linear skip autograd's gradient accumulation and DDP's Python hook at every micro-batch (the same
-additions, fewer host operations). Outside DDP (no `main_grad`) the gradients are returned.
+Under megatron's DDP every adapter parameter has a `main_grad` buffer, and DDP's hook would only
+add the returned gradient into it: the backward adds it there itself and returns none, so the 2
+or 3 adapter matrices of a fused linear skip autograd's gradient accumulation and DDP's Python
+hook at every micro-batch (the same additions, fewer host operations). Outside DDP (no
+`main_grad`), and with --overlap_grad_reduce (DDP's hook must count every gradient to start a
+bucket's reduction), the gradients are returned.
 """
 from typing import Optional, Sequence
 
@@ -154,8 +155,10 @@ class FrozenLinearWithAdapter(torch.autograd.Function):
 
 def _into_main_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> tuple:
     """The gradients to return for `params`: none once added into megatron DDP's `main_grad`
-    buffers (module docstring), else the gradients themselves."""
-    if not all(hasattr(p, "main_grad") for p in params):
+    buffers (module docstring), else the gradients themselves. With --overlap_grad_reduce DDP
+    must see them in its hook (`grad_to_ddp_hook`, training/optim.py): returned too."""
+    if not all(hasattr(p, "main_grad") and not getattr(p, "grad_to_ddp_hook", False)
+               for p in params):
         return tuple(grads)
     for param, grad in zip(params, grads):
         param.main_grad.add_(grad)

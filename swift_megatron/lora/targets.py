@@ -135,7 +135,7 @@ def find_targets(model: torch.nn.Module, config: LoraConfig,
     select = config.selector()
     table = mappings if mappings is not None else default_mappings()
     mc = model.config
-    pos = RankPosition.current(mc.num_layers, mc.num_moe_experts or 0).for_chunk(model)
+    pos = RankPosition.of_config(mc, mc.num_moe_experts or 0).for_chunk(model)
     targets = []
     for name, module in model.named_modules():
         if type(module) not in (ColumnParallelLinear, RowParallelLinear):

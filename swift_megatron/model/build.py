@@ -9,6 +9,7 @@ from megatron.core.models.gpt import GPTModel
 
 from swift_megatron.model import compat  # noqa: F401  (megatron-core fixes, applied on import)
 from swift_megatron.model.config import ModelShape, model_shape, transformer_config
+from swift_megatron.model.layout import PipelineSplit
 from swift_megatron.model.spec import block_spec, hybrid_block_spec
 from swift_megatron.model.vision import VisionGPTModel, has_vision
 
@@ -37,10 +38,9 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                              vp_stage=vp_stage)
-    pp = config.pipeline_model_parallel_size
-    layers = config.num_layers // (pp * (config.virtual_pipeline_model_parallel_size or 1))
-    if shape.is_hybrid:   # megatron's layer offset of this chunk (interleaved: chunk-major)
-        first = ((vp_stage or 0) * pp + parallel_state.get_pipeline_model_parallel_rank()) * layers
+    first, layers = pipeline_split(config).chunk(parallel_state.get_pipeline_model_parallel_rank(),
+                                                 vp_stage or 0)
+    if shape.is_hybrid:
         spec = hybrid_block_spec(shape.layer_types[first:first + layers], shape.num_experts)
     else:
         spec = block_spec(layers, shape.qk_layernorm, shape.num_experts)
@@ -59,6 +59,14 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     if not config.use_cpu_initialization:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def pipeline_split(config) -> PipelineSplit:
+    """How a TransformerConfig's layers split over its pipeline stages and model chunks."""
+    return PipelineSplit(config.num_layers, config.pipeline_model_parallel_size,
+                         config.virtual_pipeline_model_parallel_size or 1,
+                         config.num_layers_in_first_pipeline_stage,
+                         config.num_layers_in_last_pipeline_stage)
 
 
 def _zeros(tensor: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ are reduced to per-token numbers and dropped. The backward recomputes the logits
 vocabulary rows for all tokens at once, so a block's weight gradient is one product over every
 token, rounded once (megatron's output layer computes it the same way); the hidden states'
 gradient adds up over blocks in float32. Under megatron's DDP the weight gradient goes straight
-into the parameter's float32 `main_grad`. The saved tensors are the hidden states, the
+into the parameter's float32 `main_grad` (not with --overlap_grad_reduce, whose backward hook
+must see it: `grad_to_ddp_hook`). The saved tensors are the hidden states, the
 per-token log-sum-exp and the targets, so a micro-batch's head costs about 2 x hidden bytes
 per token of activation memory, not 2 x 2 x vocab (the logits and their gradient).
 
@@ -157,7 +158,8 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) \
             if ctx.needs_input_grad[0] else None
         grad_weight = None
-        if ctx.needs_input_grad[1] and not hasattr(weight, "main_grad"):
+        if ctx.needs_input_grad[1] and (not hasattr(weight, "main_grad")
+                                        or getattr(weight, "grad_to_ddp_hook", False)):
             grad_weight = torch.empty_like(weight)
         # by blocks of vocabulary rows, each of all tokens: a block's weight gradient is one
         # product over every token, rounded once, as megatron's output layer computes it

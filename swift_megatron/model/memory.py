@@ -14,8 +14,9 @@ Per rank, in bytes:
   that autograd makes before DDP adds it into its main gradient (2 bytes x vocab x hidden / TP;
   inferred, with the output layer's block, from the 5% by which the Qwen3.5-9B shape's measured
   training memory exceeded the estimate without them; not measured alone);
-- optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter),
-  divided by DP with the distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
+- optimizer: float32 main parameters + Adam's two moments (12 bytes per trainable parameter;
+  8 with both moments in bf16, --exp_avg_dtype / --exp_avg_sq_dtype), divided by DP with the
+  distributed optimizer; nothing on the GPU with --optimizer_cpu_offload;
 - reference: a frozen copy of the weights when beta > 0 and the policy is not LoRA (or, with
   --ref_model, that model's weights); --offload_ref_model keeps it in host memory outside its
   own logprob pass, so it counts in the logprob phase only;
@@ -66,6 +67,7 @@ from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 
 GIB = 1 << 30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_STATE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}   # --exp_avg(_sq)_dtype
 _CHUNK_BYTES = 256 << 20                 # model/logprobs.py CHUNK_BYTES (float32 logits)
 _HEAD_WORKING_BYTES = 3 * _CHUNK_BYTES // 2   # a chunk's bf16 logits, their gradient, buffers
 
@@ -97,6 +99,8 @@ class RunShape:
     offload_model: bool = False
     offload_optimizer: bool = False
     teacher_parameters: int = 0          # --teacher_model's parameters on this rank (0: none)
+    stage_layers: Optional[int] = None   # layers of the fullest stage (uneven split); None: L / pp
+    adam_state_bytes: int = 8            # Adam's two moments per trainable parameter (bf16: 2 + 2)
     vision_trainable: bool = False       # full training with --freeze_vit / --freeze_aligner false
     image_patches: int = 0               # vision patches of one micro-batch (VL; 0: not counted)
     frozen_parameters: int = 0           # full: this rank's parameters the freeze flags freeze
@@ -178,7 +182,7 @@ def rank_parameters(hf: Mapping, run: RunShape) -> int:
     vision tower, replicated over TP; the last stage holds the head: the larger of the two ends
     is counted, a safe side)."""
     counts = parameter_counts(hf)
-    layers = text_config(hf)["num_hidden_layers"] // run.pp
+    layers = _stage_layers(text_config(hf), run)
     mlp = counts["mlp"] / (run.ep if counts["experts"] else 1)
     per_layer = (counts["attention"] + mlp + counts["shared"]) / run.tp + counts["norms"]
     ends = max(counts["embedding"], counts["head"]) / run.tp
@@ -204,7 +208,12 @@ def _trainable(hf: Mapping, run: RunShape, params: int, vision: int) -> int:
     else:
         mlp = 3 * hidden + 3 * hf["intermediate_size"]
     per_layer = run.lora_rank * (6 * hidden + 2 * kv + mlp)
-    return per_layer * (hf["num_hidden_layers"] // run.pp) // run.tp + run.saved_parameters
+    return per_layer * _stage_layers(hf, run) // run.tp + run.saved_parameters
+
+
+def _stage_layers(hf: Mapping, run: RunShape) -> int:
+    """Decoder layers of a pipeline stage: the fullest one's with an uneven split."""
+    return run.stage_layers or hf["num_hidden_layers"] // run.pp
 
 
 def activation_bytes(hf: Mapping, run: RunShape) -> int:
@@ -223,7 +232,7 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
         attention_out = heads * (hf.get("head_dim") or hidden // heads)
         replicated += 2 * hidden                      # masks of the q/k/v and gate/up inputs
         split += attention_out + ffn + 2 * attention_out
-    layers, checkpoints = _kept_layers(hf["num_hidden_layers"] // run.pp, run)
+    layers, checkpoints = _kept_layers(_stage_layers(hf, run), run)
     per_token_layer = replicated / (run.tp if run.sequence_parallel else 1) + split / run.tp
     gathered_kv = 2 * 2 * kv / run.tp if run.cp > 1 else 0  # bf16 K and V of every position
     checkpoint_input = 2 * hidden / (run.tp if run.sequence_parallel else 1) / run.cp
@@ -296,7 +305,7 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     tower_activations = vision_activation_bytes(hf, run)
     hf = text_config(hf)
     trainable = _trainable(hf, run, params, vision)
-    optimizer = 0 if run.optimizer_cpu_offload else 12 * trainable / (
+    optimizer = 0 if run.optimizer_cpu_offload else (4 + run.adam_state_bytes) * trainable / (
         run.dp if run.distributed_optimizer else 1)
     parts = dict(weights=(params + run.saved_parameters) * width, gradients=4 * trainable,
                  optimizer=optimizer,
@@ -311,8 +320,8 @@ def estimate(hf: Mapping, run: RunShape, device_bytes: Optional[int] = None) -> 
     gradients = parts["gradients"] * (run.vllm_fraction == 0)
     resident = (parts["weights"] + parts["reference"] + gradients) * (not run.offload_model) + \
         parts["optimizer"] * (not run.offload_optimizer) + parts["teacher"]
-    one_layer = activation_bytes(hf, dataclasses.replace(run, full_recompute=False)) / (
-        hf["num_hidden_layers"] // run.pp)
+    one_layer = activation_bytes(hf, dataclasses.replace(run, full_recompute=False)) / \
+        _stage_layers(hf, run)
     logprobs = train - parts["activations"] - parts["embedding_grad"] + one_layer + \
         params * width * (run.reference_offloaded and not run.reference_copy)
     vllm = run.vllm_fraction * (device_bytes or 0)

@@ -69,9 +69,9 @@ def divisors(n: int) -> Tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def _rule_passes(check, *args) -> bool:
+def _rule_passes(check, *args, **kwargs) -> bool:
     try:
-        check(*args)
+        check(*args, **kwargs)
     except UserError:
         return False
     return True
@@ -91,7 +91,7 @@ def structure_ok(hf: Mapping, inputs: BatchInputs, structure, rules: SimpleNames
                                 pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                 expert_model_parallel_size=ep)
     return (is_valid(batch)
-            and _rule_passes(check_layout, hf, tp, pp, ep, etp, rules.vpp)
+            and _rule_passes(check_layout, hf, tp, pp, ep, etp, rules.vpp, **rules.split)
             and _rule_passes(check_expert_groups, inputs.world_size, pp, ep, etp)
             and _rule_passes(rules.family_checks, tp, cp, sp))
 

@@ -60,7 +60,9 @@ def make_work(args: RlhfArguments, hf: Mapping, world: int, colocate: bool) -> W
                 logprob_passes=_logprob_passes(args, steps), world=world,
                 gpus_per_node=min(gpus_per_node(), world), colocate=colocate,
                 lora=args.training.uses_lora, micro_batch_size=args.batch.micro_batch_size,
-                image_patches=image_patches(args, hf))
+                image_patches=image_patches(args, hf),
+                pipeline_split=(args.parallel.decoder_first_pipeline_num_layers,
+                                args.parallel.decoder_last_pipeline_num_layers))
 
 
 def _choices(args: RlhfArguments, given, options: Tuple, value) -> Tuple:
@@ -122,7 +124,7 @@ def make_rules(args: RlhfArguments, hf: Mapping) -> SimpleNamespace:
     p = args.parallel
     etp = p.expert_tensor_parallel_size if "expert_tensor_parallel_size" in args.explicit else None
     return SimpleNamespace(etp=etp, vpp=p.virtual_pipeline_model_parallel_size or 1,
-                           family_checks=family_checks)
+                           split=p.uneven_pipeline, family_checks=family_checks)
 
 
 def make_setting(args: RlhfArguments, hf: Mapping, world: int, memory: int) -> Setting:

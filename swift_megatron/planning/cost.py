@@ -28,8 +28,9 @@ runs on the rollout servers and is not counted.
 """
 import dataclasses
 import math
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional, Tuple
 
+from swift_megatron.model.layout import PipelineSplit
 from swift_megatron.model.memory import GIB, parameter_counts, vision_parameters
 from swift_megatron.model.text_config import HYBRID_TYPES, text_config
 from swift_megatron.planning.candidates import Layout
@@ -80,6 +81,7 @@ class Work:
     lora: bool = False
     micro_batch_size: int = 1    # completions per micro-batch without a token budget
     image_patches: int = 0       # vision patches per sequence (VL: one image at --max_pixels)
+    pipeline_split: Tuple[Optional[int], Optional[int]] = (None, None)   # first / last stage's
 
 
 def active_parameters(hf: Mapping) -> int:
@@ -141,10 +143,19 @@ def compute_seconds(hf: Mapping, layout: Layout, work: Work) -> Dict[str, float]
                 _flop_seconds(vision * (1 + layout.full_recompute), work, TRAIN_MFU))
 
 
+def stage_layers(hf: Mapping, layout: Layout, work: Work) -> int:
+    """Decoder layers of the fullest pipeline stage (with --decoder_first/last_pipeline_num_
+    layers the stages differ; the pipeline runs at the pace of the fullest)."""
+    first, last = work.pipeline_split
+    return PipelineSplit(text_config(hf)["num_hidden_layers"], layout.pp,
+                         first=first if layout.pp > 1 else None,
+                         last=last if layout.pp > 1 else None).fullest()
+
+
 def communication_seconds(hf: Mapping, layout: Layout, work: Work) -> Dict[str, float]:
     """TP, CP, EP and pipeline-boundary traffic of the train phase and the logprob passes."""
     text, dp = text_config(hf), work.world // (layout.tp * layout.pp * layout.cp)
-    hidden, layers = text["hidden_size"], text["num_hidden_layers"] // layout.pp
+    hidden, layers = text["hidden_size"], stage_layers(hf, layout, work)
     heads = text["num_attention_heads"]
     kv = (text.get("num_key_value_heads") or heads) * (text.get("head_dim") or hidden // heads)
     tokens = work.sequences * work.sequence_tokens / dp / layout.cp   # per rank of a TP group
@@ -189,10 +200,12 @@ def step_seconds(hf: Mapping, layout: Layout, work: Work,
     with `reference_bytes` (the reference's weights on a rank) and `weight_bytes` (the
     model's bf16 weights, synced to vLLM)."""
     times = compute_seconds(hf, layout, work)
+    layers = stage_layers(hf, layout, work)
+    for phase in ("train", "logprobs"):   # pipelined: at the pace of the fullest stage
+        times[phase] *= layers * layout.pp / text_config(hf)["num_hidden_layers"]
     times.update(communication_seconds(hf, layout, work))
     dp = work.world // (layout.tp * layout.pp * layout.cp)
     m = micro_batches(layout, work, dp)
-    layers = text_config(hf)["num_hidden_layers"] // layout.pp
     times["micro_batches"] = work.optimizer_steps * m * layers * MICRO_BATCH_LAYER_SECONDS
     in_pipeline = times["train"] + times["logprobs"] + times["tp"] + times["cp"] + \
         times["ep"] + times["micro_batches"]

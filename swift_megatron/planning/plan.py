@@ -11,7 +11,7 @@ from swift_megatron.arguments.batch_plan import BatchInputs
 from swift_megatron.errors import UserError
 from swift_megatron.model.memory import GIB, RunShape, estimate, rank_parameters
 from swift_megatron.planning.candidates import Layout, Space, divisors, layouts, structures
-from swift_megatron.planning.cost import Work, step_seconds
+from swift_megatron.planning.cost import Work, stage_layers, step_seconds
 
 MARGIN = 0.10                    # of the GPU's memory, left free by the chosen plan
 TIME_PARTS = ("rollout", "logprobs", "train", "tp", "cp", "ep", "pp", "bubble", "dp",
@@ -79,7 +79,8 @@ def run_shape(setting: Setting, layout: Layout) -> RunShape:
         optimizer_cpu_offload=layout.optimizer_cpu_offload,
         image_patches=per_micro * work.image_patches,
         teacher_parameters=rank_parameters(setting.teacher, RunShape(tp=layout.tp, pp=layout.pp))
-        if setting.teacher else 0)
+        if setting.teacher else 0,
+        stage_layers=stage_layers(setting.hf, layout, work) if any(work.pipeline_split) else None)
     if layout.full_recompute and not base.full_recompute:
         shape = dataclasses.replace(shape, full_recompute=True, recompute_method="uniform",
                                     recompute_num_layers=1, recompute_modules=())

@@ -33,11 +33,11 @@ def is_classifier(config) -> bool:
 
 
 def load_reward_model(name: str, device: torch.device, use_hf: bool = False,
-                      plugin: bool = False):
+                      plugin: bool = False, attn_implementation: Optional[str] = None):
     """(model, tokenizer) of a reward model, eval mode, on `device` (float32 on the CPU, the
     checkpoint's dtype elsewhere): a sequence classifier, or with a plugin any causal LM. A
     tokenizer without a pad token pads with its eos token (the head reads the last non-pad
-    token)."""
+    token). `attn_implementation`: transformers' (--attn_impl), None for its default."""
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoTokenizer)
 
@@ -51,7 +51,8 @@ def load_reward_model(name: str, device: torch.device, use_hf: bool = False,
             raise ValueError("its config names no sequence-classification architecture; a "
                              "generative reward model needs a --reward_model_plugin")
         loader = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
-        model = loader.from_pretrained(directory, dtype=dtype)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = loader.from_pretrained(directory, dtype=dtype, **extra)
     except (OSError, ValueError) as error:
         raise UserError(f"--reward_model {name}: not a reward model transformers can load "
                         f"({error})") from None
@@ -113,13 +114,15 @@ def _plugin_class(name: str):
 
 
 def reward_model_funcs(names: Sequence[str], plugins: Sequence[str], device: torch.device,
-                       use_hf: bool = False) -> List[Tuple[str, Callable]]:
+                       use_hf: bool = False, attn_implementation: Optional[str] = None
+                       ) -> List[Tuple[str, Callable]]:
     """[(name, reward function)] for --reward_model / --reward_model_plugin (plugin files must be
     loaded already). The name is the model directory's base name (numbered when repeated)."""
     funcs: List[Tuple[str, Callable]] = []
     for index, name in enumerate(names):
         plugin: Optional[str] = plugins[index] if plugins else "default"
-        model, tokenizer = load_reward_model(name, device, use_hf, plugin != "default")
+        model, tokenizer = load_reward_model(name, device, use_hf, plugin != "default",
+                                             attn_implementation)
         scorer = RewardModel(model, tokenizer) if plugin == "default" else \
             PluginReward(_plugin_class(plugin)(model, tokenizer))
         label = os.path.basename(os.path.normpath(name)) or f"reward_model{index}"

@@ -75,7 +75,8 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         from swift_megatron.rollout.hf import HFEngine
 
         return HFEngine(model_dir, device, dtype, eos_token_ids, pad_token_id,
-                        routed_experts=routes)
+                        routed_experts=routes,
+                        attn_implementation=args.model.attn_implementation)
     if kind == "server":
         from swift_megatron.rollout.client import ServerEngine
 
@@ -104,6 +105,7 @@ def build_engine(args: RlhfArguments, *, model_dir: str, device: torch.device, d
         max_model_len=v.vllm_max_model_len or args.data.max_length,
         max_num_seqs=v.vllm_max_num_seqs, enforce_eager=v.vllm_enforce_eager,
         enable_prefix_caching=v.vllm_enable_prefix_caching, sleep_level=args.rollout.sleep_level,
+        disable_cascade_attn=v.vllm_disable_cascade_attn,
         full_syncs=full_syncs, request_seeds=args.rollout.vllm_request_seeds,
         routed_experts=routes, bucket_bytes=bucket_bytes, engine_kwargs=engine_kwargs)
     return ColocateEngine(settings, eos_token_ids)

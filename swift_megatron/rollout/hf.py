@@ -104,14 +104,16 @@ class HFEngine:
 
     def __init__(self, hf_dir: str, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: Sequence[int], pad_token_id: int, max_batch_size: int = 64,
-                 routed_experts: bool = False):
+                 routed_experts: bool = False, attn_implementation: Optional[str] = None):
+        """`attn_implementation`: transformers' (--attn_impl), None for its default."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         config = AutoConfig.from_pretrained(hf_dir)
         # vision-language models (Qwen2.5-VL, Qwen3.5 with its tower): the whole model
         auto = AutoModelForImageTextToText if has_vision(config.to_dict()) \
             else AutoModelForCausalLM
-        self.model = auto.from_config(config, dtype=dtype).to(device).eval()
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        self.model = auto.from_config(config, dtype=dtype, **extra).to(device).eval()
         self.model.requires_grad_(False)
         self.device = device
         self.eos = list(eos_token_ids)

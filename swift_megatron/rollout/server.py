@@ -176,6 +176,7 @@ class MultiTurnService:
     use_gym_env: bool = False                 # whether trainers add the gym reward (/health)
     max_length: Optional[int] = None          # --max_length: caps each request's
     template_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)   # defaults
+    agent_template: Optional[str] = None      # --agent_template
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -232,7 +233,8 @@ def _rollout(state: ServerState, request) -> dict:
                                                 service.max_length or request.max_length),
                                  max_turns=service.max_turns, limit_scope=request.limit_scope,
                                  template_kwargs={**service.template_kwargs,
-                                                  **request.template_kwargs})
+                                                  **request.template_kwargs},
+                                 agent_template=service.agent_template)
     seeds = [s if s is not None else i for i, s in enumerate(request.seeds or [None] * count)]
     engine = _ReplicaEngine(state, request.stop_token_ids)
     try:
@@ -281,7 +283,8 @@ def multi_turn_service(args, model_dir: str) -> Optional[MultiTurnService]:
     thinking = options.enable_thinking
     return MultiTurnService(options.multi_turn_scheduler, scheduler, tokenizer, options.max_turns,
                             options.use_gym_env, options.max_length,
-                            {} if thinking is None else {"enable_thinking": thinking})
+                            {} if thinking is None else {"enable_thinking": thinking},
+                            options.agent_template)
 
 
 def _when_all_done(count: int, then: Callable[[List[ReplicaError]], None]):
@@ -590,6 +593,7 @@ def engine_settings(args, model_dir: str) -> "vllm_compat.EngineSettings":
         max_model_len=engine.vllm_max_model_len, max_num_seqs=engine.vllm_max_num_seqs,
         enforce_eager=engine.vllm_enforce_eager,
         enable_prefix_caching=engine.vllm_enable_prefix_caching,
+        disable_cascade_attn=engine.vllm_disable_cascade_attn,
         worker_extension_cls=WORKER_EXTENSION,
         extra={**vision_engine_kwargs(model_dir, resolve_max_pixels(args.serve.max_pixels),
                                       dummy_weights=False),

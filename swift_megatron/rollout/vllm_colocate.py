@@ -83,6 +83,7 @@ class ColocateSettings:
     max_num_seqs: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    disable_cascade_attn: bool = False
     sleep_level: int = 0
     full_syncs: bool = False   # every update_weights sends every weight (module docstring)
     request_seeds: bool = True  # one vLLM seed per request, else one per call (module docstring)
@@ -155,6 +156,7 @@ class ColocateEngine:
             gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=s.max_model_len,
             max_num_seqs=s.max_num_seqs, enforce_eager=s.enforce_eager,
             enable_prefix_caching=s.enable_prefix_caching, sleep_level=s.sleep_level,
+            disable_cascade_attn=s.disable_cascade_attn,
             load_format="dummy", external_launcher=dist.is_initialized(),
             worker_extension_cls=WORKER_EXTENSION, routed_experts=s.routed_experts,
             extra=dict(s.engine_kwargs))

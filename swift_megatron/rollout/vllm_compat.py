@@ -134,6 +134,7 @@ class EngineSettings:
     max_num_seqs: Optional[int] = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    disable_cascade_attn: bool = False   # True: vLLM's cascade attention off
     sleep_level: int = 0                 # > 0: construct with sleep mode
     load_format: str = "auto"            # "dummy": weights arrive with the first update
     external_launcher: bool = False      # one engine per torchrun process (colocate)
@@ -154,6 +155,7 @@ FLAG_OF_KEY = {"model": "--model", "dtype": "--torch_dtype", "seed": "--seed",
                "max_model_len": "--vllm_max_model_len", "max_num_seqs": "--vllm_max_num_seqs",
                "enforce_eager": "--vllm_enforce_eager",
                "enable_prefix_caching": "--vllm_enable_prefix_caching",
+               "disable_cascade_attn": "--vllm_disable_cascade_attn",
                "enable_sleep_mode": "--sleep_level"}
 # keywords swift-megatron depends on: --vllm_engine_kwargs may not change them
 REQUIRED_BECAUSE = {
@@ -188,6 +190,8 @@ def _flag_kwargs(settings: EngineSettings, sleep_mode_available: bool) -> Dict[s
                   enable_prefix_caching=s.enable_prefix_caching)
     if s.sleep_level > 0 and sleep_mode_available:
         kwargs["enable_sleep_mode"] = True
+    if s.disable_cascade_attn:   # vLLM's default (on) stays unnamed when the flag is not set
+        kwargs["disable_cascade_attn"] = True
     return {key: value for key, value in kwargs.items() if value is not None}
 
 

@@ -12,10 +12,12 @@ tests/gpu/test_optimizer_offload_gpu.py:
   shards are views of the model's parameters, which a torch optimizer refuses), and
   `--use_precision_aware_optimizer`, as Megatron-LM requires: only then do the float32 main
   parameters move to the host too, and only then does a checkpointed state load back.
-- `--use_precision_aware_optimizer` needs the distributed optimizer, and Transformer Engine's
-  FusedAdam unless the hybrid (offload) optimizer takes its place; swift-megatron does not use
-  Transformer Engine. megatron-core 0.16.1 also asks Transformer Engine's version for every
-  precision-aware config and fails without it: `_no_te_is_old_te` answers for it.
+- `--use_precision_aware_optimizer` needs the distributed optimizer. megatron-core 0.16.1's own
+  precision-aware path needs Transformer Engine's FusedAdam (torch's AdamW takes no state
+  dtypes) unless the hybrid (offload) optimizer takes its place, so megatron is asked for it
+  only with --optimizer_cpu_offload; otherwise training/adam_states.py keeps Adam's moments in
+  --exp_avg_dtype / --exp_avg_sq_dtype. megatron-core 0.16.1 also asks Transformer Engine's
+  version for every precision-aware config and fails without it: `_no_te_is_old_te` answers.
 
 The schedule, in optimizer steps (megatron's own arithmetic; `schedule_steps` is pure):
 warmup from --lr_warmup_init to --lr over --lr_warmup_iters steps (or --lr_warmup_fraction of
@@ -39,7 +41,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, Par
 
 from swift_megatron.arguments.training import check_lr_bounds
 from swift_megatron.errors import UserError
+from swift_megatron.model.wrappers import unwrap
 from swift_megatron.platform.cuda_paths import takes_cuda_paths
+from swift_megatron.training.adam_states import keep_states_in
 
 
 @dataclass
@@ -57,6 +61,11 @@ class OptimizerSettings:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"               # with use_precision_aware_optimizer: "bf16" too
+    exp_avg_sq_dtype: str = "fp32"
+    apply_wd_to_qk_layernorm: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     # schedule, in optimizer steps
     train_iters: int = 1
     lr_decay_style: str = "cosine"
@@ -66,20 +75,67 @@ class OptimizerSettings:
     lr_warmup_init: float = 0.0
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: Optional[int] = None
+    weight_decay_incr_style: str = "constant"
+    start_weight_decay: Optional[float] = None  # None: weight_decay
+    end_weight_decay: Optional[float] = None
     # vision-language models: peak learning rates of the vision tower and the aligner
     vit_lr: Optional[float] = None            # None: lr
     aligner_lr: Optional[float] = None        # None: lr
 
 
-def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool) -> DistributedDataParallel:
+def wrap_ddp(model: torch.nn.Module, config, use_distributed_optimizer: bool, *,
+             overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+             bucket_size: Optional[int] = None) -> DistributedDataParallel:
     """Megatron DDP: contiguous fp32 grad buffers, DP all-reduce (or reduce-scatter for the
     distributed optimizer) in finalize_model_grads, which is also installed on the config (it
-    all-reduces tied embeddings across PP stages and layer norms across TP)."""
+    all-reduces tied embeddings across PP stages and layer norms across TP).
+
+    `overlap_grad_reduce`: each bucket's reduction starts in the last micro-batch's backward as
+    soon as its gradients are ready (DDP's backward hooks; `overlap_sync_funcs` tells the
+    schedule); every parameter is marked `grad_to_ddp_hook`, so that the layers that add their
+    gradient into `main_grad` themselves (the LoRA branch, the logprob head) hand it to autograd
+    instead and DDP's hook counts it. `overlap_param_gather` (distributed optimizer): the
+    all-gather of the updated parameters waits for the next forward pass, bucket by bucket
+    (training/step.py `gather_params` finishes it for readers outside a forward).
+    `bucket_size`: elements per bucket (megatron's default: one bucket of 40M+ with overlap,
+    all parameters without)."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size,
         use_distributed_optimizer=use_distributed_optimizer)
     config.finalize_model_grads_func = finalize_model_grads
-    return DistributedDataParallel(config, ddp_config, model)
+    if overlap_grad_reduce:
+        for param in model.parameters():
+            param.grad_to_ddp_hook = True
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    if ddp.use_forward_hook:
+        _wait_for_unrun_modules(ddp)
+    return ddp
+
+
+def _wait_for_unrun_modules(ddp: DistributedDataParallel) -> None:
+    """With the overlapped all-gather megatron's forward pre-hook waits for a module's own
+    parameters when the module runs. Two kinds never run: a ParameterDict (LoRA's adapters),
+    whose parent's forward waits for it, and the output layer, whose weight the logprob head
+    reads directly (model/head.py), for which the model's forward waits."""
+    hook = ddp._make_forward_pre_hook()
+    waits = [(parent, child) for parent in ddp.module.modules() for child in parent.children()
+             if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList))]
+    gpt = unwrap(ddp)
+    if getattr(gpt, "output_layer", None) is not None:
+        waits.append((gpt, gpt.output_layer))
+    for parent, child in waits:
+        parent.register_forward_pre_hook(lambda module, *unused, c=child: hook(c))
+
+
+def overlap_sync_funcs(config, chunks: List[DistributedDataParallel]) -> None:
+    """With --overlap_grad_reduce: the schedule runs every micro-batch but the last under each
+    chunk's `no_sync`, so DDP's hooks start a bucket's reduction only once its gradients are
+    complete, in the last micro-batch's backward. Every trained parameter must get a gradient
+    in every step (megatron waits for each one it counted in the first step)."""
+    if chunks and chunks[0].ddp_config.overlap_grad_reduce:
+        no_sync = [chunk.no_sync for chunk in chunks]
+        config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
 
 
 # ---- optimizer -------------------------------------------------------------------------------
@@ -95,8 +151,6 @@ def check_settings(settings: OptimizerSettings, device: torch.device, dtype: tor
     schedule_steps(settings)
     if settings.optimizer_cpu_offload:
         _check_cpu_offload(settings, device, dtype)
-    if settings.use_precision_aware_optimizer:
-        _check_precision_aware(settings)
 
 
 def _check_cpu_offload(settings: OptimizerSettings, device: torch.device,
@@ -111,14 +165,6 @@ def _check_cpu_offload(settings: OptimizerSettings, device: torch.device,
         raise UserError("--optimizer_cpu_offload needs bf16 or fp16 training (--torch_dtype "
                         "bfloat16): megatron-core 0.16.1's hybrid optimizer cannot take the "
                         "distributed optimizer's float32 parameter shards")
-
-
-def _check_precision_aware(settings: OptimizerSettings) -> None:
-    if not settings.optimizer_cpu_offload and not _te_fused_adam_available():
-        raise UserError("--use_precision_aware_optimizer needs Transformer Engine's FusedAdam "
-                        "(megatron-core 0.16.1), and swift-megatron does not use Transformer "
-                        "Engine; it works with --optimizer_cpu_offload true, where megatron's "
-                        "hybrid optimizer keeps the float32 main parameters in host memory")
 
 
 @contextlib.contextmanager
@@ -147,7 +193,12 @@ def optimizer_config(settings: OptimizerSettings, config) -> OptimizerConfig:
             use_distributed_optimizer=settings.use_distributed_optimizer,
             optimizer_cpu_offload=settings.optimizer_cpu_offload,
             optimizer_offload_fraction=settings.optimizer_offload_fraction,
-            use_precision_aware_optimizer=settings.use_precision_aware_optimizer)
+            apply_wd_to_qk_layernorm=settings.apply_wd_to_qk_layernorm,
+            overlap_param_gather=settings.overlap_param_gather,
+            # megatron's own precision-aware path needs Transformer Engine's FusedAdam, except
+            # in its hybrid (host-offload) optimizer; elsewhere adam_states.py keeps the states
+            use_precision_aware_optimizer=settings.use_precision_aware_optimizer
+            and settings.optimizer_cpu_offload)
 
 
 def _vision_part_key(part: str) -> ParamKey:
@@ -179,6 +230,9 @@ def build_optimizer(chunks: List[DistributedDataParallel], config, settings: Opt
     optimizer = get_megatron_optimizer(opt_config, chunks,
                                        config_overrides=param_group_overrides(settings, opt_config))
     use_fused_adam(optimizer)
+    if (settings.exp_avg_dtype, settings.exp_avg_sq_dtype) != ("fp32", "fp32"):
+        keep_states_in(torch_optimizers(optimizer), settings.exp_avg_dtype,
+                       settings.exp_avg_sq_dtype)
     return optimizer
 
 
@@ -246,12 +300,17 @@ def schedule_steps(settings: OptimizerSettings) -> ScheduleSteps:
 
 
 def build_scheduler(optimizer, settings: OptimizerSettings) -> OptimizerParamScheduler:
-    """megatron's schedule (see the module docstring); weight decay stays constant."""
+    """megatron's schedule (see the module docstring); weight decay goes from
+    --start_weight_decay to --end_weight_decay over the run by --weight_decay_incr_style
+    (constant: --weight_decay)."""
     check_lr_bounds(settings)
     steps = schedule_steps(settings)
+    constant = settings.weight_decay_incr_style == "constant"
+    start_wd = settings.weight_decay if constant else settings.start_weight_decay
+    end_wd = settings.weight_decay if constant else settings.end_weight_decay
     return OptimizerParamScheduler(
         optimizer, init_lr=settings.lr_warmup_init, max_lr=settings.lr, min_lr=settings.min_lr,
         lr_warmup_steps=steps.warmup, lr_decay_steps=steps.decay,
-        lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
-        end_wd=settings.weight_decay, wd_incr_steps=settings.train_iters, wd_incr_style="constant",
+        lr_decay_style=settings.lr_decay_style, start_wd=start_wd, end_wd=end_wd,
+        wd_incr_steps=settings.train_iters, wd_incr_style=settings.weight_decay_incr_style,
         wsd_decay_steps=steps.wsd_decay, lr_wsd_decay_style=settings.lr_wsd_decay_style)

@@ -163,6 +163,15 @@ def _clip(optimizer, grad_norm: float) -> None:
                                          part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
+def gather_params(chunks: Sequence[torch.nn.Module]) -> None:
+    """With --overlap_param_gather, finish the all-gather of the parameters the last optimizer
+    step updated (megatron defers it to the next forward pass): for anything that reads the
+    parameters outside a forward (weight sync, checkpoints, the reference model's mix-in)."""
+    for chunk in chunks:
+        if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def contribution_scale(num_micro_batches: int, dp_size: int) -> float:
     """Undo megatron's 1/num_micro_batches loss scaling and DDP's 1/dp gradient averaging."""
     return float(num_micro_batches * dp_size)

@@ -8,7 +8,8 @@ Two processes over gloo (slow; one worker run, one layout per job): loading with
 qwen2: vocab 505 so TP pads it), PP=2 (qwen3, tied embeddings across stages), EP=2, TP=2 x EP=2
 x ETP=1 and TP=2 x ETP=2 (qwen3_moe), TP=2 (with and without sequence parallelism) and PP=2
 (qwen3_5: Gated DeltaNet and gated attention split over ranks, linear and full layers on
-different stages), TP=2 x EP=2 + SP (qwen3_5_moe) exports bit-for-bit the original tensors and
+different stages), PP=2 split unevenly (qwen3 as 3 + 1 layers, qwen3_5 as 1 + 3), TP=2 x EP=2 +
+SP (qwen3_5_moe) exports bit-for-bit the original tensors and
 matches transformers' logits; a Megatron model directory saved with TP=2 reloads with PP=2 and
 with 1x1 and gives identical logits; with the interleaved pipeline (PP=2 x VPP=2, qwen3: tied
 embeddings) the bridge loads and exports the model chunks bit for bit, the logits match
@@ -168,6 +169,12 @@ LAYOUTS = [
     dict(name="qwen3_5_tp2", family="qwen3_5", tp=2, precision=True),
     dict(name="qwen3_5_tp2_sp", family="qwen3_5", tp=2, sp=True, precision=True),
     dict(name="qwen3_5_pp2", family="qwen3_5", pp=2, precision=True),
+    # uneven pipeline splits of the 4 layers: 3 + 1, and 1 + 3 (Qwen3.5: Gated DeltaNet layers
+    # 0-2 and the full-attention layer 3; the last stage holds both kinds)
+    dict(name="qwen3_pp2_first3", family="qwen3", pp=2, first=3, precision=True,
+         stage_layers=[3, 1]),
+    dict(name="qwen3_5_pp2_last3", family="qwen3_5", pp=2, last=3, precision=True,
+         stage_layers=[1, 3]),
     dict(name="qwen3_5_moe_tp2_ep2_sp", family="qwen3_5_moe", tp=2, ep=2, etp=1, sp=True,
          precision=True),
 ]
@@ -176,6 +183,7 @@ PRECISION_LAYOUTS = [job["name"] for job in LAYOUTS if job.get("precision")]
 
 def worker_job(job, models, tp2_dir):
     job = dict(job, hf_dir=models[job["family"]])
+    job.pop("stage_layers", None)
     job["load"] = tp2_dir if job.pop("from_tp2_dir", False) else "hf"
     if job.pop("save_tp2_dir", False):
         job["save_model_dir"] = tp2_dir
@@ -194,6 +202,9 @@ def layouts(models, tmp_path_factory):
 def test_layout_exports_the_original_tensors(layouts, job):
     for rank in layouts[1]:  # every rank receives every tensor
         assert_exported_exactly(rank[job])
+    split = next(j for j in LAYOUTS if j["name"] == job).get("stage_layers")
+    if split:   # each stage holds its share of the uneven split
+        assert [rank[job]["layers"] for rank in layouts[1]] == split
 
 
 @pytest.mark.slow

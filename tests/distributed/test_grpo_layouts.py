@@ -1,4 +1,5 @@
-"""GRPO runs under TP=2, PP=2 and DP=2 reproduce the single-process run: the same rollouts
+"""GRPO runs under TP=2, PP=2 (also split unevenly) and DP=2 (also with the overlapped
+reductions and parameter all-gather) reproduce the single-process run: the same rollouts
 (per-request seeds), so the same rewards, advantages, losses and grad norms, to 1e-5.
 
 Each run is the real command, `megatron rlhf`, relaunched under torchrun through NPROC_PER_NODE,
@@ -32,7 +33,11 @@ LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"],
            "cp2": ["--context_parallel_size", "2"],
            "cp2_padded": ["--context_parallel_size", "2", "--padding_free", "false"],
            "pp2_vpp2": ["--pipeline_model_parallel_size", "2",
-                        "--virtual_pipeline_model_parallel_size", "2"]}
+                        "--virtual_pipeline_model_parallel_size", "2"],
+           # the 4 layers as 3 + 1; DP=2 with the overlapped reductions and parameter gather
+           "pp2_first3": ["--pipeline_model_parallel_size", "2",
+                          "--decoder_first_pipeline_num_layers", "3"],
+           "dp2_overlap": ["--overlap_grad_reduce", "true", "--overlap_param_gather", "true"]}
 
 
 def run_rlhf(model, dataset, out_dir, extra, nproc):
@@ -100,7 +105,8 @@ ABS = {"reward/kl": 1e-6}
 # normalises by the token count of the whole step (all DP ranks) with the code cispo in `mix`
 # uses (losses.AGGREGATION), so mix-dp2 covers it; its surrogate is grpo's.
 CASES = [("mix", "tp2"), ("mix", "pp2"), ("mix", "dp2"), ("grpo", "dp2"), ("real", "dp2"),
-         ("mix", "cp2"), ("mix", "cp2_padded"), ("grpo", "pp2_vpp2")]
+         ("mix", "cp2"), ("mix", "cp2_padded"), ("grpo", "pp2_vpp2"), ("grpo", "pp2_first3"),
+         ("grpo", "dp2_overlap")]
 
 
 @pytest.mark.parametrize("config,layout", CASES)

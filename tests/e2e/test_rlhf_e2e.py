@@ -47,7 +47,8 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     out = tmp_path / "run"
     proc = rlhf(*base, "--train_iters", 2, "--output_dir", out, "--log_completions", "true",
                 "--split_dataset_ratio", "0.1", "--eval_interval", 2, "--check_weight_sync",
-                "true", "--num_generations_eval", 2, "--save_steps", 1)
+                "true", "--num_generations_eval", 2, "--save_steps", 1,
+                "--max_shard_size", "100KB")
     # the run's last words: where its model, checkpoints and report are (issue 57)
     last = proc.stdout.splitlines()[-5:]
     assert last[0].startswith("INFO finished: 2 optimizer steps in "), proc.stdout[-2000:]
@@ -85,6 +86,7 @@ def test_first_step_kl_is_exactly_zero_and_outputs(base, tmp_path):
     assert "eval.png" not in report and "- `eval/reward/mean`: " in summary
     assert f"{rows[1]['eval/reward/mean']:.4g}, logged once (step 2)" in summary
     from transformers import AutoModelForCausalLM
+    assert (out / "final_hf" / "model.safetensors.index.json").is_file()   # --max_shard_size
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == model.config.vocab_size
 

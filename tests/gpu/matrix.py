@@ -3,7 +3,8 @@ layer widths with reduced depth, the defaults otherwise, and the parallel layout
 GPUs; one log per case and one summary table.
 
     python tests/gpu/matrix.py                        # part "matrix": the one-GPU cases
-    python tests/gpu/matrix.py --part matrix_2gpu     # server mode, TP, PP, EP, CP on 2 GPUs
+    python tests/gpu/matrix.py --part matrix_2gpu     # server mode, TP, PP (also uneven), EP,
+                                                      # CP, DP with overlap on 2 GPUs
     python tests/gpu/matrix.py --part matrix_4gpu     # TP=2 x DP=2 and EP=4 on Qwen3.5-MoE
     python tests/gpu/matrix.py --part what_trains     # freeze flags, modules_to_save, target_regex
     python tests/gpu/matrix.py --cases qwen3_5 qwen2_5_vl_lora   # families or case names
@@ -145,6 +146,11 @@ PARTS: Dict[str, List[Case]] = {
         Case("server_qwen3_5", "qwen3_5", gpus=2, server=True),
         _layout("tp2", "llama3", 2, 1, *TP2), _layout("tp2", "qwen3_5", 2, 1, *TP2),
         _layout("pp2", "qwen2", 2, 1, *PP2), _layout("pp2", "qwen3_5", 2, 1, *PP2),
+        # an uneven split (3 Gated DeltaNet layers on the first stage, attention on the last)
+        # and DP=2 with the overlapped reductions and parameter all-gather (NCCL, async)
+        _layout("pp2first3", "qwen3_5", 2, 1, *PP2, "--decoder_first_pipeline_num_layers", "3"),
+        _layout("dp2overlap", "qwen3", 2, 2, "--overlap_grad_reduce", "true",
+                "--overlap_param_gather", "true"),
         _layout("ep2", "qwen3_moe", 2, 2, *EP2), _layout("ep2", "qwen3_5_moe", 2, 2, *EP2),
         # Gated DeltaNet takes no context parallelism (model/gdn.py): a dense and a MoE model
         _layout("cp2", "qwen3", 2, 1, *CP2), _layout("cp2", "qwen3_moe", 2, 1, *CP2)],

@@ -1,6 +1,7 @@
 """GPU: --optimizer_cpu_offload with --use_precision_aware_optimizer (megatron-core's
 HybridDeviceOptimizer) as swift-megatron builds it, with --optimizer_offload_fraction 1 and 0.5,
-and with --offload_optimizer's offload/reload around every step. Four bf16 Adam steps of a tiny
+and with --offload_optimizer's offload/reload around every step; and bf16 Adam moments
+(--exp_avg_dtype / --exp_avg_sq_dtype bf16, training/adam_states.py) on the GPU. Four bf16 Adam steps of a tiny
 model from the same weights (tests/distributed/workers/optimizer_offload.py) must reproduce the
 GPU optimizer's losses and weights, with the Adam moments and float32 main params on the host.
 
@@ -65,3 +66,11 @@ def test_offload_optimizer_moves_gpu_memory_only(report):
     # the bf16 parameter shards the hybrid optimizer updates (on the GPU); not the host state
     assert len(moved) == 4 and len(set(moved)) == 1
     assert 0 < moved[0] < report["offload_colocate"]["moments"]["cpu"]
+
+
+def test_bf16_moments_take_half_the_memory_and_train_like_float32(report):
+    plain, low = report["plain"], report["bf16_moments"]
+    assert low["inner_optimizer"] == "LowPrecisionAdamW"
+    assert low["moments"] == {"cuda": plain["moments"]["cuda"] // 2, "cpu": 0}
+    assert low["losses"] == pytest.approx(plain["losses"], abs=2e-3)
+    assert low["max_param_diff_vs_plain"] < 1e-2   # bf16 weights: a few roundings

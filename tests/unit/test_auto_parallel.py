@@ -264,6 +264,28 @@ def test_flags_the_user_set_are_kept(nodes):
     assert all(o.layout.tp == 4 for o in plan.runners_up)
 
 
+def test_an_uneven_pipeline_split_is_planned_by_its_fullest_stage(nodes):
+    """30 layers with --decoder_first_pipeline_num_layers 6 on 8 GPUs: of the PP sizes 8 allows,
+    the ones that split the other 24 evenly over the other stages are candidates (2: 6 + 24,
+    4: 6 + 8 + 8 + 8; not 1 nor 8), each estimated by its fullest stage."""
+    from swift_megatron.model.layout import PipelineSplit
+    from swift_megatron.planning.plan import scored
+
+    nodes(8)
+    hf = dict(LLAMA_8B, num_hidden_layers=30)
+    setting, plan, _ = planned(hf, 8, 80, "--decoder_first_pipeline_num_layers", "6",
+                               "--auto_parallel", "true")
+    candidates = scored(setting)
+    assert {c.layout.pp for c in candidates} == {2, 4}
+    for candidate in candidates:
+        shape = run_shape(setting, candidate.layout)
+        assert shape.stage_layers == PipelineSplit(30, candidate.layout.pp, first=6).fullest()
+    four = next(c for c in candidates if c.layout.pp == 4)     # 6 + 8 + 8 + 8
+    even = dataclasses.replace(run_shape(setting, four.layout), stage_layers=None)
+    assert run_shape(setting, four.layout).stage_layers == 8 and even.stage_layers is None
+    assert plan.chosen.layout.pp in (2, 4)
+
+
 @pytest.mark.parametrize("case", ["dense-8b", "moe-30b", "lora-8b"])
 def test_the_pasted_flags_give_the_same_plan(case, nodes):
     hf, gpus, gib, flags, _ = CASES[case]

@@ -15,6 +15,7 @@ from swift_megatron.bridge.mapping import (QKV, ColumnParallel, Dims, GatedQKV, 
                                            Replicated, RowParallel, Segmented, Shard,
                                            VocabParallel)
 from swift_megatron.bridge.position import RankPosition
+from swift_megatron.model.layout import PipelineSplit
 from swift_megatron.errors import UserError
 
 HIDDEN = 3
@@ -213,7 +214,7 @@ def test_patterns_translate_layer_and_expert_numbers():
 
 def test_rank_position_maps_stage_and_expert_numbers_to_global():
     pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=1, pp_size=2, ep_rank=1, ep_size=2,
-                       layers_per_chunk=2, experts_per_rank=4, layer_offset=2)
+                       split=PipelineSplit(4, 2), experts_per_rank=4, layer_offset=2)
     assert (pos.to_global("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight")
             == "decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight")
     assert pos.owner_stage("decoder.layers.3.input_layernorm.weight") == 1
@@ -223,13 +224,26 @@ def test_rank_position_maps_stage_and_expert_numbers_to_global():
 def test_rank_position_of_interleaved_chunks():
     """PP=2 x VPP=2, 8 layers: chunks of 2; stage 1 holds layers 2-3 (chunk 0) and 6-7."""
     pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=1, pp_size=2, ep_rank=0, ep_size=1,
-                       layers_per_chunk=2, experts_per_rank=0, layer_offset=2)
+                       split=PipelineSplit(8, 2, 2), experts_per_rank=0, layer_offset=2)
     second = pos.for_chunk(types.SimpleNamespace(vp_stage=1))
     assert second.to_global("decoder.layers.1.mlp.linear_fc1.weight") == \
         "decoder.layers.7.mlp.linear_fc1.weight"
     assert pos.for_chunk(types.SimpleNamespace(vp_stage=0)).layer_offset == 2
     assert [pos.owner_stage(f"decoder.layers.{n}.input_layernorm.weight") for n in range(8)] == \
         [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_rank_position_of_an_uneven_split():
+    """PP=3, 7 layers as 1 + 3 + 3 (--decoder_first_pipeline_num_layers 1); and PP=2 x VPP=2
+    with 8 layers as a first stage of 2 and a last of 6 (chunks 1, 3, 1, 3)."""
+    pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=2, pp_size=3, ep_rank=0, ep_size=1,
+                       split=PipelineSplit(7, 3, first=1), experts_per_rank=0, layer_offset=4)
+    assert pos.for_chunk(types.SimpleNamespace(vp_stage=None)).layer_offset == 4
+    assert [pos.owner_stage(f"decoder.layers.{n}.input_layernorm.weight") for n in range(7)] == \
+        [0, 1, 1, 1, 2, 2, 2]
+    split = PipelineSplit(8, 2, 2, first=2, last=6)
+    assert [split.chunk(p, v) for v in range(2) for p in range(2)] == \
+        [(0, 1), (1, 3), (4, 1), (5, 3)]
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -246,7 +260,7 @@ def _load_norm(tmp_path, tensors, size=4):
     model = torch.nn.Module()
     model.decoder = _Norm(size)
     pos = RankPosition(tp=Shard(), etp=Shard(), pp_rank=0, pp_size=1, ep_rank=0, ep_size=1,
-                       layers_per_chunk=1, experts_per_rank=0, layer_offset=0)
+                       split=PipelineSplit(1), experts_per_rank=0, layer_offset=0)
     mappings = [Replicated("decoder.final_layernorm.weight", "model.norm.weight")]
     load_hf_weights(model, str(tmp_path), mappings, dims(), pos)
     return model

@@ -118,9 +118,11 @@ def test_resuming_the_optimizer_needs_the_saved_layout(tmp_path):
     (tmp_path / "swift_megatron.json").write_text(json.dumps(
         {"saved_with": {"tp": 2, "pp": 1, "ep": 1, "etp": 2}}))
 
-    def layout(tp=2, pp=1, ep=1, etp=None):
+    def layout(tp=2, pp=1, ep=1, etp=None, first=None):
         return SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
+                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
+                               decoder_first_pipeline_num_layers=first,
+                               decoder_last_pipeline_num_layers=None)
 
     check_resume_layout(str(tmp_path), layout(), load_optim=True)           # same layout
     check_resume_layout(str(tmp_path), layout(tp=1), load_optim=False)      # --no_load_optim
@@ -134,6 +136,15 @@ def test_resuming_the_optimizer_needs_the_saved_layout(tmp_path):
     with pytest.raises(UserError, match=r"--expert_model_parallel_size 1 \(this run: 2\), "
                                         r"--expert_tensor_parallel_size 2 \(this run: 1\)"):
         check_resume_layout(str(tmp_path), layout(ep=2, etp=1), load_optim=True)
+    with pytest.raises(UserError, match=r"--decoder_first_pipeline_num_layers none \(this "
+                                        r"run: 3\)"):    # the stages' shards differ
+        check_resume_layout(str(tmp_path), layout(first=3), load_optim=True)
+    (tmp_path / "swift_megatron.json").write_text(json.dumps(
+        {"saved_with": {"tp": 2, "pp": 2, "ep": 1, "etp": 2, "first": 3}}))
+    check_resume_layout(str(tmp_path), layout(pp=2, first=3), load_optim=True)
+    with pytest.raises(UserError, match=r"--decoder_first_pipeline_num_layers 3 \(this run: "
+                                        r"none\)"):
+        check_resume_layout(str(tmp_path), layout(pp=2), load_optim=True)
     (tmp_path / "optimizer").rmdir()                                        # saved without it
     check_resume_layout(str(tmp_path), layout(tp=1), load_optim=True)
 

@@ -167,9 +167,6 @@ OFFLOAD = dict(optimizer_cpu_offload=True, use_precision_aware_optimizer=True, *
     (OFFLOAD, CPU, torch.float32, r"^--optimizer_cpu_offload needs CUDA"),
     (OFFLOAD, CUDA, torch.float32,
      r"^--optimizer_cpu_offload needs bf16 or fp16 training \(--torch_dtype bfloat16\)"),
-    (dict(use_precision_aware_optimizer=True, **DIST), CUDA, torch.bfloat16,
-     r"^--use_precision_aware_optimizer needs Transformer Engine's FusedAdam .* works with "
-     r"--optimizer_cpu_offload true"),
 ])
 def test_what_megatron_core_cannot_run_is_a_user_error(settings, device, dtype, message):
     with pytest.raises(UserError, match=message):
@@ -191,6 +188,15 @@ def test_optimizer_flag_combinations_fail_at_parse_time(argv, message):
 
     with pytest.raises(UserError, match=message):
         parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", *argv], "megatron rlhf")
+
+
+def test_precision_aware_alone_keeps_megatrons_plain_optimizer():
+    """Without the hybrid optimizer megatron-core 0.16.1 would need Transformer Engine's
+    FusedAdam: megatron builds its usual optimizer and training/adam_states.py keeps the
+    moments (tests/unit/test_adam_states.py)."""
+    settings = OptimizerSettings(lr=LR, use_precision_aware_optimizer=True, **DIST)
+    check_settings(settings, CUDA, torch.bfloat16)
+    assert optimizer_config(settings, model_config()).use_precision_aware_optimizer is False
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -76,3 +76,23 @@ def test_generative_reward_model_loads_as_causal_lm_for_a_plugin(tiny_model_dir)
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(UserError, match="--reward_model .*: not a reward model"):
         reward_model_funcs([str(tmp_path)], [], torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flag, expected", [(None, "sdpa"), ("eager", "eager")])
+def test_attn_impl_chooses_transformers_attention(rm_dir, tiny_model_dir, flag, expected):
+    """--attn_impl reaches the models transformers runs: reward models and the embedded
+    rollout engine (ms-swift's flash_attn is transformers' flash_attention_2)."""
+    from swift_megatron.arguments.commands import RlhfArguments
+    from swift_megatron.arguments.parser import parse_command
+    from swift_megatron.rewards.reward_model import load_reward_model
+    from swift_megatron.rollout.hf import HFEngine
+
+    argv = ["--model", "m", "--dataset", "d"] + (["--attn_impl", flag] if flag else [])
+    chosen = parse_command(RlhfArguments, argv, "x").model.attn_implementation
+    model, _ = load_reward_model(rm_dir, torch.device("cpu"), attn_implementation=chosen)
+    engine = HFEngine(tiny_model_dir("qwen3"), torch.device("cpu"), torch.float32, [2], 0,
+                      attn_implementation=chosen)
+    assert model.config._attn_implementation == engine.model.config._attn_implementation == expected
+    assert parse_command(RlhfArguments, ["--model", "m", "--dataset", "d", "--attn_impl",
+                                         "flash_attn"], "x").model.attn_implementation == \
+        "flash_attention_2"

@@ -82,6 +82,20 @@ def test_rollout_server_replicas_get_both_flags(model_dir):
                           logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION)
 
 
+def test_disable_cascade_attn_reaches_both_engines(colocate_settings, model_dir):
+    """--vllm_disable_cascade_attn (ms-swift's): vLLM's EngineArgs field, set on the colocate
+    engine and the rollout server's replicas (unnamed, vLLM's default, without the flag:
+    test_colocate_engine_gets_both_flags)."""
+    from swift_megatron.rollout.server import engine_settings
+
+    assert "disable_cascade_attn" in vllm_compat.accepted_engine_keys()
+    on = colocate_settings("--vllm_disable_cascade_attn", "true")
+    assert engine_kwargs(on, sleep_mode_available=False)["disable_cascade_attn"] is True
+    args = parse_command(RolloutCommandArguments, ["--model", "m", "--vllm_disable_cascade_attn",
+                                                   "true"], "megatron rollout")
+    assert engine_kwargs(engine_settings(args, model_dir), True)["disable_cascade_attn"] is True
+
+
 @pytest.mark.parametrize("argv, env, expected", [
     ([], None, None), ([], "50176", 50176), (["--max_pixels", "12544"], "50176", 12544)])
 def test_rollout_server_max_pixels_flag_over_environment(tmp_path, monkeypatch, argv, env,

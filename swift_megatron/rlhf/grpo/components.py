@@ -53,7 +53,7 @@ from swift_megatron.rollout.factory import build_engine, engine_kind
 from swift_megatron.training.freeze import apply_freeze
 from swift_megatron.training.offload import grad_dropper, model_offloader, optimizer_offloader
 from swift_megatron.training.optim import (OptimizerSettings, build_optimizer, build_scheduler,
-                                           check_settings, wrap_ddp)
+                                           check_settings, overlap_sync_funcs, wrap_ddp)
 
 logger = get_logger(__name__)
 
@@ -77,7 +77,9 @@ def parallel_state(args: RlhfArguments) -> ParallelState:
         tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
         etp=p.expert_tensor_parallel_size, device=args.model.device, seed=args.training.seed,
-        vpp=p.virtual_pipeline_model_parallel_size)
+        vpp=p.virtual_pipeline_model_parallel_size, timeout_s=p.ddp_timeout,
+        backend=p.ddp_backend, first_stage_layers=p.decoder_first_pipeline_num_layers,
+        last_stage_layers=p.decoder_last_pipeline_num_layers)
 
 
 def training_dtype(args: RlhfArguments, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -95,7 +97,9 @@ def _config_overrides(args: RlhfArguments, hf_config: dict) -> dict:
     from megatron.core.transformer.enums import AttnBackend
 
     p = args.parallel
-    overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
+    overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend],
+                     num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
+                     num_layers_in_last_pipeline_stage=p.decoder_last_pipeline_num_layers)
     if p.recompute_granularity:
         overrides.update(recompute_granularity=p.recompute_granularity,
                          recompute_method=p.recompute_method,
@@ -161,7 +165,13 @@ def optimizer_settings(args: RlhfArguments, iters: int) -> OptimizerSettings:
         use_distributed_optimizer=args.parallel.use_distributed_optimizer,
         optimizer_cpu_offload=t.optimizer_cpu_offload,
         optimizer_offload_fraction=t.optimizer_offload_fraction,
-        use_precision_aware_optimizer=t.use_precision_aware_optimizer, train_iters=iters,
+        use_precision_aware_optimizer=t.use_precision_aware_optimizer,
+        exp_avg_dtype=t.exp_avg_dtype, exp_avg_sq_dtype=t.exp_avg_sq_dtype,
+        apply_wd_to_qk_layernorm=t.apply_wd_to_qk_layernorm,
+        overlap_param_gather=args.parallel.overlap_param_gather,
+        weight_decay_incr_style=t.weight_decay_incr_style,
+        start_weight_decay=t.start_weight_decay, end_weight_decay=t.end_weight_decay,
+        train_iters=iters,
         lr_decay_style=t.lr_decay_style, lr_decay_iters=t.lr_decay_iters,
         lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
         lr_warmup_init=t.lr_warmup_init, lr_wsd_decay_style=t.lr_wsd_decay_style,
@@ -202,7 +212,11 @@ def policy(args: RlhfArguments, state: ParallelState, model_dir: str, iters: int
                         "tower")
     if args.training.train_type == "full" and args.freeze.active:
         apply_freeze(chunks, FreezeRules.from_arguments(args.freeze))
-    ddp = [wrap_ddp(chunk, config, args.parallel.use_distributed_optimizer) for chunk in chunks]
+    p = args.parallel
+    ddp = [wrap_ddp(chunk, config, p.use_distributed_optimizer,
+                    overlap_grad_reduce=p.overlap_grad_reduce,
+                    overlap_param_gather=p.overlap_param_gather) for chunk in chunks]
+    overlap_sync_funcs(config, ddp)
     optimizer = build_optimizer(ddp, config, settings)
     scheduler = build_scheduler(optimizer, settings)
     return Policy(ddp, config, bridge, optimizer, scheduler, model_dir, hf_config, dtype, lora)
@@ -228,7 +242,7 @@ def frozen_model(args: RlhfArguments, state: ParallelState, model_dir: str, dtyp
     moe = num_experts(hf_config) is not None   # the expert degrees apply to MoE models only
     try:
         check_layout(hf_config, state.tp, state.pp, state.ep if moe else 1, state.etp if moe else 1,
-                     vpp=state.vpp)
+                     vpp=state.vpp, **args.parallel.uneven_pipeline)
     except UserError as error:
         raise UserError(f"{flag} {model_dir}: {error}") from None
     chunks, config, shape = build_chunks(
@@ -437,7 +451,8 @@ def rewards(args: RlhfArguments, device: torch.device = torch.device("cpu")):
     funcs = resolve_reward_funcs(g.reward_funcs, plugins, RewardConfig.from_args(g),
                                  init_kwargs={"args": flat_args(args)}) if g.reward_funcs else []
     funcs += reward_model_funcs(g.reward_model, g.reward_model_plugin, device,
-                                use_hf=args.model.use_hf)
+                                use_hf=args.model.use_hf,
+                                attn_implementation=args.model.attn_implementation)
     if g.use_gym_env:
         from swift_megatron.rollout.multi_turn.gym import gym_reward
 
@@ -461,7 +476,7 @@ def multi_turn_scheduler(args: RlhfArguments, tok, hf_config: dict, server_sched
         max_completion_length=g.max_completion_length,
         max_length=d.max_length or hf_config.get("max_position_embeddings") or 2**31 - 1,
         max_turns=g.max_turns, limit_scope=g.completion_length_limit_scope,
-        template_kwargs=kwargs)
+        template_kwargs=kwargs, agent_template=d.agent_template)
     if g.multi_turn_scheduler is None:
         return None, settings
     return multi_turn.build_scheduler(g.multi_turn_scheduler, max_turns=g.max_turns,
@@ -548,10 +563,13 @@ def versioned(base: str) -> str:
 
 
 def eval_steps(args: RlhfArguments, has_validation: bool) -> Optional[int]:
-    """--eval_steps, by default --save_steps when there are validation prompts (ms-swift);
+    """--eval_steps, by default --save_steps when there are validation prompts (ms-swift); none
+    with --eval_iters 0;
     without validation prompts no evaluation runs, as in ms-swift (whose examples pass
     --eval_steps without any), with a one-line note when the flag was given."""
     t = args.training
+    if t.eval_iters == 0:   # ms-swift's way to turn evaluation off
+        return None
     if not has_validation:
         if t.eval_steps:
             logger.info(f"--eval_steps {t.eval_steps}: no validation prompts (--val_dataset or "

@@ -63,8 +63,8 @@ from swift_megatron.training.guard import SkipGuard, check_finite_weights
 from swift_megatron.training.moe_losses import moe_loss_metrics
 from swift_megatron.training.profile import (device_memory, host_memory, maybe_profile,
                                               measure_phase)
-from swift_megatron.training.step import (contribution_scale, forward_backward, optimizer_step,
-                                          zero_grads)
+from swift_megatron.training.step import (contribution_scale, forward_backward, gather_params,
+                                          optimizer_step, zero_grads)
 
 logger = get_logger(__name__)
 EVAL_GROUP_OFFSET = 10**12  # evaluation group ids (seeds) never collide with training stream positions
@@ -195,6 +195,7 @@ class GRPOTrainer:
             with measure_phase("train", timings, device):
                 train_metrics = [self.optimizer_step(micro)
                                  for micro in steps * self.args.grpo.num_iterations]
+                gather_params(self.policy.chunks)   # --overlap_param_gather: for the readers
         metrics.update(self.sync_weights(timings))
         metrics.update(reduce_metrics(train_metrics))
         metrics.update(timings)
@@ -394,6 +395,7 @@ class GRPOTrainer:
             logger.warning(skipped)
         g = self.args.grpo
         if g.sync_ref_model and self.step % g.ref_model_sync_steps == 0:
+            gather_params(pol.chunks)
             self.reference.mix_in_policy(g.ref_model_mixup_alpha)
         metrics.update({"grad_norm": grad_norm, "lr": lr, "update_skipped": float(not ok)})
         return metrics
@@ -582,7 +584,7 @@ class GRPOTrainer:
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "train_type": t.train_type,
                 "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
-                               "etp": self.state.etp}}
+                               "etp": self.state.etp, **self.args.parallel.uneven_pipeline}}
         path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
@@ -631,14 +633,17 @@ class GRPOTrainer:
         merged = run_checkpoint.hf_dir(self.save_dir, self.step, merged=True)
         kept = f"the resumable checkpoint {path} is complete: {self._resume_hint()} resumes " \
                f"from it and writes {os.path.basename(directory)} again"
+        shard = self.args.training.max_shard_size
         with removed_if_failed([directory, merged], directory, kept, self.state.rank == 0):
             if pol.lora is None:
-                pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True)
+                pol.bridge.save_hf(pol.chunks, directory, source_dir=pol.model_dir, exist_ok=True,
+                                   max_shard_size=shard)
                 return
             if self._adapter_alone:
                 save_adapter(unwrap(chunk), directory, pol.model_dir, pol.lora, pol.bridge)
             if self.args.training.merge_lora:
-                pol.bridge.save_hf(chunk, merged, source_dir=pol.model_dir, exist_ok=True)
+                pol.bridge.save_hf(chunk, merged, source_dir=pol.model_dir, exist_ok=True,
+                                   max_shard_size=shard)
 
     def _resume_hint(self) -> str:
         """The flags of a run that resumes this one's last checkpoint into its save directory
@@ -714,7 +719,8 @@ class GRPOTrainer:
         if self._saved_step == self.step and os.path.isdir(merged):
             run_checkpoint.on_rank0(lambda: run_checkpoint.link_tree(merged, final_hf))
         else:
-            pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True)
+            pol.bridge.save_hf(pol.chunks, final_hf, source_dir=pol.model_dir, exist_ok=True,
+                               max_shard_size=self.args.training.max_shard_size)
         if not self._adapter_alone:
             return
         adapter = run_checkpoint.hf_dir(self.save_dir, self.step)

@@ -15,7 +15,7 @@ agree on whether another turn is needed (all reduce), so each rank makes the sam
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from swift_megatron.data import Prompt
+from swift_megatron.data import Prompt, agent
 from swift_megatron.errors import UserError
 from swift_megatron.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from swift_megatron.rollout.multi_turn import tokens
@@ -32,6 +32,7 @@ class MultiTurnSettings:
     max_turns: Optional[int] = None     # None: no limit
     limit_scope: str = "per_round"      # per_round | total
     template_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    agent_template: Optional[str] = None   # --agent_template: hermes writes tool results itself
 
 
 @dataclasses.dataclass
@@ -164,7 +165,9 @@ def _advance(r: _Running, completion: Completion, turn: int, scheduler: MultiTur
         r.finish_reason = reason
         return
     end_of_turn = tokenizer.decode(ids[-1:]) if ids and reason == "stop" else None
-    env_ids = tokens.turn_ids(tokenizer, answer.messages, end_of_turn, settings.template_kwargs)
+    written = agent.tool_results(answer.messages) if settings.agent_template == "hermes" \
+        else answer.messages
+    env_ids = tokens.turn_ids(tokenizer, written, end_of_turn, settings.template_kwargs)
     if r.room(settings, extra=len(env_ids)) < 1:   # no room left for the model's answer
         r.finish_reason = "length"
         return

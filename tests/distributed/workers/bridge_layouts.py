@@ -12,6 +12,7 @@ re-created per job):
     hf_dir          the original HF checkpoint (exports are compared with it)
     load            "hf" (through the bridge) or a Megatron model directory (any layout)
     tp, pp, ep, etp parallel degrees (default 1); sp: sequence parallelism (default false)
+    first, last     layers of the first / last pipeline stage (an uneven split)
     logits          save the float32 logits on fixed random tokens
     precision       compare the logits with transformers (swift_megatron.export.measure_precision)
     long_precision  the same on sequences of this many tokens
@@ -57,13 +58,16 @@ def run_job(job: dict, out_dir: str) -> dict:
     from swift_megatron.parallel.state import ParallelState
 
     state = ParallelState.initialize(tp=job.get("tp", 1), pp=job.get("pp", 1), ep=job.get("ep", 1),
-                                     etp=job.get("etp", 1), device="cpu", seed=0)
+                                     etp=job.get("etp", 1), device="cpu", seed=0,
+                                     first_stage_layers=job.get("first"),
+                                     last_stage_layers=job.get("last"))
     hf_config = load_hf_config(job["hf_dir"])
     model_type = model_shape(hf_config).model_type
     source = {"hf_dir": job["hf_dir"]} if job["load"] == "hf" else {"mcore_dir": job["load"]}
     loaded = load_mcore_model(hf_config, model_type, torch.float32, state,
                               sequence_parallel=job.get("sp", False), **source)
-    result = {"export": compare_export(loaded, job["hf_dir"])}
+    result = {"export": compare_export(loaded, job["hf_dir"]),
+              "layers": len(loaded.model.decoder.layers)}
     if job.get("logits"):
         tokens = random_tokens(loaded.shape.vocab_size, loaded.shape.max_position_embeddings, "cpu")
         logits = mcore_logits(loaded, tokens, state)

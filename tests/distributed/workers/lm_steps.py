@@ -1,5 +1,5 @@
 """Worker: 3 Adam steps of next-token cross-entropy on a tiny Qwen3-shaped model, in the
-parallel layout given by the flags; writes losses and grad norms to {out_dir}/rank{R}.json.
+parallel layout given by the flags (--first / --last: an uneven pipeline split); writes losses and grad norms to {out_dir}/rank{R}.json.
 
 With --save_init it saves its (seeded random) initial weights first, so that every other layout
 can start from exactly the same weights with --init.
@@ -42,11 +42,15 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dist_opt", type=int, default=0)
     parser.add_argument("--sp", type=int, default=0)
+    parser.add_argument("--first", type=int, help="layers of the first pipeline stage")
+    parser.add_argument("--last", type=int, help="layers of the last pipeline stage")
     parser.add_argument("--init")
     parser.add_argument("--save_init", type=int, default=0)
     a = parser.parse_args()
-    st = ParallelState.initialize(tp=a.tp, pp=a.pp, device="cpu", seed=1234)
-    model, cfg, _ = build_model(HF, torch.float32, st.device, sequence_parallel=bool(a.sp))
+    st = ParallelState.initialize(tp=a.tp, pp=a.pp, device="cpu", seed=1234,
+                                  first_stage_layers=a.first, last_stage_layers=a.last)
+    model, cfg, _ = build_model(HF, torch.float32, st.device, sequence_parallel=bool(a.sp),
+                                **st.layer_split)
     if a.save_init:
         save_model([model], a.init)
     else:
@@ -76,7 +80,7 @@ def main():
         losses.append(local.item() if st.is_last_stage else None)
         norms.append(grad_norm)
     with open(os.path.join(a.out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(dict(losses=losses, grad_norms=norms), f)
+        json.dump(dict(losses=losses, grad_norms=norms, layers=len(model.decoder.layers)), f)
     ParallelState.destroy()
 
 

@@ -1,4 +1,5 @@
-"""Worker (one process, CUDA): megatron's optimizer host offload as swift-megatron builds it.
+"""Worker (one process, CUDA): megatron's optimizer host offload as swift-megatron builds it, and
+the bf16 Adam moments.
 
     python -m torch.distributed.run --nproc_per_node 1 \\
         tests/distributed/workers/optimizer_offload.py --out_dir OUT
@@ -13,6 +14,8 @@ next-token cross-entropy from the same initial weights in each variant:
     offload_colocate the same as offload, with --offload_optimizer's offload/reload around
                      every step (what colocate mode does while vLLM generates); reports the
                      bytes each offload moved (GPU memory only: the host state stays put)
+    bf16_moments     --use_precision_aware_optimizer --exp_avg_dtype bf16 --exp_avg_sq_dtype
+                     bf16 on the GPU (training/adam_states.py)
 
 Each variant reports its losses, grad norms, the bytes of the Adam moments and of the float32
 master params on the GPU and on the host, and the max |param - plain's param| at the end;
@@ -43,6 +46,8 @@ VARIANTS = {
     "offload": OFFLOAD,
     "offload_half": dict(OFFLOAD, optimizer_offload_fraction=0.5),
     "offload_colocate": OFFLOAD,
+    "bf16_moments": dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                         exp_avg_sq_dtype="bf16"),
 }
 
 
