@@ -45,7 +45,9 @@ def model_files(args: RlhfArguments) -> Optional[str]:
     from swift_megatron.checkpoint.start import check_resume_layout, check_resume_step, plan_start
 
     start = plan_start(args.training, args.lora)
-    check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim)
+    check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim,
+                        args.kernels.moe_grouped_gemm if args.training.train_type == "full"
+                        else None)
     check_resume_step(start.resume_dir, args.training.train_iters or 0)
     _check_reference_paths(args, start)
     if args.model.model:

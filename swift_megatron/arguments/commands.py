@@ -62,6 +62,7 @@ class RlhfArguments:
                             "--multi_turn_scheduler (e.g. gym_scheduler with --gym_env), or run "
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
+        self._check_token_dispatcher()
         self._check_vision_lrs()
         self._check_lora_llm()
         if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(
@@ -103,6 +104,20 @@ class RlhfArguments:
             raise UserError("--train_type lora_llm needs --merge_lora true (as ms-swift): its HF "
                             "checkpoints are merged models, since the adapter alone does not "
                             "hold the trained vision tower")
+
+    def _check_token_dispatcher(self) -> None:
+        """--moe_token_dispatcher_type allgather: megatron-core's allgather dispatcher gathers
+        equal token counts from every rank (it refuses variable sequence lengths); without EP
+        and ETP no token leaves its rank and alltoall's local permutation does the same."""
+        p = self.parallel
+        if self.kernels.moe_token_dispatcher_type == "allgather" and \
+                p.expert_model_parallel_size * p.expert_tensor_parallel_size > 1:
+            raise UserError(
+                "--moe_token_dispatcher_type allgather with --expert_model_parallel_size "
+                f"{p.expert_model_parallel_size} and --expert_tensor_parallel_size "
+                f"{p.expert_tensor_parallel_size}: megatron-core's allgather dispatcher needs "
+                "micro-batches of one length on every rank, and swift-megatron's vary; use "
+                "--moe_token_dispatcher_type alltoall (the default)")
 
     def _check_async_generate(self) -> None:
         """--async_generate overlaps HTTP generation with training: server mode only (a

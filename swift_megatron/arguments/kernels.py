@@ -1,8 +1,10 @@
 """Kernel and packing flags of ms-swift's Megatron mode. `--padding_free` packs a micro-batch's
 sequences back to back (THD) and `--attention_backend` picks the attention kernel of packed
-batches (model/spec.py). The fusion flags select Transformer Engine kernels, which swift-megatron
-does not use, so they are accepted and have no effect: a run that sets one says so once
-(arguments/parser.py `notices`)."""
+batches (model/spec.py); `--moe_grouped_gemm` and `--moe_token_dispatcher_type` choose how MoE
+layers run their experts (model/grouped_experts.py) and move their tokens
+(model/moe_dispatch.py). The fusion flags select Transformer Engine kernels, which
+swift-megatron does not use, so they are accepted and have no effect: a run that sets one says
+so once (arguments/parser.py `notices`)."""
 from dataclasses import dataclass
 
 from swift_megatron.arguments.fields import arg
@@ -29,3 +31,16 @@ class KernelArguments:
                                           no_effect="logprobs come from our own vocab-parallel "
                                                     "log-softmax")
     moe_permute_fusion: bool = arg(False, "Fused MoE token permutation.", no_effect=_TE_FUSION)
+    moe_grouped_gemm: bool = arg(True, "MoE: each layer's local experts as one grouped GEMM per "
+                                 "projection (torch's grouped matrix multiply) instead of two "
+                                 "GEMMs per expert launched one by one (false: megatron-core's "
+                                 "SequentialMLP). LoRA on the experts' projections runs them "
+                                 "one by one either way.")
+    moe_token_dispatcher_type: str = arg(
+        "alltoall", "MoE token dispatcher: alltoall (the tokens permuted on the device, "
+        "all-to-all between expert-parallel ranks). allgather moves no token between ranks only "
+        "without expert and expert-tensor parallelism, where it is alltoall's local "
+        "permutation; elsewhere megatron-core's allgather dispatcher needs micro-batches of one "
+        "length on every rank and is refused.", choices=["allgather", "alltoall", "flex"],
+        not_yet={"flex": "the flex dispatcher runs DeepEP's or HybridEP's kernels, which are "
+                         "not installed with swift-megatron: use alltoall (the default)"})

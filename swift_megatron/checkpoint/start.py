@@ -106,25 +106,36 @@ def check_resume_step(resume_dir: Optional[str], train_iters: int) -> None:
 
 
 LAYOUT_FLAGS = {"tp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
-                "ep": "--expert_model_parallel_size", "etp": "--expert_tensor_parallel_size"}
+                "ep": "--expert_model_parallel_size", "etp": "--expert_tensor_parallel_size",
+                "grouped_experts": "--moe_grouped_gemm"}
 
 
-def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool) -> None:
+def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool,
+                        grouped_experts: Optional[bool] = None) -> None:
     """Resuming the optimizer state needs the model-parallel layout it was saved with (megatron
     reshards the weights across TP/PP/EP, not the distributed optimizer's buffers; the DP size
-    may change). UserError naming the flags to keep, or --no_load_optim."""
+    may change), and a MoE model's experts in the same form (`grouped_experts`:
+    --moe_grouped_gemm of a run that trains them, None otherwise; grouped and per-expert weights
+    load into each other, their optimizer buffers do not). UserError naming the flags to keep,
+    or --no_load_optim."""
     if resume_dir is None or not load_optim or \
             not os.path.isdir(os.path.join(resume_dir, "optimizer")):
         return
     with open(os.path.join(resume_dir, OUR_META)) as f:
         saved = json.load(f).get("saved_with") or {}
     now = {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
-           "ep": parallel.expert_model_parallel_size, "etp": parallel.expert_tensor_parallel_size}
+           "ep": parallel.expert_model_parallel_size, "etp": parallel.expert_tensor_parallel_size,
+           "grouped_experts": grouped_experts}
     moe = max(saved.get("ep", 1), now["ep"]) > 1   # ETP matters only with expert parallelism
-    changed = [f"{LAYOUT_FLAGS[k]} {saved[k]} (this run: {now[k]})" for k in LAYOUT_FLAGS
-               if k in saved and saved[k] != now[k] and (k != "etp" or moe)]
+    changed = [f"{LAYOUT_FLAGS[k]} {_flag_value(saved[k])} (this run: {_flag_value(now[k])})"
+               for k in LAYOUT_FLAGS if k in saved and now[k] is not None and saved[k] != now[k]
+               and (k != "etp" or moe)]
     if changed:
         raise UserError(f"{resume_dir} was saved with {', '.join(changed)}: its optimizer state "
                         "resumes only in that layout. Keep those values, or pass --no_load_optim "
                         "true to resume the weights, step and data position with a fresh "
                         "optimizer (the weights reshard to any layout)")
+
+
+def _flag_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

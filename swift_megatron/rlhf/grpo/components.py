@@ -91,7 +91,8 @@ def _config_overrides(args: RlhfArguments) -> dict:
     from megatron.core.transformer.enums import AttnBackend
 
     p, capacity = args.parallel, args.training.moe_expert_capacity_factor
-    overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend])
+    overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend],
+                     moe_grouped_gemm=args.kernels.moe_grouped_gemm)
     if p.recompute_granularity:
         overrides.update(recompute_granularity=p.recompute_granularity,
                          recompute_method=p.recompute_method,
