@@ -24,13 +24,16 @@ With no expert or expert-tensor parallelism (EP = ETP = 1) nothing else happens:
 counts stay on the device for the grouped experts (model/grouped_experts.py), so a layer's
 forward and backward never wait on the host. With EP or ETP > 1 megatron's all-to-all and
 all-gather need the split sizes on the host (one synchronisation per layer forward, inherent to
-variable-size collectives) and megatron's code does the communication and the sort by local
-expert between the two permutations. Token dropping (`--moe_expert_capacity_factor`), whose
+variable-size collectives) and megatron's code does the communication between the two
+permutations, its sort of the received tokens by local expert (split and concatenated chunk by
+chunk there: EP x local experts chunks) done as one gather (`sort_chunks`). Token dropping (`--moe_expert_capacity_factor`), whose
 routed-token count the host must know, runs megatron's path unchanged.
 """
+import contextlib
 import dataclasses
 
 import torch
+from megatron.core.transformer.moe import token_dispatcher
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -90,6 +93,51 @@ class _Unpermute(torch.autograd.Function):
         return grad.index_select(0, source), None, None, None
 
 
+def chunk_gather_index(sizes: torch.Tensor, order: torch.Tensor, total: int,
+                       device: torch.device) -> torch.Tensor:
+    """The row index that puts chunks of `sizes` rows (in a tensor of `total` rows) in the
+    order `order`, computed on `device` without reading the sizes on the host."""
+    sizes, order = sizes.to(device, non_blocking=True), order.to(device, non_blocking=True)
+    moved = sizes[order]
+    shift = (sizes.cumsum(0) - sizes)[order] - (moved.cumsum(0) - moved)
+    return torch.arange(total, device=device) + shift.repeat_interleave(moved, output_size=total)
+
+
+class _Reorder(torch.autograd.Function):
+    """rows [N, ...] -> rows[index] for a permutation `index`; backward by its inverse."""
+
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, = ctx.saved_tensors
+        inverse = torch.empty_like(index).scatter_(
+            0, index, torch.arange(index.numel(), device=index.device))
+        return grad.index_select(0, inverse), None
+
+
+def sort_chunks(tokens, split_sizes, sorted_idxs, probs=None, fused=False):
+    """megatron's `sort_chunks_by_idxs` (the all-to-all output sorted by local expert and back)
+    as one gather per tensor, where megatron splits and concatenates chunk by chunk."""
+    index = chunk_gather_index(split_sizes, sorted_idxs, tokens.shape[0], tokens.device)
+    return (_Reorder.apply(tokens, index),
+            None if probs is None else _Reorder.apply(probs, index))
+
+
+@contextlib.contextmanager
+def _gathered_chunk_sort():
+    """megatron's dispatcher code with `sort_chunks` as its chunk sort, for one call."""
+    megatrons = token_dispatcher.sort_chunks_by_idxs
+    token_dispatcher.sort_chunks_by_idxs = sort_chunks
+    try:
+        yield
+    finally:
+        token_dispatcher.sort_chunks_by_idxs = megatrons
+
+
 def permute(tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
     return _Permute.apply(tokens, routing.source, routing.inverse, routing.experts.shape[1])
 
@@ -137,15 +185,23 @@ class Dispatcher(MoEAlltoAllTokenDispatcher):
         return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
 
     def dispatch_postprocess(self, global_input_tokens, global_probs):
-        if not self._local():
+        if not self._ours():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
+        if not self._local():
+            with _gathered_chunk_sort():
+                return super().dispatch_postprocess(global_input_tokens, global_probs)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
-        return hidden_states if self._local() else super().combine_preprocess(hidden_states)
+        if self._local():
+            return hidden_states
+        if not self._ours():
+            return super().combine_preprocess(hidden_states)
+        with _gathered_chunk_sort():
+            return super().combine_preprocess(hidden_states)
 
     def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         return hidden_states if self._local() else super().token_combine(hidden_states)

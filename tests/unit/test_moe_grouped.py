@@ -31,7 +31,7 @@ from swift_megatron.model.config import load_hf_config
 from swift_megatron.model.grouped_experts import GroupedExperts, GroupedMM, per_expert_mm
 from swift_megatron.parallel.state import ParallelState
 from swift_megatron.platform.host_syncs import HostSyncCounter
-from tests.helpers import safetensors_of
+from tests.helpers import per_expert_grads, safetensors_of
 
 BATCH, SEQ = 2, 24
 
@@ -54,27 +54,6 @@ def load(model_dir: str, grouped: bool, **overrides):
 def tokens():
     ids = torch.randint(0, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return ids, torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-
-
-def per_expert_grads(model) -> dict:
-    """Every gradient by parameter name, a grouped weight's per expert under SequentialMLP's
-    names (weight1 [E, hidden, 2 ffn] -> local_experts.e.linear_fc1 [2 ffn, hidden], ...)."""
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:      # a vision tower without images
-            continue
-        prefix, _, leaf = name.rpartition(".")
-        module = model.get_submodule(prefix)
-        if not isinstance(module, GroupedExperts):
-            grads[name] = param.grad
-            continue
-        hidden, experts = module.config.hidden_size, module.num_local_experts
-        linear = "linear_fc1" if leaf == "weight1" else "linear_fc2"
-        per_expert = param.grad.view(experts, hidden, -1) if leaf == "weight1" else \
-            param.grad.view(experts, -1, hidden)
-        for e in range(experts):
-            grads[f"{prefix}.local_experts.{e}.{linear}.weight"] = per_expert[e].t()
-    return grads
 
 
 def step(model):
