@@ -310,6 +310,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         vision_trainable=t.train_type == "full" and not (args.model.freeze_vit
                                                           and args.model.freeze_aligner),
         image_patches=max(1, tokens // longest) * image_patches(args, hf_config),
+        grouped_experts=args.kernels.moe_grouped_gemm and not args.lora_on_experts,
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))

@@ -63,6 +63,7 @@ class RlhfArguments:
                             "the scheduler in the rollout server (--vllm_mode server)")
         self._check_async_generate()
         self._check_token_dispatcher()
+        self._check_moe_act()
         self._check_vision_lrs()
         self._check_lora_llm()
         if self.grpo.offload_ref_model and not self.grpo.has_frozen_reference(
@@ -118,6 +119,29 @@ class RlhfArguments:
                 f"{p.expert_tensor_parallel_size}: megatron-core's allgather dispatcher needs "
                 "micro-batches of one length on every rank, and swift-megatron's vary; use "
                 "--moe_token_dispatcher_type alltoall (the default)")
+
+    @property
+    def lora_on_experts(self) -> bool:
+        """Whether LoRA adapts MoE experts' projections (lora/layers.py then runs grouped experts
+        as SequentialMLP)."""
+        targets = set(self.lora.target_modules)
+        return self.training.uses_lora and bool(
+            targets & {"all-linear", "gate_proj", "up_proj", "down_proj"})
+
+    def _check_moe_act(self) -> None:
+        """--recompute_modules moe_act recomputes the SwiGLU of grouped experts
+        (model/grouped_experts.py); SequentialMLP's experts, which --moe_grouped_gemm false and
+        LoRA on the experts' projections run, have no such recomputation."""
+        if "moe_act" not in self.parallel.selective_recompute:
+            return
+        if not self.kernels.moe_grouped_gemm:
+            raise UserError("--recompute_modules moe_act recomputes grouped experts' activation, "
+                            "and --moe_grouped_gemm false runs them one by one: drop one of the "
+                            "two (--recompute_modules moe recomputes the whole MoE layer)")
+        if self.lora_on_experts:
+            raise UserError("--recompute_modules moe_act: LoRA on the experts' projections "
+                            "(--target_modules) runs them one by one, without it; use "
+                            "--recompute_modules moe (the whole MoE layer)")
 
     def _check_async_generate(self) -> None:
         """--async_generate overlaps HTTP generation with training: server mode only (a
