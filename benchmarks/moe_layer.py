@@ -2,14 +2,15 @@
 packed micro-batch (forward + backward through megatron's schedule, DDP gradient buffers,
 logprobs chunked as the trainer computes them; no optimizer step) of a random model.
 
-    python benchmarks/moe_layer.py --preset qwen3-30b-a3b-8l qwen3.5-moe-8l qwen2.5-1.5b \\
+    python benchmarks/moe_layer.py --preset qwen3-30b-a3b-8l qwen3.5-35b-a3b-8l qwen2.5-1.5b \\
         --variants megatron grouped --profile                                  # on a GPU
     python benchmarks/moe_layer.py --preset tiny-moe --tokens 256 --seq_len 64 --steps 1 \\
         --device cpu --profile
 
-Presets: benchmarks/grpo_step.py's (`qwen3-30b-a3b-8l`: Qwen3-30B-A3B's layers, all 128
-experts, top 8; `qwen3.5-moe-8l`: Qwen3.5-35B-A3B's hybrid layers, 64 experts here (its 256 need
-EP); `qwen3-moe-4l`, `qwen2.5-1.5b`, ...) plus `tiny-moe`; `--layers N` changes the depth.
+Presets: benchmarks/grpo_step.py's (`qwen3-30b-a3b-8l`: 8 of Qwen3-30B-A3B's layers, all 128
+experts, top 8; `qwen3.5-35b-a3b-8l`: 8 of Qwen3.5-35B-A3B's hybrid layers, all 256 experts;
+`qwen3-moe-4l`, `qwen3.5-moe-8l` (64 experts), `qwen2.5-1.5b`, ...) plus `tiny-moe`;
+`--layers N` changes the depth.
 Variants of the MoE layers (one model each; a dense preset runs once):
 
     grouped     grouped-GEMM experts and the device-side dispatch (the default)
