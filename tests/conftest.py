@@ -31,6 +31,8 @@ NOT_QUICK = frozenset({
     "tests/unit/test_recompute.py",           # each layout and family in worker processes
     "tests/unit/test_moe_numerics.py",        # one MoE training run in a subprocess
     "tests/unit/test_layer_time.py",          # a Qwen3.5 stack's layers timed in a subprocess
+    "tests/unit/test_moe_layer_bench.py",     # MoE models' train steps timed in a subprocess
+    "tests/unit/test_moe_grouped.py::world",  # tiny MoE models built and run in both forms
     "tests/unit/test_lora.py::checks",        # every family's LoRA model in worker processes
     "tests/unit/test_export_cli.py::test_nproc_per_node_relaunches_under_torchrun",
     "tests/unit/test_cli.py::test_dry_run_checks_the_model",
