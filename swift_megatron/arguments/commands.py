@@ -108,15 +108,15 @@ class RlhfArguments:
 
     def _check_token_dispatcher(self) -> None:
         """--moe_token_dispatcher_type allgather: megatron-core's allgather dispatcher gathers
-        equal token counts from every rank (it refuses variable sequence lengths); without EP
-        and ETP no token leaves its rank and alltoall's local permutation does the same."""
+        equal token counts from every rank (it refuses variable sequence lengths). Without EP
+        both dispatchers move the same tokens (all of them over expert-TP, if any), and
+        alltoall's code runs."""
         p = self.parallel
         if self.kernels.moe_token_dispatcher_type == "allgather" and \
-                p.expert_model_parallel_size * p.expert_tensor_parallel_size > 1:
+                p.expert_model_parallel_size > 1:
             raise UserError(
                 "--moe_token_dispatcher_type allgather with --expert_model_parallel_size "
-                f"{p.expert_model_parallel_size} and --expert_tensor_parallel_size "
-                f"{p.expert_tensor_parallel_size}: megatron-core's allgather dispatcher needs "
+                f"{p.expert_model_parallel_size}: megatron-core's allgather dispatcher needs "
                 "micro-batches of one length on every rank, and swift-megatron's vary; use "
                 "--moe_token_dispatcher_type alltoall (the default)")
 

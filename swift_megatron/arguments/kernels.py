@@ -38,9 +38,9 @@ class KernelArguments:
                                  "one by one either way.")
     moe_token_dispatcher_type: str = arg(
         "alltoall", "MoE token dispatcher: alltoall (the tokens permuted on the device, "
-        "all-to-all between expert-parallel ranks). allgather moves no token between ranks only "
-        "without expert and expert-tensor parallelism, where it is alltoall's local "
-        "permutation; elsewhere megatron-core's allgather dispatcher needs micro-batches of one "
-        "length on every rank and is refused.", choices=["allgather", "alltoall", "flex"],
+        "all-to-all between expert-parallel ranks). allgather without expert parallelism, "
+        "where both move the same tokens (all of them over expert-TP) and alltoall's code "
+        "runs; with EP megatron-core's allgather dispatcher needs micro-batches of one length "
+        "on every rank and is refused.", choices=["allgather", "alltoall", "flex"],
         not_yet={"flex": "the flex dispatcher runs DeepEP's or HybridEP's kernels, which are "
                          "not installed with swift-megatron: use alltoall (the default)"})

@@ -6,7 +6,8 @@ qwen3_5_moe, loaded through the bridge):
 - logits and every parameter's gradient (the grouped weights' read per expert) match the
   sequential experts', with the shared expert too, with --recompute_modules moe_act, and on the
   per-expert path used where torch's grouped kernel is missing;
-- the dispatch matches megatron's dispatcher (sequential experts on both sides);
+- the dispatch matches megatron's dispatcher (sequential experts on both sides), and with the
+  shared expert overlapped with it (megatron's moe_shared_expert_overlap) computes the same;
 - the grouped GEMM matches a per-expert loop on uneven groups with empty ones, float32 and
   bfloat16, outputs and gradients (a broadcast upstream gradient included);
 - a MoE layer's forward and backward at EP = ETP = 1 make no call that would make the host wait
@@ -101,6 +102,13 @@ def test_device_dispatch_matches_megatrons_dispatcher(world, tiny_model_dir):
     for layer in megatrons.decoder.layers:
         layer.mlp.token_dispatcher.__class__ = MoEAlltoAllTokenDispatcher
     assert_same_step(step(ours), step(megatrons))
+
+
+def test_the_shared_expert_overlap_computes_the_same(world, tiny_model_dir):
+    reference = step(load(tiny_model_dir("qwen3_5_moe"), True)[0])
+    overlapped, _ = load(tiny_model_dir("qwen3_5_moe"), True, moe_shared_expert_overlap=True)
+    assert overlapped.decoder.layers[0].mlp.token_dispatcher.shared_experts is not None
+    assert_same_step(step(overlapped), reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,8 +209,9 @@ def test_moe_flags_parse_as_ms_swifts():
     assert _config_overrides(args)["moe_grouped_gemm"] is True
     assert _config_overrides(rlhf_flags("--moe_grouped_gemm", "false"))["moe_grouped_gemm"] \
         is False
-    rlhf_flags("--moe_token_dispatcher_type", "allgather")     # no token leaves its rank
-    with pytest.raises(UserError, match=r"allgather with --expert_model_parallel_size 2 .*"
+    rlhf_flags("--moe_token_dispatcher_type", "allgather")     # no expert parallelism
+    rlhf_flags("--moe_token_dispatcher_type", "allgather", "--tensor_model_parallel_size", "2")
+    with pytest.raises(UserError, match=r"allgather with --expert_model_parallel_size 2: .*"
                                         r"use --moe_token_dispatcher_type alltoall"):
         rlhf_flags("--moe_token_dispatcher_type", "allgather",
                    "--expert_model_parallel_size", "2")
