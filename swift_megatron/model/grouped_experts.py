@@ -133,7 +133,7 @@ class GroupedExperts(GroupedMLP):
             raise ValueError("grouped experts compute SwiGLU experts only")
         with _without_extension_check():
             super().__init__(num_local_experts, config, pg_collection)
-        self.grouped_kernel = grouped_mm_runs(self.weight1.device.type, self.weight1.dtype)
+        self.grouped_kernel = True   # where torch's kernel runs (False: one matmul per expert)
 
     def _weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """weight1 as [E, hidden, 2 ffn] and weight2 as [E, ffn, hidden] (views)."""
@@ -141,7 +141,7 @@ class GroupedExperts(GroupedMLP):
         return self.weight1.view(experts, hidden, -1), self.weight2.view(experts, -1, hidden)
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if not self.grouped_kernel:
+        if not (self.grouped_kernel and grouped_mm_runs(x.device.type, x.dtype)):
             return per_expert_mm(x, w, counts)
         return GroupedMM.apply(x, w, counts.cumsum(0).to(torch.int32))
 
