@@ -63,6 +63,7 @@ class GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs):
+        x = x.contiguous()      # (a compiled kernel's output may come with other strides)
         ctx.save_for_backward(x, w, offs)
         return torch._grouped_mm(x, w, offs=offs)
 

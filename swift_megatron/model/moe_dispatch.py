@@ -7,8 +7,7 @@ token counts to the host and waits for them (with several local experts), and ev
 token leaves the rank splits and re-concatenates the tokens per expert in Python.
 
 `Dispatcher` (megatron's class with these parts replaced; `use_device_dispatch` installs it in
-a built model, model/build.py) keeps each
-micro-batch's routing on the device:
+a built model, model/build.py) keeps each micro-batch's routing on the device:
 
     routing_of   from the router's [tokens, experts] map: each token's k experts, the order
                  that sorts the token-expert pairs by expert (stable: tokens ascending within an
@@ -25,9 +24,10 @@ counts stay on the device for the grouped experts (model/grouped_experts.py), so
 forward and backward never wait on the host. With EP or ETP > 1 megatron's all-to-all and
 all-gather need the split sizes on the host (one synchronisation per layer forward, inherent to
 variable-size collectives) and megatron's code does the communication between the two
-permutations, its sort of the received tokens by local expert (split and concatenated chunk by
-chunk there: EP x local experts chunks) done as one gather (`sort_chunks`). Token dropping (`--moe_expert_capacity_factor`), whose
-routed-token count the host must know, runs megatron's path unchanged.
+permutations; its sort of the received tokens by local expert (EP x local experts chunks, split
+and concatenated one by one there) is one gather here (`sort_chunks`). Token dropping
+(`--moe_expert_capacity_factor`), whose routed-token count the host must know, runs megatron's
+path unchanged.
 """
 import contextlib
 import dataclasses
