@@ -13,6 +13,8 @@ import pytest
 
 from tests.distributed.launch import run_workers
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def report(tiny_model_dir, tmp_path_factory):
