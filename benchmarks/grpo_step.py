@@ -60,6 +60,11 @@ PRESETS = {
     "qwen2.5-1.5b-4l": dict(REAL_SHAPES["qwen2.5-1.5b"], num_hidden_layers=4),
     "qwen3-1.7b-4l": dict(REAL_SHAPES["qwen3-1.7b"], num_hidden_layers=4),
     "qwen3-moe-4l": dict(REAL_SHAPES["qwen3-moe-small"], num_hidden_layers=4),
+    # Qwen3-30B-A3B's layers with all of its 128 experts (8 of its 48 layers)
+    "qwen3-30b-a3b-8l": dict(REAL_SHAPES["qwen3-moe-small"], num_experts=128),
+    # Qwen3.5-35B-A3B's layers with all of its 256 experts (8 of its 40 layers)
+    "qwen3.5-35b-a3b-8l": dict(REAL_SHAPES["qwen3.5-moe-small"], model_type="qwen3_5_moe",
+                               num_experts=256),
     "qwen3.5-moe-4l": dict(REAL_SHAPES["qwen3.5-moe-small"], model_type="qwen3_5_moe",
                            num_hidden_layers=4),
     "qwen2.5-vl-3b-4l": dict(REAL_SHAPES["qwen2.5-vl-3b"], num_hidden_layers=4, image_size=448,

@@ -50,7 +50,9 @@ def model_files(args: RlhfArguments) -> Optional[str]:
     from swift_megatron.checkpoint.start import check_resume_layout, check_resume_step, plan_start
 
     start = plan_start(args.training, args.lora)
-    check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim)
+    check_resume_layout(start.resume_dir, args.parallel, not args.training.no_load_optim,
+                        args.kernels.moe_grouped_gemm if args.training.train_type == "full"
+                        else None)
     check_resume_step(start.resume_dir, args.training.train_iters or 0)
     check_run_dirs(args, start.resume_dir)
     _check_reference_paths(args, start)
@@ -441,6 +443,7 @@ def run_shape(args: RlhfArguments, plan: BatchPlan, hf_config: dict):
         embedding_trains=embedding_trains(args, hf_config),
         stage_layers=stage_layers(hf_config, p),
         adam_state_bytes=sum(ADAM_STATE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
+        grouped_experts=args.kernels.moe_grouped_gemm and not args.lora_on_experts,
         teacher_parameters=0 if teacher_config is None or g.offload_teacher_model else
         rank_parameters(teacher_config, RunShape(tp=p.tensor_model_parallel_size,
                                                  pp=p.pipeline_model_parallel_size)))

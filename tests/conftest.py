@@ -31,6 +31,8 @@ NOT_QUICK = frozenset({
     "tests/unit/test_recompute.py",           # each layout and family in worker processes
     "tests/unit/test_moe_numerics.py",        # one MoE training run in a subprocess
     "tests/unit/test_layer_time.py",          # a Qwen3.5 stack's layers timed in a subprocess
+    "tests/unit/test_moe_layer_bench.py",     # MoE models' train steps timed in a subprocess
+    "tests/unit/test_moe_grouped.py::world",  # tiny MoE models built and run in both forms
     "tests/unit/test_lora.py::checks",        # every family's LoRA model in worker processes
     # every family's GRPO step on the CUDA paths: Inductor compiles for about a minute when cold
     "tests/unit/test_cuda_paths.py::test_cuda_paths_give_the_cpu_defaults_grpo_step",

@@ -47,3 +47,26 @@ def build_peft_adapter(model_dir: str, out_dir: str, seed: int = 3) -> str:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     peft_model.save_pretrained(out_dir)
     return out_dir
+
+
+def per_expert_grads(model) -> dict:
+    """Every gradient by parameter name, a grouped weight's per expert under SequentialMLP's
+    names (weight1 [E, hidden, 2 ffn] -> local_experts.e.linear_fc1 [2 ffn, hidden], ...)."""
+    from swift_megatron.model.grouped_experts import GroupedExperts
+
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:      # a vision tower without images
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        if not isinstance(module, GroupedExperts):
+            grads[name] = param.grad
+            continue
+        hidden, experts = module.config.hidden_size, module.num_local_experts
+        linear = "linear_fc1" if leaf == "weight1" else "linear_fc2"
+        per_expert = param.grad.view(experts, hidden, -1) if leaf == "weight1" else \
+            param.grad.view(experts, -1, hidden)
+        for e in range(experts):
+            grads[f"{prefix}.local_experts.{e}.{linear}.weight"] = per_expert[e].t()
+    return grads

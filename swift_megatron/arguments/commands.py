@@ -74,6 +74,8 @@ class RlhfArguments:
             raise UserError("--router_replay_mode R3 replays the routes of one generation per "
                             "completion; a multi-turn conversation's turns are generated "
                             "apart (not supported): drop --multi_turn_scheduler or use R2")
+        self._check_token_dispatcher()
+        self._check_moe_act()
         self._check_vision_lrs()
         self._check_lora_llm()
         self._check_freeze_ratio()
@@ -126,6 +128,43 @@ class RlhfArguments:
             raise UserError("--train_type lora_llm needs --merge_lora true (as ms-swift): its HF "
                             "checkpoints are merged models, since the adapter alone does not "
                             "hold the trained vision tower")
+
+    def _check_token_dispatcher(self) -> None:
+        """--moe_token_dispatcher_type allgather: megatron-core's allgather dispatcher gathers
+        equal token counts from every rank (it refuses variable sequence lengths). Without EP
+        both dispatchers move the same tokens (all of them over expert-TP, if any), and
+        alltoall's code runs."""
+        p = self.parallel
+        if self.kernels.moe_token_dispatcher_type == "allgather" and \
+                p.expert_model_parallel_size > 1:
+            raise UserError(
+                "--moe_token_dispatcher_type allgather with --expert_model_parallel_size "
+                f"{p.expert_model_parallel_size}: megatron-core's allgather dispatcher needs "
+                "micro-batches of one length on every rank, and swift-megatron's vary; use "
+                "--moe_token_dispatcher_type alltoall (the default)")
+
+    @property
+    def lora_on_experts(self) -> bool:
+        """Whether LoRA adapts MoE experts' projections (lora/layers.py then runs grouped experts
+        as SequentialMLP)."""
+        targets = set(self.lora.target_modules)
+        return self.training.uses_lora and bool(
+            targets & {"all-linear", "gate_proj", "up_proj", "down_proj"})
+
+    def _check_moe_act(self) -> None:
+        """--recompute_modules moe_act recomputes the SwiGLU of grouped experts
+        (model/grouped_experts.py); SequentialMLP's experts, which --moe_grouped_gemm false and
+        LoRA on the experts' projections run, have no such recomputation."""
+        if "moe_act" not in self.parallel.selective_recompute:
+            return
+        if not self.kernels.moe_grouped_gemm:
+            raise UserError("--recompute_modules moe_act recomputes grouped experts' activation, "
+                            "and --moe_grouped_gemm false runs them one by one: drop one of the "
+                            "two (--recompute_modules moe recomputes the whole MoE layer)")
+        if self.lora_on_experts:
+            raise UserError("--recompute_modules moe_act: LoRA on the experts' projections "
+                            "(--target_modules) runs them one by one, without it; use "
+                            "--recompute_modules moe (the whole MoE layer)")
 
     def _check_async_generate(self) -> None:
         """--async_generate overlaps generation with training: on the rollout servers, or on

@@ -1,6 +1,8 @@
 """Kernel and packing flags of ms-swift's Megatron mode. `--padding_free` packs a micro-batch's
 sequences back to back (THD) and `--attention_backend` picks the attention kernel of packed
-batches (model/spec.py). The fusion flags select Transformer Engine or megatron-core kernels that
+batches (model/spec.py); `--moe_grouped_gemm` and `--moe_token_dispatcher_type` choose how MoE
+layers run their experts (model/grouped_experts.py) and move their tokens
+(model/moe_dispatch.py). The fusion flags select Transformer Engine or megatron-core kernels that
 swift-megatron's layer spec does not use, so they are accepted and have no effect: a dry run names
 the ones it was given (arguments/parser.py `notices`)."""
 from dataclasses import dataclass
@@ -33,6 +35,19 @@ class KernelArguments:
     cross_entropy_loss_fusion: bool = arg(True, "Fused cross entropy.",
                                           no_effect="logprobs come from our own vocab-parallel "
                                                     "log-softmax")
+    moe_grouped_gemm: bool = arg(True, "MoE: each layer's local experts as one grouped GEMM per "
+                                 "projection (torch's grouped matrix multiply) instead of two "
+                                 "GEMMs per expert launched one by one (false: megatron-core's "
+                                 "SequentialMLP). LoRA on the experts' projections runs them "
+                                 "one by one either way.")
+    moe_token_dispatcher_type: str = arg(
+        "alltoall", "MoE token dispatcher: alltoall (the tokens permuted on the device, "
+        "all-to-all between expert-parallel ranks). allgather without expert parallelism, "
+        "where both move the same tokens (all of them over expert-TP) and alltoall's code "
+        "runs; with EP megatron-core's allgather dispatcher needs micro-batches of one length "
+        "on every rank and is refused.", choices=["allgather", "alltoall", "flex"],
+        not_yet={"flex": "the flex dispatcher runs DeepEP's or HybridEP's kernels, which are "
+                         "not installed with swift-megatron: use alltoall (the default)"})
     masked_softmax_fusion: bool = arg(True, "megatron-core's fused masked softmax.",
                                       no_effect=_SDPA)
     bias_dropout_fusion: bool = arg(True, "megatron-core's fused bias + dropout + add.",

@@ -8,8 +8,6 @@ from swift_megatron.errors import UserError
 # ms-swift's --recompute_modules values; the ones our layer spec cannot take, with the reason
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe")
 REFUSED_RECOMPUTE_MODULES = {
-    "moe_act": "megatron-core recomputes the expert activation only in grouped-GEMM experts "
-               "(Transformer Engine); ours are sequential: use moe (the whole MoE layer)",
     "mla_up_proj": "it recomputes multi-latent attention's up-projection, and no supported "
                    "model uses MLA",
 }
@@ -71,9 +69,9 @@ class ParallelArguments:
         ["core_attn"], "With --recompute_granularity selective: the parts of each layer "
         "recomputed in the backward pass. core_attn (attention's softmax(QK^T)V), mlp (a dense "
         "layer's MLP), moe (a whole MoE layer: router, dispatch, experts) checkpoint their "
-        "input; layernorm (both norms of a layer) discards its output and recomputes it. "
-        "moe_act and mla_up_proj are refused (sequential experts, no MLA model). Ignored with "
-        "the other granularities, as in ms-swift.", choices=RECOMPUTE_MODULES)
+        "input; layernorm (both norms of a layer) discards its output and recomputes it, "
+        "moe_act (grouped experts' SwiGLU) its output. mla_up_proj is refused (no MLA model). "
+        "Ignored with the other granularities, as in ms-swift.", choices=RECOMPUTE_MODULES)
     moe_layer_recompute: bool = arg(False, "Recompute each MoE layer in the backward pass "
                                     "(megatron-core 0.12's flag, kept by ms-swift): adds moe to "
                                     "--recompute_modules.")

@@ -14,6 +14,7 @@ from swift_megatron.bridge.position import RankPosition
 from swift_megatron.errors import UserError
 from swift_megatron.logging import get_logger
 from swift_megatron.logging.progress import progress
+from swift_megatron.model.grouped_experts import GroupedExperts
 
 logger = get_logger(__name__)
 
@@ -26,10 +27,20 @@ def find_mapping(mappings: List[Mapping], global_name: str) -> Tuple[Mapping, di
     raise ValueError(f"no HF mapping for Megatron parameter '{global_name}'")
 
 
-def bridge_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Parameter]]:
+def bridge_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """(name, parameter) of every weight the bridge maps: all but those marked `bridge_skip`
-    (LoRA adapters, which are no HF weights)."""
-    return [(n, p) for n, p in model.named_parameters() if not getattr(p, "bridge_skip", False)]
+    (LoRA adapters, which are no HF weights); grouped experts' weights as one view per expert
+    under SequentialMLP's names (model/grouped_experts.py `expert_weights`)."""
+    grouped = {prefix: module for prefix, module in model.named_modules()
+               if isinstance(module, GroupedExperts)}
+    params = []
+    for name, param in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in grouped:
+            params += [(f"{prefix}.{n}", view) for n, view in grouped[prefix].expert_weights(leaf)]
+        elif not getattr(param, "bridge_skip", False):
+            params.append((name, param))
+    return params
 
 
 @torch.no_grad()

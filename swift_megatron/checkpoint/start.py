@@ -108,18 +108,24 @@ def check_resume_step(resume_dir: Optional[str], train_iters: int) -> None:
 LAYOUT_FLAGS = {"tp": "--tensor_model_parallel_size", "pp": "--pipeline_model_parallel_size",
                 "ep": "--expert_model_parallel_size", "etp": "--expert_tensor_parallel_size",
                 "first": "--decoder_first_pipeline_num_layers",
-                "last": "--decoder_last_pipeline_num_layers"}
+                "last": "--decoder_last_pipeline_num_layers",
+                "grouped_experts": "--moe_grouped_gemm"}
 UNEVEN = ("first", "last")   # absent from saved_with: an even split (none)
 
 
 def _shown(value) -> str:
-    return "none" if value is None else str(value)
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else \
+        str(value)
 
 
-def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool) -> None:
+def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool,
+                        grouped_experts: Optional[bool] = None) -> None:
     """Resuming the optimizer state needs the model-parallel layout it was saved with (megatron
     reshards the weights across TP/PP/EP, not the distributed optimizer's buffers; the DP size
-    may change). UserError naming the flags to keep, or --no_load_optim."""
+    may change), and a MoE model's experts in the same form (`grouped_experts`:
+    --moe_grouped_gemm of a run that trains them, None otherwise; grouped and per-expert weights
+    load into each other, their optimizer buffers do not). UserError naming the flags to keep,
+    or --no_load_optim."""
     if resume_dir is None or not load_optim or \
             not os.path.isdir(os.path.join(resume_dir, "optimizer")):
         return
@@ -128,12 +134,13 @@ def check_resume_layout(resume_dir: Optional[str], parallel, load_optim: bool) -
     now = {"tp": parallel.tensor_model_parallel_size, "pp": parallel.pipeline_model_parallel_size,
            "ep": parallel.expert_model_parallel_size, "etp": parallel.expert_tensor_parallel_size,
            "first": parallel.decoder_first_pipeline_num_layers,
-           "last": parallel.decoder_last_pipeline_num_layers}
+           "last": parallel.decoder_last_pipeline_num_layers,
+           "grouped_experts": grouped_experts}
     saved = {**dict.fromkeys(UNEVEN), **saved}
     moe = max(saved.get("ep", 1), now["ep"]) > 1   # ETP matters only with expert parallelism
     changed = [f"{LAYOUT_FLAGS[k]} {_shown(saved[k])} (this run: {_shown(now[k])})"
-               for k in LAYOUT_FLAGS
-               if k in saved and saved[k] != now[k] and (k != "etp" or moe)]
+               for k in LAYOUT_FLAGS if k in saved and saved[k] != now[k]
+               and (k != "etp" or moe) and (k != "grouped_experts" or now[k] is not None)]
     if changed:
         raise UserError(f"{resume_dir} was saved with {', '.join(changed)}: its optimizer state "
                         "resumes only in that layout. Keep those values, or pass --no_load_optim "

@@ -43,6 +43,11 @@ keeps its slice, so TP=2 starts exactly where TP=1 does. Dropout on a replicated
 default generator (identical on every TP rank); on a split input (row-parallel, or sequence
 parallel) megatron's model-parallel one.
 
+MoE layers whose experts are grouped GEMMs (model/grouped_experts.py) hold no parallel linear
+per expert: when the targets include gate_proj, up_proj or down_proj, `apply_lora` first turns
+them into megatron's SequentialMLP with the same weights (`to_sequential`), whose expert linears
+get adapters as any other (the experts then run one by one, as with --moe_grouped_gemm false).
+
 Bridge contract (bridge/ does not import lora/): adapter parameters carry `bridge_skip = True`
 (neither loaded nor exported), and each adapted base weight carries `bridge_export`, a callable
 giving the tensor to export for this rank's shard: W + scale * B A, computed out of place (the
@@ -70,6 +75,7 @@ from swift_megatron.bridge.mapping import Mapping
 from swift_megatron.errors import UserError
 from swift_megatron.lora.branch import AdapterBranch, AdapterLayout, FrozenLinearWithAdapter
 from swift_megatron.lora.saved import base_weights, train_in_full, unload
+from swift_megatron.model.grouped_experts import GroupedExperts, to_sequential
 from swift_megatron.lora.targets import (LoraConfig, LoraTarget, find_targets, rows_on,
                                          split_index)
 
@@ -352,6 +358,8 @@ LORA_CLASSES = {ColumnParallelLinear: LoraColumnParallelLinear,
 
 # ---- model-level API ------------------------------------------------------------------------
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")   # what a routed expert holds
+
 def lora_modules(model: torch.nn.Module) -> List[_LoraMixin]:
     """The adapted linears of a model (DDP-wrapped or not), in module order."""
     return [m for m in model.modules() if isinstance(m, _LoraMixin)]
@@ -364,6 +372,18 @@ def _check_model(model: torch.nn.Module) -> None:
         raise ValueError("the model already has LoRA adapters")
 
 
+def _unfuse_targeted_experts(model: torch.nn.Module, config: LoraConfig) -> None:
+    """Grouped experts (model/grouped_experts.py) hold no linear to adapt: when the targets
+    include the experts' projections, each MoE layer's grouped experts become megatron's
+    SequentialMLP with the same weights first (one adapted MLP per expert)."""
+    if not set(config.projections()) & set(EXPERT_PROJECTIONS):
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, to_sequential(module))
+
+
 def apply_lora(model: torch.nn.Module, config: LoraConfig,
                mappings: Optional[List[Mapping]] = None) -> List[torch.nn.Module]:
     """Add adapters to the targeted linears of this stage's GPTModel (before DDP wrapping) and
@@ -371,6 +391,7 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig,
     `mappings`: the bridge's family table (default: the shared decoder table). Returns the
     adapted modules."""
     _check_model(model)
+    _unfuse_targeted_experts(model, config)
     targets = find_targets(model, config, mappings)
     if not targets:
         chosen = (f"target_regex {config.target_regex!r}" if config.target_regex is not None

@@ -10,6 +10,7 @@ from megatron.core.models.gpt import GPTModel
 from swift_megatron.model import compat  # noqa: F401  (megatron-core fixes, applied on import)
 from swift_megatron.model.config import ModelShape, model_shape, transformer_config
 from swift_megatron.model.layout import PipelineSplit
+from swift_megatron.model.moe_dispatch import use_device_dispatch
 from swift_megatron.model.spec import block_spec, hybrid_block_spec
 from swift_megatron.model.vision import VisionGPTModel, has_vision
 
@@ -41,9 +42,10 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
     first, layers = pipeline_split(config).chunk(parallel_state.get_pipeline_model_parallel_rank(),
                                                  vp_stage or 0)
     if shape.is_hybrid:
-        spec = hybrid_block_spec(shape.layer_types[first:first + layers], shape.num_experts)
+        spec = hybrid_block_spec(shape.layer_types[first:first + layers], shape.num_experts,
+                                 config.moe_grouped_gemm)
     else:
-        spec = block_spec(layers, shape.qk_layernorm, shape.num_experts)
+        spec = block_spec(layers, shape.qk_layernorm, shape.num_experts, config.moe_grouped_gemm)
     cls, extra = GPTModel, dict(position_embedding_type="rope")
     if hf_config is not None and has_vision(hf_config):
         cls, extra = VisionGPTModel, dict(position_embedding_type="mrope", hf_config=hf_config,
@@ -56,6 +58,7 @@ def build_gpt(config, shape: ModelShape, pre_process: Optional[bool] = None,
         rotary_base=shape.rope_theta, parallel_output=True, vp_stage=vp_stage, **extra)
     if shape.rope_scaling:
         _apply_llama3_rope_scaling(model, shape.rope_scaling)
+    use_device_dispatch(model)
     if not config.use_cpu_initialization:
         model.cuda(torch.cuda.current_device())
     return model

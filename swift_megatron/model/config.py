@@ -190,7 +190,7 @@ def _moe_kwargs(hf: Mapping, model_type: str, ep: int, etp: int) -> Dict[str, An
         moe_router_pre_softmax=not hf.get("norm_topk_prob", True),
         moe_router_score_function="softmax", moe_router_dtype="fp32",
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
         moe_permute_fusion=False, moe_router_fusion=False,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     if model_type == "qwen3_5_moe":  # always renormalised top-k; a sigmoid-gated shared expert

@@ -26,9 +26,12 @@ Per rank, in bytes:
   saved inputs and outputs; flash attention keeps no S x S scores; a Gated DeltaNet layer its
   own tensors instead of attention's, `_mixer_values`; an MoE layer, instead of the
   MLP's 6 x ffn: per routed copy of the token (top-k) 2 x (hidden + 6 x the expert's ffn) (its
-  permuted input, the expert's gate/up outputs and activations), 2 x hidden for the router's
-  input and 6 x a shared expert's ffn; measured on an H200 at Qwen3.5-MoE widths, 1,280 tokens:
-  120.3 KB per token and layer with qwen3 attention); TP splits q, k, v, the
+  permuted input, the expert's gate/up outputs and activations; SequentialMLP, measured on an
+  H200 at Qwen3.5-MoE widths, 1,280 tokens: 120.3 KB per token and layer with qwen3
+  attention), 2 x (hidden + 3 x ffn) with grouped experts (the permuted input, the fc1 output
+  and the weighted SwiGLU output; 2 x ffn with --recompute_modules moe_act; counted on the CPU
+  with autograd's saved tensors), 2 x hidden for the router's input and 6 x a shared expert's
+  ffn); TP splits q, k, v, the
   attention output and the ffn-wide tensors (2 x (2 hidden + 2 kv) + 6 x ffn), sequence
   parallelism the rest too (measured at TP=2 without it, Qwen2.5-1.5B shape, 8k tokens: 27.5
   GiB of training memory, LoRA 16.7, against 33.7 and 24.4 when all of it was counted whole);
@@ -106,6 +109,7 @@ class RunShape:
     frozen_parameters: int = 0           # full: this rank's parameters the freeze flags freeze
     saved_parameters: int = 0            # LoRA: this rank's --modules_to_save parameters
     embedding_trains: Optional[bool] = None  # None: with full training, not with LoRA
+    grouped_experts: bool = True         # MoE experts as grouped GEMMs (not LoRA on them)
 
 
 def _attention_parameters(hf: Mapping) -> int:
@@ -223,7 +227,7 @@ def activation_bytes(hf: Mapping, run: RunShape) -> int:
     ffn = moe_ffn or hf["intermediate_size"]
     norms = 0 if "layernorm" in run.recompute_modules else 2 * hidden
     mlp = 0 if ("moe" if moe_ffn else "mlp") in run.recompute_modules else \
-        _moe_values(hf) if moe_ffn else 3 * ffn
+        _moe_values(hf, run) if moe_ffn else 3 * ffn
     # hidden-wide tensors (the residual stream into both norms, the attention block's output, the
     # norm outputs) are whole on every TP rank unless sequence parallel splits them; q, the core
     # attention output, k, v and the MLP's ffn-wide tensors are split by TP
@@ -259,11 +263,14 @@ def _mixer_values(hf: Mapping, kv: int) -> float:
     return sum(attention if k == "full_attention" else linear for k in kinds) / len(kinds)
 
 
-def _moe_values(hf: Mapping) -> int:
+def _moe_values(hf: Mapping, run: RunShape) -> int:
     """bf16 values an MoE layer keeps per token (module docstring)."""
     hidden, top_k = hf["hidden_size"], hf["num_experts_per_tok"]
     shared = hf.get("shared_expert_intermediate_size") or 0
-    return top_k * (hidden + 6 * hf["moe_intermediate_size"]) + hidden + 3 * shared
+    expert = 6
+    if run.grouped_experts:
+        expert = 2 if "moe_act" in run.recompute_modules else 3
+    return top_k * (hidden + expert * hf["moe_intermediate_size"]) + hidden + 3 * shared
 
 
 def _head_bytes(hf: Mapping, run: RunShape) -> float:

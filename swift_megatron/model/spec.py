@@ -24,9 +24,15 @@ sequences, with its kernels; parallel linears and `HeadRMSNorm` as the gated out
 decoder and q/k norms. megatron-core's own hybrid spec (experimental_attention_variant)
 requires Transformer Engine.
 
+MoE layers (`num_experts`): megatron-core's MoELayer with the experts as grouped GEMMs
+(model/grouped_experts.py; the TransformerConfig's `moe_grouped_gemm`, `--moe_grouped_gemm`) or
+megatron's SequentialMLP; model/build.py gives their dispatchers the device-side token dispatch
+of model/moe_dispatch.py.
+
 Transformer Engine is not used: it cannot be installed against CPU torch and is absent from the
 GPU machine, so a TE path could not be tested here.
 """
+import dataclasses
 import inspect
 import math
 from typing import Optional, Sequence
@@ -50,6 +56,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from torch.nn.attention.bias import causal_lower_right
 
 from swift_megatron.model.activations import RMSNormFn, SwiGLUMLP, tokens_first
+from swift_megatron.model.grouped_experts import GroupedExperts
 from swift_megatron.model.rope import PackedRopeSelfAttention
 from swift_megatron.parallel.context import CPShare
 
@@ -203,11 +210,19 @@ def varlen_causal(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
     return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
-def _mlp(num_experts: Optional[int]):
-    """Routed experts (megatron's local MoE spec), else our dense SwiGLUMLP (a class, not a
-    ModuleSpec: TransformerLayer warns about ModuleSpecs of MLP classes it does not know)."""
-    return (get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
-                                            moe_grouped_gemm=False) if num_experts else SwiGLUMLP)
+def _mlp(num_experts: Optional[int], grouped_experts: bool):
+    """Routed experts: megatron's local MoE spec, with `grouped_experts` our grouped-GEMM
+    experts (model/grouped_experts.py) instead of SequentialMLP; else our dense SwiGLUMLP (a
+    class, not a ModuleSpec: TransformerLayer warns about ModuleSpecs of MLP classes it does not
+    know, and so passes no process groups to them)."""
+    if not num_experts:
+        return SwiGLUMLP
+    spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts,
+                                           moe_grouped_gemm=False)
+    if not grouped_experts:
+        return spec
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, experts=ModuleSpec(module=GroupedExperts)))
 
 
 def _self_attention(qk_norm) -> ModuleSpec:
@@ -226,29 +241,34 @@ def _gated_delta_net() -> ModuleSpec:
         in_proj=ColumnParallelLinear, out_norm=HeadRMSNorm, out_proj=RowParallelLinear))
 
 
-def _layer(mixer: ModuleSpec, norm, num_experts: Optional[int]) -> ModuleSpec:
+def _layer(mixer: ModuleSpec, norm, num_experts: Optional[int],
+           grouped_experts: bool) -> ModuleSpec:
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=norm, mlp=_mlp(num_experts), mlp_bda=get_bias_dropout_add))
+        pre_mlp_layernorm=norm, mlp=_mlp(num_experts, grouped_experts),
+        mlp_bda=get_bias_dropout_add))
 
 
-def layer_spec(qk_layernorm: bool, num_experts: Optional[int]) -> ModuleSpec:
+def layer_spec(qk_layernorm: bool, num_experts: Optional[int],
+               grouped_experts: bool = False) -> ModuleSpec:
     """One decoder layer: pre-norm attention and MLP (or MoE) with residuals."""
-    return _layer(_self_attention(RMSNorm if qk_layernorm else IdentityOp), RMSNorm, num_experts)
+    return _layer(_self_attention(RMSNorm if qk_layernorm else IdentityOp), RMSNorm, num_experts,
+                  grouped_experts)
 
 
-def hybrid_block_spec(layer_types: Sequence[str],
-                      num_experts: Optional[int]) -> TransformerBlockSubmodules:
+def hybrid_block_spec(layer_types: Sequence[str], num_experts: Optional[int],
+                      grouped_experts: bool = False) -> TransformerBlockSubmodules:
     """The decoder block of one pipeline stage of a hybrid model (its slice of `layer_types`):
     Gated DeltaNet or gated full attention per layer, zero-centred norms."""
-    full = _layer(_self_attention(ZeroCenteredRMSNorm), ZeroCenteredRMSNorm, num_experts)
-    linear = _layer(_gated_delta_net(), ZeroCenteredRMSNorm, num_experts)
+    full = _layer(_self_attention(ZeroCenteredRMSNorm), ZeroCenteredRMSNorm, num_experts,
+                  grouped_experts)
+    linear = _layer(_gated_delta_net(), ZeroCenteredRMSNorm, num_experts, grouped_experts)
     specs = [linear if kind == "linear_attention" else full for kind in layer_types]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=ZeroCenteredRMSNorm)
 
 
-def block_spec(num_layers_in_stage: int, qk_layernorm: bool,
-               num_experts: Optional[int]) -> TransformerBlockSubmodules:
+def block_spec(num_layers_in_stage: int, qk_layernorm: bool, num_experts: Optional[int],
+               grouped_experts: bool = False) -> TransformerBlockSubmodules:
     """The decoder block of one pipeline stage (its layers plus the final norm)."""
-    layer = layer_spec(qk_layernorm, num_experts)
+    layer = layer_spec(qk_layernorm, num_experts, grouped_experts)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers_in_stage, layer_norm=RMSNorm)

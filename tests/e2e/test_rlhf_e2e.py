@@ -119,6 +119,29 @@ def test_resume_continues_bit_identically(base, tmp_path):
             assert mine[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
 
 
+def test_moe_resume_continues_bit_identically(base, tiny_model_dir, tmp_path):
+    """Grouped experts (the default): their optimizer state saves and resumes; a resume with
+    the experts in the other form is refused before anything loads."""
+    moe = [*base[2:], "--model", tiny_model_dir("qwen3_moe")]
+    straight, save = tmp_path / "straight", tmp_path / "ckpt"
+    rlhf_together([[*moe, "--train_iters", 3, "--output_dir", straight],
+                   [*moe, "--train_iters", 3, "--output_dir", tmp_path / "first", "--save", save,
+                    "--save_interval", 2, "--exit_interval", 2, "--save_safetensors", "false"]])
+    meta = json.load(open(save / "iter_0000002" / "swift_megatron.json"))
+    assert meta["saved_with"]["grouped_experts"] is True
+    resuming, other_form = rlhf_together(
+        [[*moe, "--train_iters", 3, "--output_dir", tmp_path / "resumed", "--load", save],
+         [*moe, "--train_iters", 3, "--output_dir", tmp_path / "other", "--load", save,
+          "--moe_grouped_gemm", "false"]], check=False)
+    assert resuming.returncode == 0, resuming.stdout[-3000:] + resuming.stderr[-5000:]
+    assert other_form.returncode == 2 and "--moe_grouped_gemm true (this run: false)" in \
+        other_form.stderr
+    (expected,), (resumed,) = logged(straight)[2:], logged(tmp_path / "resumed")
+    assert resumed["step"] == 3
+    for key in ("loss/policy", "grad_norm", "reward/mean", "kl", "lr"):
+        assert resumed[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
+
+
 def test_dynamic_sampling_and_overlong_filter(base, tmp_path):
     """Both filters run end to end (their logic is unit-tested in test_grpo_filtering.py and
     test_grpo_batch.py): completions of at most 4 tokens are mostly truncated, zero-std groups

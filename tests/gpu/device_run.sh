@@ -184,6 +184,7 @@ phase() {
         moe_ep2)           NPROC_PER_NODE=2 $GRPO --preset qwen3.5-moe-8l --run_name moe_ep2 -- $CHECKED --torch_dtype bfloat16 --check_weight_sync_atol 0.5 --expert_model_parallel_size 2 ;;
         vl_grpo)           $GRPO --preset qwen2.5-vl-3b --run_name vl_grpo -- $CHECKED --micro_batch_size 2 ;;
         moe_numerics)      python3 benchmarks/moe_numerics.py --device cuda --hidden_size 2048 ;;
+        moe_layer)         python3 benchmarks/moe_layer.py --preset qwen3-30b-a3b-8l qwen3.5-35b-a3b-8l qwen2.5-1.5b --variants megatron grouped --profile ;;
         # --- "Long sequences and context parallelism" (long_context.py; CP=2 on 2 GPUs)
         long_context)      python3 benchmarks/long_context.py --seq 16384 && cp2 --seq 16384 && cp2 --seq 32768 ;;
         long_recompute)    python3 benchmarks/long_context.py --seq 32768 --recompute full && cp2 --seq 32768 --recompute full ;;

@@ -149,6 +149,24 @@ def test_resuming_the_optimizer_needs_the_saved_layout(tmp_path):
     check_resume_layout(str(tmp_path), layout(tp=1), load_optim=True)
 
 
+def test_resuming_a_moe_optimizer_needs_the_same_form_of_experts(tmp_path):
+    from types import SimpleNamespace
+
+    from swift_megatron.checkpoint.start import check_resume_layout
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "swift_megatron.json").write_text(json.dumps(
+        {"saved_with": {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "grouped_experts": True}}))
+    layout = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                             expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    check_resume_layout(str(tmp_path), layout, load_optim=True, grouped_experts=True)
+    check_resume_layout(str(tmp_path), layout, load_optim=True)    # LoRA: experts not trained
+    check_resume_layout(str(tmp_path), layout, load_optim=False, grouped_experts=False)
+    with pytest.raises(UserError, match=r"--moe_grouped_gemm true \(this run: false\): its "
+                                        r"optimizer state resumes only in that layout"):
+        check_resume_layout(str(tmp_path), layout, load_optim=True, grouped_experts=False)
+
+
 def test_resuming_past_the_runs_steps_is_refused(tmp_path):
     """The step in trainer_state.json against this run's optimizer steps (--train_iters, or
     what --num_train_epochs gives): equal resumes as a finished run, beyond is an error."""

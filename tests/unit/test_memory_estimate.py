@@ -95,9 +95,9 @@ def test_one_gpu_estimate_matches_the_gpu_measurement(flags, phase, measured):
 
 
 def test_selective_recomputation_drops_what_the_modules_keep():
-    def per_token_layer(hf, *modules):
-        return activation_bytes(hf, RunShape(micro_batch_tokens=1, recompute_modules=modules)) \
-            // hf["num_hidden_layers"]
+    def per_token_layer(hf, *modules, grouped=False):
+        run = RunShape(micro_batch_tokens=1, recompute_modules=modules, grouped_experts=grouped)
+        return activation_bytes(hf, run) // hf["num_hidden_layers"]
 
     full = 2 * (7 * 64 + 2 * 32) + 6 * 128
     assert per_token_layer(HF) == per_token_layer(HF, "core_attn") == full
@@ -111,6 +111,12 @@ def test_selective_recomputation_drops_what_the_modules_keep():
     full_moe = 2 * (7 * 64 + 2 * 32) + moe_layer
     assert per_token_layer(moe, "core_attn", "mlp") == full_moe                # MoE: no MLP
     assert per_token_layer(moe, "core_attn", "moe") == full_moe - moe_layer
+    # grouped experts: the fc1 output and the weighted SwiGLU output (3 x ffn); moe_act drops the
+    # latter
+    grouped_layer = 2 * (2 * (64 + 3 * 32) + 64)
+    assert per_token_layer(moe, "core_attn", grouped=True) == full_moe - moe_layer + grouped_layer
+    assert per_token_layer(moe, "core_attn", "moe_act", grouped=True) == \
+        full_moe - moe_layer + grouped_layer - 2 * 2 * 32
 
 
 def test_full_parameter_run_and_peak():

@@ -200,8 +200,11 @@ def test_recompute_modules_as_ms_swift():
 @pytest.mark.parametrize("modules, message", [
     (["core_attn", "attention"], "--recompute_modules: invalid choice 'attention'; choose from "
                                  "core_attn, moe_act, layernorm, mla_up_proj, mlp, moe"),
-    (["moe_act"], "--recompute_modules moe_act is not supported: .* grouped-GEMM experts .* "
-                  "use moe"),
+    (["moe_act", "--moe_grouped_gemm", "false"], "--recompute_modules moe_act recomputes "
+                                                 "grouped experts' activation, and "
+                                                 "--moe_grouped_gemm false"),
+    (["moe_act", "--train_type", "lora"], "--recompute_modules moe_act: LoRA on the experts' "
+                                          "projections .* use --recompute_modules moe"),
     (["core_attn", "mla_up_proj"], "--recompute_modules mla_up_proj is not supported: .* MLA"),
 ])
 def test_recompute_modules_refused_with_the_reason(modules, message):
@@ -211,9 +214,9 @@ def test_recompute_modules_refused_with_the_reason(modules, message):
 
 def test_recompute_modules_error_exits_2_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "swift_megatron.cli.main", "rlhf", "--dry_run",
-                           "true", "--recompute_modules", "moe_act"],
+                           "true", "--recompute_modules", "mla_up_proj"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--recompute_modules moe_act" in proc.stderr
+    assert proc.returncode == 2 and "--recompute_modules mla_up_proj" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

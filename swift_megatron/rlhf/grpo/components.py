@@ -98,6 +98,7 @@ def _config_overrides(args: RlhfArguments, hf_config: dict) -> dict:
 
     p = args.parallel
     overrides = dict(attention_backend=AttnBackend[args.kernels.attention_backend],
+                     moe_grouped_gemm=args.kernels.moe_grouped_gemm,
                      num_layers_in_first_pipeline_stage=p.decoder_first_pipeline_num_layers,
                      num_layers_in_last_pipeline_stage=p.decoder_last_pipeline_num_layers)
     if p.recompute_granularity:

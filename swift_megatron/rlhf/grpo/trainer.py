@@ -583,8 +583,7 @@ class GRPOTrainer:
                  "reward": reward if reward is not None and math.isfinite(reward) else None}
         meta = {"model_type": pol.bridge.shape.model_type, "dtype": str(pol.dtype).split(".")[-1],
                 "train_type": t.train_type,
-                "saved_with": {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
-                               "etp": self.state.etp, **self.args.parallel.uneven_pipeline}}
+                "saved_with": self._saved_with()}
         path = save_checkpoint(self.save_dir, self.step, pol.chunks, pol.optimizer, state,
                                hf_source_dir=pol.model_dir, meta=meta,
                                save_optim=not t.no_save_optim, save_rng=not t.no_save_rng,
@@ -616,6 +615,15 @@ class GRPOTrainer:
                         f"{path} did not finish")
             run_checkpoint.on_rank0(self._remove_hf_copies)
         self._record_save(path, reward, hf_copies=missing)
+
+    def _saved_with(self) -> dict:
+        """The layout the optimizer state resumes in (checkpoint/start.py
+        `check_resume_layout`), with the form of a fully trained MoE model's experts."""
+        saved = {"tp": self.state.tp, "pp": self.state.pp, "ep": self.state.ep,
+                 "etp": self.state.etp, **self.args.parallel.uneven_pipeline}
+        if self.policy.config.num_moe_experts and self.args.training.train_type == "full":
+            saved["grouped_experts"] = bool(self.policy.config.moe_grouped_gemm)
+        return saved
 
     def _sampler_state(self) -> dict:
         """The sampler's state to resume from: with a batch prefetched, from before its draw
