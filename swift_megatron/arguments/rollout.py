@@ -98,16 +98,15 @@ class RolloutArguments:
                               "vLLM generates (the grads are freed then in any case).")
     offload_optimizer: bool = arg(False, "Colocate: move the optimizer state and main params to "
                                   "host memory while vLLM generates.")
-    tail_logprobs: Optional[bool] = arg(
-        None, "Colocate: while vLLM decodes the last completions of a rollout batch, compute the "
+    tail_logprobs: bool = arg(
+        False, "Colocate: while vLLM decodes the last completions of a rollout batch, compute the "
         "reference and old-policy logprobs of those already finished, between engine steps, so "
         "that only the last ones' passes remain after the generation (the same values as the "
         "passes after it). Needs one process per model replica (TP, PP, CP and EP 1), "
-        "single-turn text prompts and the models on the GPU (no --offload_model). Default: on "
-        "with --sleep_level 0 where it applies (without the reference's pass under "
-        "--offload_ref_model); true: also at sleep levels 1 and 2, where the passes' memory "
-        "comes on top of the awake engine's, and with --offload_ref_model, whose reference "
-        "then stays on the GPU from its first pass in the tail to the last after it.")
+        "single-turn text prompts and the models on the GPU (no --offload_model). At sleep "
+        "levels 1 and 2 the passes' memory comes on top of the awake engine's; with "
+        "--offload_ref_model the reference stays on the GPU from its first pass in the tail to "
+        "the last after it. Off by default until its GPU measurement (docs/gpu.md).")
     vllm_server_host: List[str] = arg([], "Server mode: host of each `megatron rollout` server "
                                       "(none given: 127.0.0.1).")
     vllm_server_port: List[int] = arg([8000], "Server mode: port of each server (one value for "

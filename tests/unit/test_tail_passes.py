@@ -94,15 +94,15 @@ def args_of(*argv):
 
 
 @pytest.mark.parametrize("argv, steps, kinds", [
-    ([], 2, (OLD, REF)),                                          # sleep level 0: on
-    ([], 1, (REF,)),                                              # no old-policy pass needed
-    (["--num_iterations", "2"], 1, (OLD, REF)),
-    (["--sleep_level", "1"], 2, ()),                              # opt-in at sleep levels 1-2
+    ([], 2, ()),                                                  # off by default
+    (["--tail_logprobs", "true"], 2, (OLD, REF)),
+    (["--tail_logprobs", "true"], 1, (REF,)),                     # no old-policy pass needed
+    (["--tail_logprobs", "true", "--num_iterations", "2"], 1, (OLD, REF)),
     (["--sleep_level", "1", "--tail_logprobs", "true"], 2, (OLD, REF)),
-    (["--offload_ref_model", "true"], 2, (OLD,)),                 # the offloaded reference stays
-    (["--offload_ref_model", "true", "--tail_logprobs", "true"], 2, (OLD, REF)),  # unless asked
+    (["--offload_ref_model", "true", "--tail_logprobs", "true"], 2, (OLD, REF)),
+    (["--tail_logprobs", "true", "--beta", "0"], 2, (OLD,)),      # no reference pass
     (["--tail_logprobs", "false"], 2, ()),
-    (["--tensor_model_parallel_size", "2"], 2, ()),               # not where it cannot run
+    (["--tensor_model_parallel_size", "2"], 2, ()),
     (["--vllm_mode", "server"], 2, ()),
 ])
 def test_when_the_tail_runs_its_passes(argv, steps, kinds):

@@ -206,17 +206,14 @@ def tail_kinds(args, steps_per_generation: int, colocate: bool, images: bool) ->
     """The passes --tail_logprobs runs in this run (rlhf arguments, the batch plan's
     steps_per_generation, whether the engine is the colocated vLLM one and the prompts hold
     images); () when it is off. UserError where `true` was asked of a run it cannot serve."""
-    flag, g = args.rollout.tail_logprobs, args.grpo
-    problem = args.tail_logprobs_problem() or _run_problem(colocate, images)
-    if flag is False or (problem and flag is None):
+    if not args.rollout.tail_logprobs:
         return ()
+    g = args.grpo
+    problem = args.tail_logprobs_problem() or _run_problem(colocate, images)
     if problem:
         raise UserError(f"--tail_logprobs true cannot run here: {problem}; drop --tail_logprobs")
-    if flag is None and args.rollout.sleep_level > 0:
-        return ()   # the passes' memory would come on top of the awake engine's: opt-in
     old = steps_per_generation > 1 or g.num_iterations > 1 or (g.kl_in_reward and g.beta > 0)
-    frozen = g.has_frozen_reference(args.training.train_type == "lora")
-    ref = g.beta > 0 and (flag or not (frozen and g.offload_ref_model))
+    ref = g.beta > 0
     return (OLD,) * old + (REF,) * ref
 
 
