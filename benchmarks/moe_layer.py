@@ -1,6 +1,8 @@
 """Train-step speed of MoE layer shapes against a dense one, on one device, without vLLM: one
 packed micro-batch (forward + backward through megatron's schedule, DDP gradient buffers,
 logprobs chunked as the trainer computes them; no optimizer step) of a random model.
+Feeds docs/gpu.md, "Not yet measured on the current code" until its first GPU run (device_run.sh's
+`moe_layer`), then "Qwen3.5, MoE and vision-language models with vLLM".
 
     python benchmarks/moe_layer.py --preset qwen3-30b-a3b-8l qwen3.5-35b-a3b-8l qwen2.5-1.5b \\
         --variants megatron grouped --profile                                  # on a GPU

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU gate and the measurements of docs/gpu.md, by phase name, on a bare GPU machine (torch
-# only) that got megatron-core as wheels in .whl/ and, for the vLLM phases, vLLM installed with
-# ../shared/device/vllm (its /tmp/vllm_env.sh is sourced when present):
+# only) that got megatron-core and fla as wheels in .whl/ and, for the vLLM phases, vLLM from
+# the parts of tests/gpu/vllm_parts.sh, installed by tests/gpu/vllm_install.sh (its
+# /tmp/vllm_env.sh is sourced when present; docs/gpu.md, "The GPU gate", gives the calls):
 #
 #   bash tests/gpu/device_run.sh PHASE...   # in the order given; a failing phase does not stop the rest
 #
@@ -12,6 +13,7 @@
 #   matrix.py      the gate: GRPO with vLLM colocate on every family, full and LoRA, and the 2-
 #                  and 4-GPU layouts, with the defaults (docs/gpu.md, "The GPU gate")
 #   background.sh  runs phases longer than one 10-minute device call (start / wait / collect)
+#   vllm_parts.sh, vllm_install.sh, vllm_wheels.txt   vLLM for the bare machine, in 9 parts
 #   test_*.py      the GPU tests (phase gpu_tests; GPU_TESTS picks files or a -k expression)
 # Knobs: MATRIX_CASES / MATRIX_ARGS (matrix*: its cases, --resume, --start_within), GPU_TESTS,
 # TRL_SETTINGS / TRL_FASTEST (the trl_* workloads: TRL's settings, its fastest's GRPOConfig fields;

@@ -158,7 +158,9 @@ def test_resuming_a_moe_optimizer_needs_the_same_form_of_experts(tmp_path):
     (tmp_path / "swift_megatron.json").write_text(json.dumps(
         {"saved_with": {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "grouped_experts": True}}))
     layout = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                             expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+                             expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+                             decoder_first_pipeline_num_layers=None,
+                             decoder_last_pipeline_num_layers=None)
     check_resume_layout(str(tmp_path), layout, load_optim=True, grouped_experts=True)
     check_resume_layout(str(tmp_path), layout, load_optim=True)    # LoRA: experts not trained
     check_resume_layout(str(tmp_path), layout, load_optim=False, grouped_experts=False)

@@ -206,8 +206,8 @@ def test_moe_flags_parse_as_ms_swifts():
     args = rlhf_flags()
     assert (args.kernels.moe_grouped_gemm, args.kernels.moe_token_dispatcher_type) == \
         (True, "alltoall")
-    assert _config_overrides(args)["moe_grouped_gemm"] is True
-    assert _config_overrides(rlhf_flags("--moe_grouped_gemm", "false"))["moe_grouped_gemm"] \
+    assert _config_overrides(args, {})["moe_grouped_gemm"] is True
+    assert _config_overrides(rlhf_flags("--moe_grouped_gemm", "false"), {})["moe_grouped_gemm"] \
         is False
     rlhf_flags("--moe_token_dispatcher_type", "allgather")     # no expert parallelism
     rlhf_flags("--moe_token_dispatcher_type", "allgather", "--tensor_model_parallel_size", "2")
