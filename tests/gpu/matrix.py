@@ -533,8 +533,8 @@ def estimates(cases: List[Case], inputs: Dict[str, tuple], work_dir: str) -> Lis
             print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
         for case, reply in zip(todo, replies):
             found[case.name] = parse_estimate(reply["returncode"], reply["text"])
-        with open(cache, "w") as f:
-            json.dump(found, f)
+        with open(cache, "w") as f:   # a failed dry run is tried again by the next call
+            json.dump({name: e for name, e in found.items() if e}, f)
     return [found.get(c.name, {}) for c in cases]
 
 
@@ -719,7 +719,7 @@ def main():
     in_time = (lambda: True) if a.start_within is None else \
         (lambda: time.time() - began < a.start_within)
     warm = lambda case: bool(read_rows(os.path.join(a.work_dir, case.name)))  # noqa: E731
-    found = {**earlier, **run_all(todo, pool, run, in_time, need.get, warm)}
+    found = {**earlier, **run_all(todo, pool, run, in_time, lambda c: need[c.name], warm)}
     results = [found[c.name] for c in cases if c.name in found]
     with open(os.path.join(a.out, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)

@@ -25,21 +25,22 @@ from functools import partial
 import pytest
 import torch
 
-from swift_megatron.model import activations, logprobs, rope
+from swift_megatron.model import activations, grouped_experts, logprobs, rope
 from swift_megatron.model.compiled import Compiled
 from swift_megatron.platform import cuda_paths
 from swift_megatron.training.offload import grad_dropper, model_offloader
 
-GROUPS = (activations.MATH, rope.MATH, logprobs.KERNELS)
+GROUPS = (activations.MATH, rope.MATH, logprobs.KERNELS, grouped_experts.MATH)
 HEAD = {"chunk_stats", "logprob_grad"}
 DENSE = {"swiglu", "swiglu_grad"}
+GROUPED = {"weighted_swiglu", "weighted_swiglu_grad"}   # the grouped experts' (model/grouped_experts.py)
 FAMILIES = {   # family (images) -> its compiled functions besides RoPE's and the head's
     "llama": {"rms_norm", "rms_norm_grad"} | DENSE,
     "qwen2": {"rms_norm", "rms_norm_grad"} | DENSE,
     "qwen3": {"rms_norm", "rms_norm_grad"} | DENSE,
-    "qwen3_moe": {"rms_norm", "rms_norm_grad"},
+    "qwen3_moe": {"rms_norm", "rms_norm_grad"} | GROUPED,
     "qwen3_5": {"zero_centered_rms_norm", "zero_centered_rms_norm_grad"} | DENSE,
-    "qwen3_5_moe": {"zero_centered_rms_norm", "zero_centered_rms_norm_grad"},   # megatron's experts
+    "qwen3_5_moe": {"zero_centered_rms_norm", "zero_centered_rms_norm_grad"} | GROUPED,
     "qwen2_5_vl": {"rms_norm", "rms_norm_grad"} | DENSE,
     "qwen3_vl": {"rms_norm", "rms_norm_grad"} | DENSE,
     "qwen3_5_images": {"zero_centered_rms_norm", "zero_centered_rms_norm_grad"} | DENSE,
