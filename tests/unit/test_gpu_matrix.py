@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 
@@ -155,7 +156,6 @@ def test_run_all_packs_cases_and_runs_lora_after_full():
     its full case ended (the compile caches); a case whose harness raises fails alone; no
     case starts once the start budget is spent."""
     import threading
-    import time
 
     cases = [*matrix.all_cases("matrix_2gpu")[:2],
              *matrix.select(matrix.all_cases(), ["qwen3_5", "qwen2", "llama3"])]
@@ -259,18 +259,43 @@ def test_table_has_a_row_per_case():
 @pytest.fixture
 def ran(monkeypatch):
     """The names of the cases main() ran, each passing at once, on one GPU."""
-    names = []
+    names = Ran()
 
     def fake_case(case, inputs, estimate, a, gpus, slot, engine):
         names.append(case.name)
+        names.slots.add(slot)
+        names.engines[case.name] = engine
+        time.sleep(0.2)
         return dict(case=case.name, gpus="0", seconds=1.0,
                     **dict(matrix.verdict(0, _rows(), ESTIMATE, 0.05)))
 
     monkeypatch.setattr(matrix, "gpu_memory_gib", lambda: [80.0])
+    monkeypatch.setattr(matrix, "packs_engines", lambda: True)   # (no vLLM import per call)
     monkeypatch.setattr(matrix, "prepare", lambda cases, *_: {c.family: ("m", []) for c in cases})
     monkeypatch.setattr(matrix, "estimates", lambda cases, *_: [ESTIMATE] * len(cases))
     monkeypatch.setattr(matrix, "run_case", fake_case)
     return names
+
+
+class Ran(list):
+    """The names of the cases run, in order; the slots they ran in, the engine flags each got."""
+
+    def __init__(self):
+        super().__init__()
+        self.slots, self.engines = set(), {}
+
+
+def test_main_packs_the_cases_onto_one_gpu(monkeypatch, tmp_path, ran):
+    """With --per_gpu 2 the full cases run two at a time on the one GPU (each reserving its
+    estimate: 10.5 x 1.15 + 2 GiB of 80), each with an engine of its own size."""
+    monkeypatch.setattr(sys, "argv", ["matrix.py", "--cases", "qwen2_full", "llama3_full",
+                                      "qwen3_full", "--work_dir", str(tmp_path / "w"), "--out",
+                                      str(tmp_path / "o"), "--per_gpu", "2"])
+    with pytest.raises(SystemExit) as stop:
+        matrix.main()
+    assert stop.value.code == 0 and sorted(ran) == ["llama3_full", "qwen2_full", "qwen3_full"]
+    assert ran.slots == {0, 1}   # two ran side by side
+    assert all("--vllm_engine_kwargs" in flags for flags in ran.engines.values())
 
 
 def test_resume_runs_the_rest_and_tables_every_case(monkeypatch, tmp_path, capsys, ran):
@@ -389,7 +414,8 @@ def test_the_dry_runs_run_in_one_process_and_are_kept(tiny_model_dir, math_datas
                                                        tmp_path, monkeypatch):
     """estimates(): every case's dry run in one worker process gives the numbers the same
     command's own dry run gives; a failed dry run gives {} for its case alone; a later call of
-    the same code finds them in --work_dir without running anything."""
+    the same code finds the others in --work_dir without running anything, and tries the failed
+    one again."""
     import subprocess
 
     from dry_run_memory import memory_estimate
@@ -404,8 +430,11 @@ def test_the_dry_runs_run_in_one_process_and_are_kept(tiny_model_dir, math_datas
     assert [c.name for c in cases] == ["llama3_full", "qwen3_full", "qwen2_lora"]
     assert found[0] == alone and found[0]["train"] > 0 and found[2]["train"] > 0
     assert found[1] == {}
+    kept = [cases[0], cases[2]]
     monkeypatch.setattr(subprocess, "run", None)   # nothing runs the second time
-    assert matrix.estimates(cases, inputs, str(tmp_path)) == found
+    assert matrix.estimates(kept, inputs, str(tmp_path)) == [found[0], found[2]]
+    with pytest.raises(TypeError):                 # the failed one would run again
+        matrix.estimates(cases, inputs, str(tmp_path))
 
 
 def test_optional_parts_stay_out_of_the_gate():
