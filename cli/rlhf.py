@@ -7,7 +7,7 @@ from swift_megatron.arguments.commands import RlhfArguments
 from swift_megatron.arguments.grpo import check_rlhf_type
 from swift_megatron.arguments.parser import parse_command, raw_value, warn_notices
 from swift_megatron.errors import UserError
-from swift_megatron.launch import planned_world_size, relaunch, torchrun_argv
+from swift_megatron.launch import exit_on_sigterm, planned_world_size, relaunch, torchrun_argv
 from swift_megatron.preflight import dry_run_checks, preflight_rlhf, print_dry_run
 
 DESCRIPTION = ("GRPO training of a Hugging Face causal LM on Megatron-core. Batch sizes count "
@@ -39,13 +39,6 @@ def main(argv) -> int:
     warn_notices(args)
     from swift_megatron.rlhf.grpo.trainer import run_grpo
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     run_grpo(args, plan)
     return 0
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    """SIGTERM (torchrun stopping its workers, a scheduler's kill) leaves through the trainer's
-    way out, which gives back a rollout server's weight-sync communicator, then exits 143."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signal.SIGTERM)

@@ -5,6 +5,7 @@ those values; otherwise it runs as one process. NPROC_PER_NODE may be a number, 
 process per visible GPU) or `auto` (per GPU, else per CPU core), as torchrun takes it.
 """
 import os
+import signal
 import subprocess
 import sys
 from typing import List, Mapping, Optional, Sequence
@@ -13,6 +14,7 @@ from swift_megatron.errors import UserError
 
 LAUNCH_VARS = ("NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCHER_PID = "SWIFT_MEGATRON_LAUNCHER_PID"   # set by relaunch for the workers of its torchrun
+_STOPPING = [False]   # a SIGTERM arrived (exit_on_sigterm)
 NPROC_WORDS = ("gpu", "auto")
 
 
@@ -186,3 +188,21 @@ def run_torchrun(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(run_torchrun(sys.argv[1:]))
+
+
+def exit_on_sigterm(signum, frame) -> None:
+    """The trainer's SIGTERM handler (torchrun stopping its workers, a scheduler's kill): leave
+    through the trainer's way out, which gives back a rollout server's weight-sync communicator,
+    then exit 143; a second SIGTERM does not interrupt that way out."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _STOPPING[0] = True
+    raise SystemExit(128 + signal.SIGTERM)
+
+
+def raise_if_stopping() -> None:
+    """SystemExit(143) when a SIGTERM arrived whose SystemExit Python swallowed: the handler runs
+    wherever the interpreter is, and an exception raised inside a garbage-collector callback, a
+    __del__ or a weakref callback is printed ("Exception ignored in ...") and dropped (seen: a
+    trainer went on training after SIGTERM). The trainer calls this between rollout batches."""
+    if _STOPPING[0]:
+        raise SystemExit(128 + signal.SIGTERM)

@@ -449,3 +449,26 @@ def test_a_missing_sink_package_stops_the_preflight(monkeypatch):
     monkeypatch.setitem(sys.modules, "swanlab", None)   # `import swanlab` raises ImportError
     with pytest.raises(UserError, match=r"^--report_to swanlab: swanlab is not installed"):
         preflight_rlhf(rlhf("--report_to", "tensorboard", "swanlab"), world_size=1)
+
+
+def test_a_sigterm_swallowed_in_a_gc_callback_still_stops_the_trainer():
+    """Python drops an exception raised inside a garbage-collector callback (and a __del__ or
+    a weakref callback): a SIGTERM handled there went on training (seen in the full suite:
+    training/gc_pauses.py's callback). The trainer's check between rollout batches
+    (launch.raise_if_stopping) then stops it with exit 143."""
+    code = ("import gc, os, signal, sys, time\n"
+            "from swift_megatron import launch\n"
+            "signal.signal(signal.SIGTERM, launch.exit_on_sigterm)\n"
+            "def callback(phase, info):\n"
+            "    if phase == 'start':\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        for _ in range(1000): pass   # the handler runs here, inside the callback\n"
+            "gc.callbacks.append(callback)\n"
+            "gc.collect()\n"
+            "gc.callbacks.remove(callback)\n"
+            "print('went on', flush=True)\n"
+            "launch.raise_if_stopping()\n"
+            "print('not stopped', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "Exception ignored" in proc.stderr and "SystemExit: 143" in proc.stderr
+    assert proc.stdout == "went on\n" and proc.returncode == 143

@@ -32,6 +32,7 @@ from swift_megatron.checkpoint.start import check_resume_step, plan_start
 from swift_megatron.checkpoint.trainer import (adam_step, iteration_dir, load_checkpoint,
                                                save_checkpoint)
 from swift_megatron.errors import NumericsError, UserError, WeightSyncError
+from swift_megatron.launch import raise_if_stopping
 from swift_megatron.logging import get_logger, reduce_metrics
 from swift_megatron.logging.progress import progress
 from swift_megatron.lora import save_adapter
@@ -161,6 +162,7 @@ class GRPOTrainer:
         # the bar closes before the run's last save, so the report's lines come after it
         with GcClock() as gc_clock, progress(range(1, batches + 1), desc="GRPO") as bar:
             for index in bar:
+                raise_if_stopping()   # a SIGTERM whose SystemExit a gc callback swallowed
                 paused = gc_clock.seconds
                 with maybe_profile(index, self.state.rank):
                     metrics = self.train_rollout_batch()
