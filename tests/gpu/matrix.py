@@ -381,7 +381,8 @@ class GpuPool:
         if size > max(self.count, 1) or (self.count == 0 and size > 1):
             raise SystemExit(f"these cases need {size} GPUs; {self.count} visible")
 
-    def take(self, case: Case, need: Optional[float] = None) -> Optional[Tuple[Tuple[int, ...], int]]:
+    def take(self, case: Case,
+             need: Optional[float] = None) -> Optional[Tuple[Tuple[int, ...], int]]:
         """(the case's GPUs, its slot), or None while it does not fit."""
         if self.count == 0:
             held = {} if not self.held else None
@@ -421,7 +422,8 @@ def run_all(cases: List[Case], pool: GpuPool, run, may_start=lambda: True,
 
     def ready(case):
         return case.mode != "lora" or all(
-            c.name in done or warm(c) for c in cases if c.family == case.family and c.mode == "full")
+            c.name in done or warm(c) for c in cases
+            if c.family == case.family and c.mode == "full")
 
     def one(case, gpus, slot):
         try:
